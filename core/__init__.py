@@ -1,0 +1,95 @@
+"""pipedialect: one partitioned PyTorch model, several pipeline-parallel runtimes.
+
+The core splits an ``nn.Module`` into pipeline stages (:func:`partition`), describes what flows
+between them, and defines the interfaces a runtime implements (:class:`Dialect`,
+:class:`StageWrapper`, :class:`TensorCodec`, :class:`TieAnalyzer`). Runtimes are plugins found
+through entry points: ``pipedialect.get_dialect("deepspeed")``.
+
+Importing this package never imports a runtime (deepspeed is imported when a DeepSpeed engine
+is built).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .codec import SchemaCodec
+from .errors import (
+    BrokenPluginError,
+    CaptureError,
+    CodecError,
+    ConfigError,
+    DialectNotFoundError,
+    DuplicateDialectError,
+    MetadataError,
+    PartitionError,
+    PipeDialectError,
+    PipeDialectWarning,
+    PluginError,
+    PluginWarning,
+    SplitPointError,
+    StructureChangedError,
+    TieError,
+    TopologyError,
+    UnsupportedValueError,
+    WireError,
+)
+from .hookspecs import hookimpl, hookspec
+from .interfaces import (
+    Capability,
+    Dialect,
+    GridTopology,
+    RuntimeEngine,
+    TensorCodec,
+    TieAnalyzer,
+    Topology,
+)
+from .plugins import DialectInfo, get_dialect, list_dialects
+from .stage import StageWrapper
+
+__all__ = [
+    "BrokenPluginError",
+    "Capability",
+    "CaptureError",
+    "CodecError",
+    "ConfigError",
+    "Dialect",
+    "DialectInfo",
+    "DialectNotFoundError",
+    "DuplicateDialectError",
+    "GridTopology",
+    "MetadataError",
+    "PartitionError",
+    "PipeDialectError",
+    "PipeDialectWarning",
+    "PluginError",
+    "PluginWarning",
+    "RuntimeEngine",
+    "SchemaCodec",
+    "SplitPointError",
+    "StageWrapper",
+    "StructureChangedError",
+    "TensorCodec",
+    "TieAnalyzer",
+    "TieError",
+    "Topology",
+    "TopologyError",
+    "UnsupportedValueError",
+    "WireError",
+    "__version__",
+    "get_dialect",
+    "hookimpl",
+    "hookspec",
+    "list_dialects",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("pipedialect")
+        except PackageNotFoundError:  # running from a source tree that is not installed
+            return "0+unknown"
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

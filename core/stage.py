@@ -1,0 +1,200 @@
+"""The module that runs one pipeline stage inside a runtime.
+
+A :class:`StageWrapper` receives what crosses into its stage, runs the stage's
+``fx.GraphModule`` and returns what must cross to the next one. Runtimes chain the wrappers
+(DeepSpeed's ``PipelineModule`` calls ``layer(x)`` for each), so every wrapper takes and returns
+a tuple of tensors; the codec and the wire layout (see ``_wire`` [Note: wire layout]) carry
+everything else.
+
+Values are named as in the plan's top-level graph: a model input by its parameter name, the
+output of stage ``k`` as ``submod_k``, and its ``i``-th item as ``submod_k.i`` when the stage
+returns several values. ``liveness[k]`` lists what stage ``k`` receives (its own arguments, then
+values later stages need); ``stage_id_2_arg_names[k]`` the arguments of stage ``k`` in call
+order, and ``stage_id_2_arg_names[-1]`` the model inputs in the order the data loader supplies
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ._wire import WireDecoder, WireEncoder
+from .errors import ConfigError, WireError
+from .interfaces import TensorCodec
+
+__all__ = ["StageWrapper"]
+
+logger = logging.getLogger(__name__)
+
+
+class StageWrapper(nn.Module):
+    """Run stage ``stage_id`` of a partitioned model; subclassed by each dialect.
+
+    Args:
+        mod: the stage's GraphModule (parameters keep the original model's names).
+        stage_id: this stage's index.
+        name: the stage's value name in the plan's graph (``"submod_<stage_id>"``).
+        total_stages: the number of stages.
+        liveness: for every stage id, the names of the values it receives.
+        stage_id_2_arg_names: for every stage id, its argument names; ``-1`` maps to the model's
+            inputs in data-loader order.
+        codec: the codec for boundary values; a fresh :class:`~pipedialect.SchemaCodec`
+            by default.
+        dynamic_shapes: allow boundary structure and shapes to change between micro-batches
+            (the receiver then reads the metadata every time).
+    """
+
+    def __init__(
+        self,
+        mod: fx.GraphModule | nn.Module,
+        stage_id: int,
+        name: str,
+        total_stages: int,
+        liveness: Mapping[int, Sequence[str]],
+        stage_id_2_arg_names: Mapping[int, Sequence[str]],
+        *,
+        codec: TensorCodec | None = None,
+        dynamic_shapes: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 0 <= stage_id < total_stages:
+            raise ConfigError(f"stage_id {stage_id} is outside 0..{total_stages - 1}")
+        self.mod = mod
+        self.stage_id = stage_id
+        self.name = name
+        self.total_stages = total_stages
+        self.last = stage_id == total_stages - 1
+        self.dynamic_shapes = dynamic_shapes
+        self.log_prefix = f"[Stage {stage_id}]"
+        self.input_names: tuple[str, ...] = tuple(stage_id_2_arg_names.get(-1, ()))
+        self.arg_names: tuple[str, ...] = tuple(self._lookup(stage_id_2_arg_names, stage_id))
+        if stage_id == 0:
+            self.receives: tuple[str, ...] = self.input_names
+        else:
+            self.receives = tuple(self._lookup(liveness, stage_id))
+        self.sends: tuple[str, ...] = (
+            () if self.last else tuple(self._lookup(liveness, stage_id + 1))
+        )
+        missing = [a for a in self.arg_names if a not in self.receives]
+        if missing:
+            raise ConfigError(
+                f"{self.log_prefix} arguments {missing} are not among the values this stage "
+                f"receives ({list(self.receives)}); the liveness does not match the stage"
+            )
+        self._arg_index = tuple(self.receives.index(a) for a in self.arg_names)
+        if codec is None:
+            from .codec import SchemaCodec
+
+            codec = SchemaCodec()
+        self.codec = codec
+        frozen = not dynamic_shapes
+        self._decoder = WireDecoder(codec, prefix=self.log_prefix, frozen=frozen)
+        self._encoder = WireEncoder(codec, prefix=self.log_prefix, frozen=frozen)
+
+    def _lookup(self, table: Mapping[int, Sequence[str]], key: int) -> Sequence[str]:
+        try:
+            return table[key]
+        except KeyError:
+            raise ConfigError(
+                f"{self.log_prefix} no entry for stage {key} in the liveness/argument tables "
+                f"(keys: {sorted(table)})"
+            ) from None
+
+    # -- the three steps of a stage ------------------------------------------------------
+
+    def receive(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        """Turn what the runtime passed in into the values of :attr:`receives`, in order."""
+        if len(args) == 1 and isinstance(args[0], (tuple, list)):
+            args = tuple(args[0])
+        if self.stage_id == 0:
+            return self._receive_inputs(args, kwargs)
+        if kwargs:
+            raise WireError(
+                f"{self.log_prefix} got keyword arguments {sorted(kwargs)}; only the first "
+                "stage takes named inputs"
+            )
+        values = self._decoder.decode(args)
+        if not isinstance(values, list) or len(values) != len(self.receives):
+            raise WireError(
+                f"{self.log_prefix} expected {len(self.receives)} values "
+                f"{list(self.receives)}, decoded {type(values).__name__} of length "
+                f"{len(values) if isinstance(values, (list, tuple)) else 'n/a'}"
+            )
+        return values
+
+    def _receive_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        names = self.input_names
+        if len(args) > len(names):
+            raise WireError(
+                f"{self.log_prefix} got {len(args)} inputs but the model takes {len(names)} "
+                f"({list(names)}); the data loader must yield them in this order"
+            )
+        values: list[Any] = list(args)
+        for name in names[len(args) :]:
+            if name not in kwargs:
+                raise WireError(
+                    f"{self.log_prefix} missing model input {name!r}; expected inputs "
+                    f"{list(names)} in this order"
+                )
+            values.append(kwargs[name])
+        extra = set(kwargs) - set(names[len(args) :])
+        if extra:
+            raise WireError(f"{self.log_prefix} unexpected inputs {sorted(extra)}")
+        # Model inputs are data: a runtime may hand them over with requires_grad set (DeepSpeed
+        # does for floats under reentrant checkpointing); the unsplit model never sees that.
+        return [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+
+    def run(self, received: Sequence[Any]) -> Any:
+        """Call the stage's module on its arguments, picked out of ``received``."""
+        return self.mod(*(received[i] for i in self._arg_index))
+
+    def send(self, received: Sequence[Any], out: Any) -> tuple[torch.Tensor, ...]:
+        """Collect the values of :attr:`sends` and encode them as wire tensors."""
+        named = dict(zip(self.receives, received, strict=True))
+        named[self.name] = out
+        if isinstance(out, tuple):
+            for i, item in enumerate(out):
+                named[f"{self.name}.{i}"] = item
+        try:
+            payload = [named[n] for n in self.sends]
+        except KeyError as exc:
+            raise WireError(
+                f"{self.log_prefix} the next stage needs {exc.args[0]!r}, which this stage "
+                f"neither received nor produced (it has {sorted(named)})"
+            ) from None
+        return self._encoder.encode(payload, _device_of(out, received, self.mod))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Receive, run, send; the last stage returns the model's output for the loss."""
+        if self.last:
+            return self.run(self.receive(args, kwargs))
+        if not torch.is_grad_enabled() and self._encoder.layout is None and not self.dynamic_shapes:
+            # The wire layout depends on which values need a gradient, which only shows with
+            # grad enabled. Work it out once, so evaluation sends exactly what training will.
+            with torch.enable_grad():
+                wire = self._forward_and_send(args, kwargs)
+            return tuple(t.detach() for t in wire)
+        return self._forward_and_send(args, kwargs)
+
+    def _forward_and_send(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        received = self.receive(args, kwargs)
+        return self.send(received, self.run(received))
+
+    def extra_repr(self) -> str:
+        return f"stage_id={self.stage_id}, name={self.name!r}, total_stages={self.total_stages}"
+
+
+def _device_of(out: Any, received: Sequence[Any], mod: nn.Module) -> torch.device:
+    if isinstance(out, torch.Tensor):
+        return out.device
+    for v in (*(out if isinstance(out, (tuple, list)) else ()), *received):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    for p in mod.parameters():
+        return p.device
+    return torch.device("cpu")
