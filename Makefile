@@ -1,0 +1,52 @@
+# The two commands of the README:
+#   make demo   set up everything from nothing (.venv, torch CPU, deepspeed, pipedialect), then
+#               run the main job
+#   make test   lint, type-check, the whole test suite and the docs build
+#
+# torch is installed first and pinned: anything that lets pip pick torch itself downloads a
+# multi-GB CUDA build. deepspeed's setup.py imports torch, hence --no-build-isolation.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH_VERSION     ?= 2.13.0
+DEEPSPEED_VERSION ?= 0.19.8
+STAMP  := $(VENV)/.pipedialect-installed
+EDITABLE := -e . --config-settings editable_mode=strict
+
+.PHONY: demo setup develop test lint typecheck unit docs clean
+
+demo: setup
+	$(BIN)/pipedialect list
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet --no-build-isolation deepspeed==$(DEEPSPEED_VERSION)
+	$(BIN)/python -m pip install --quiet $(EDITABLE)'[deepspeed,dev,docs]'
+	touch $(STAMP)
+
+# The strict editable install links files one by one: relink after adding a module.
+develop: setup
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation $(EDITABLE)
+
+test: develop lint typecheck unit docs
+
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck:
+	$(BIN)/mypy --strict -p pipedialect
+
+unit:
+	$(BIN)/pytest
+
+docs:
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+
+clean:
+	rm -rf build dist docs/_build .mypy_cache .ruff_cache .pytest_cache

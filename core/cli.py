@@ -1,0 +1,76 @@
+"""The ``pipedialect`` command line.
+
+``pipedialect list [--json]`` shows the installed dialects: name, version, distribution,
+capabilities and status (a broken plugin is listed with the reason it failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .plugins import DialectInfo, list_dialects
+
+__all__ = ["main"]
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    infos = list_dialects()
+    if args.json:
+        print(json.dumps([i.as_dict() for i in infos], indent=2))
+        return 0
+    if not infos:
+        print("no dialects installed")
+        return 0
+    print(_table(infos))
+    for info in infos:
+        if info.error:
+            print(f"\n{info.name} ({info.status}): {info.error}")
+    return 0
+
+
+def _table(infos: Sequence[DialectInfo]) -> str:
+    header = ("NAME", "VERSION", "DISTRIBUTION", "STATUS", "CAPABILITIES")
+    rows = [
+        (
+            i.name,
+            i.version or "-",
+            i.distribution or "(in-process)",
+            i.status,
+            ", ".join(sorted(str(c) for c in i.capabilities)) or "-",
+        )
+        for i in infos
+    ]
+    widths = [max(len(r[c]) for r in (header, *rows)) for c in range(len(header) - 1)]
+    lines = []
+    for row in (header, *rows):
+        cells = [cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)]
+        lines.append("  ".join([*cells, row[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the ``pipedialect`` command."""
+    parser = argparse.ArgumentParser(
+        prog="pipedialect",
+        description="Pipeline-parallel training of one partitioned model on several runtimes.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_list = sub.add_parser("list", help="show the installed dialects and their capabilities")
+    p_list.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_list.set_defaults(func=_cmd_list)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    status: int = args.func(args)
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Sphinx configuration for the pipedialect documentation."""
+
+from __future__ import annotations
+
+import pipedialect
+
+project = "pipedialect"
+author = "The pipedialect developers"
+copyright = "2026, The pipedialect developers"
+release = pipedialect.__version__
+version = release
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+]
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_default_options = {"members": True, "show-inheritance": True}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+exclude_patterns = ["_build"]
+html_theme = "alabaster"
+html_theme_options = {
+    "description": "One partitioned model, several pipeline runtimes",
+    "fixed_sidebar": True,
+}

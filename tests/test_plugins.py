@@ -1,0 +1,262 @@
+"""The dialect registry, exercised with real plugin distributions installed by pip.
+
+The three distributions under tests/plugins/ are pip-installed into separate target directories
+once per session; each check runs in a fresh interpreter whose PYTHONPATH names the plugins it
+should see, so entry points are discovered exactly as in a user's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import pipedialect
+from pipedialect import plugins
+
+HERE = Path(__file__).parent
+PLUGIN_SOURCES = HERE / "plugins"
+
+
+@pytest.fixture(scope="session")
+def installed_plugins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """pip-install each test plugin distribution into its own target directory."""
+    root = tmp_path_factory.mktemp("plugins")
+    targets = {}
+    for name in ("toy", "toy_fork", "broken"):
+        target = root / name
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                "--target",
+                str(target),
+                str(PLUGIN_SOURCES / name),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        targets[name] = target
+    return targets
+
+
+def run_python(
+    code: str,
+    plugin_dirs: list[Path] = (),  # type: ignore[assignment]
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter that sees the given plugin directories."""
+    full_env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
+    full_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in plugin_dirs)
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"subprocess failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def cli_list_json(plugin_dirs: list[Path], env: dict[str, str] | None = None) -> list[dict]:
+    proc = run_python(
+        "import sys; from pipedialect.cli import main; sys.exit(main(['list', '--json']))",
+        plugin_dirs,
+        env,
+    )
+    return json.loads(proc.stdout)
+
+
+def test_builtin_dialects_register_through_entry_points() -> None:
+    infos = {i.name: i for i in pipedialect.list_dialects()}
+    for name in ("deepspeed", "local"):
+        assert infos[name].distribution == "pipedialect"
+        assert infos[name].plugin == name
+        assert infos[name].status == "ok"
+        assert infos[name].version == pipedialect.__version__
+    assert pipedialect.Capability.TIED_WEIGHTS in infos["deepspeed"].capabilities
+    assert pipedialect.get_dialect("local").name == "local"
+
+
+def test_importing_never_imports_deepspeed() -> None:
+    proc = run_python(
+        """
+        import sys
+        import pipedialect
+        import pipedialect.dialects.deepspeed
+        import pipedialect.dialects.local
+        d = pipedialect.get_dialect("deepspeed")
+        pipedialect.list_dialects()
+        print(d.name, "deepspeed" in sys.modules)
+        """
+    )
+    assert proc.stdout.split() == ["deepspeed", "False"]
+
+
+def test_third_party_plugin_is_found_and_listed(installed_plugins: dict[str, Path]) -> None:
+    proc = run_python(
+        """
+        import pipedialect
+        d = pipedialect.get_dialect("toy")
+        print(type(d).__module__, type(d).__name__, d.version)
+        """,
+        [installed_plugins["toy"]],
+    )
+    assert proc.stdout.split() == ["pipedialect_toy", "ToyDialect", "1.2.3"]
+    listed = {d["name"]: d for d in cli_list_json([installed_plugins["toy"]])}
+    assert listed["toy"] == {
+        "name": "toy",
+        "plugin": "toy",
+        "distribution": "pipedialect-toy",
+        "version": "1.2.3",
+        "capabilities": ["tied-weights"],
+        "status": "ok",
+        "error": None,
+        "description": "registry test dialect",
+    }
+    assert {"deepspeed", "local", "toy"} <= set(listed)
+
+
+def test_broken_plugin_is_listed_and_does_not_break_others(
+    installed_plugins: dict[str, Path],
+) -> None:
+    dirs = [installed_plugins["toy"], installed_plugins["broken"]]
+    listed = {d["name"]: d for d in cli_list_json(dirs)}
+    assert listed["broken"]["status"] == "broken"
+    assert listed["broken"]["distribution"] == "pipedialect-broken"
+    assert "libfancycomm.so" in listed["broken"]["error"]
+    assert "ImportError" in listed["broken"]["error"]
+    assert listed["toy"]["status"] == "ok"
+    assert listed["local"]["status"] == "ok"
+    proc = run_python(
+        """
+        import pipedialect
+        print(pipedialect.get_dialect("toy").name, pipedialect.get_dialect("local").name)
+        try:
+            pipedialect.get_dialect("nope")
+        except pipedialect.DialectNotFoundError as e:
+            print(e)
+        """,
+        dirs,
+    )
+    first, message = proc.stdout.splitlines()
+    assert first == "toy local"
+    assert "'nope'" in message and "'toy'" in message and "broken" in message
+    table = run_python(
+        "import sys; from pipedialect.cli import main; sys.exit(main(['list']))", dirs
+    ).stdout
+    assert "broken" in table and "libfancycomm.so" in table
+
+
+def test_two_dialects_with_one_name_name_both_distributions(
+    installed_plugins: dict[str, Path],
+) -> None:
+    dirs = [installed_plugins["toy"], installed_plugins["toy_fork"]]
+    proc = run_python(
+        """
+        import pipedialect
+        try:
+            pipedialect.get_dialect("toy")
+        except pipedialect.DuplicateDialectError as e:
+            print("DUP", e)
+        print(pipedialect.get_dialect("local").name)
+        """,
+        dirs,
+    )
+    dup, local = proc.stdout.splitlines()
+    assert dup.startswith("DUP ")
+    assert "'pipedialect-toy'" in dup and "'pipedialect-toy-fork'" in dup
+    assert local == "local"
+    toys = [d for d in cli_list_json(dirs) if d["name"] == "toy"]
+    assert sorted(d["distribution"] for d in toys) == ["pipedialect-toy", "pipedialect-toy-fork"]
+    assert {d["status"] for d in toys} == {"conflict"}
+
+
+def test_unknown_name_lists_installed_dialects() -> None:
+    with pytest.raises(pipedialect.DialectNotFoundError) as info:
+        pipedialect.get_dialect("megatron")
+    message = str(info.value)
+    assert "'megatron'" in message and "'deepspeed'" in message and "'local'" in message
+    assert isinstance(info.value, pipedialect.PipeDialectError)
+
+
+def test_env_var_limits_which_plugins_load(installed_plugins: dict[str, Path]) -> None:
+    dirs = [installed_plugins["toy"], installed_plugins["broken"]]
+    names = {d["name"] for d in cli_list_json(dirs, {"PIPEDIALECT_PLUGINS": "toy, local"})}
+    assert names == {"toy", "local"}
+    assert cli_list_json(dirs, {"PIPEDIALECT_PLUGINS": ""}) == []
+    proc = run_python(
+        """
+        import warnings, pipedialect
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            names = [i.name for i in pipedialect.list_dialects()]
+        print(names, [type(w.message).__name__ for w in caught], caught[0].message)
+        try:
+            pipedialect.get_dialect("deepspeed")
+        except pipedialect.DialectNotFoundError as e:
+            print(e)
+        """,
+        dirs,
+        {"PIPEDIALECT_PLUGINS": "local,nosuch"},
+    )
+    listing, not_found = proc.stdout.splitlines()
+    assert listing.startswith("['local'] ['PluginWarning']") and "'nosuch'" in listing
+    assert "PIPEDIALECT_PLUGINS='local,nosuch'" in not_found
+
+
+class _InProcessDialect(pipedialect.Dialect):
+    name = "inproc"
+    version = "7"
+
+    def pipe_engine(self, plan, stage_modules=None, **kwargs):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    def runtime_engine(self, module, **kwargs):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+
+class _GoodPlugin:
+    @pipedialect.hookimpl
+    def register_dialects(self, register):  # type: ignore[no-untyped-def]
+        register(_InProcessDialect)
+
+
+class _BadPlugin:
+    @pipedialect.hookimpl
+    def register_dialects(self, register):  # type: ignore[no-untyped-def]
+        register(object)
+
+
+def test_in_process_registration_round_trip() -> None:
+    name = plugins.register_plugin(_GoodPlugin(), name="inproc-plugin")
+    try:
+        dialect = pipedialect.get_dialect("inproc")
+        assert isinstance(dialect, _InProcessDialect)
+        assert dialect is pipedialect.get_dialect("inproc")  # created once
+        info = next(i for i in pipedialect.list_dialects() if i.name == "inproc")
+        assert (info.distribution, info.plugin, info.version) == (None, "inproc-plugin", "7")
+    finally:
+        plugins.unregister_plugin(name)
+    with pytest.raises(pipedialect.DialectNotFoundError):
+        pipedialect.get_dialect("inproc")
+
+
+def test_registering_a_non_dialect_is_refused() -> None:
+    with pytest.raises(pipedialect.BrokenPluginError, match=r"neither a pipedialect\.Dialect"):
+        plugins.register_plugin(_BadPlugin(), name="bad-plugin")
+    assert "bad-plugin" not in {i.plugin for i in pipedialect.list_dialects()}
