@@ -18,7 +18,8 @@ everything the library raises on purpose. Below it, one branch per concern::
     ├── TieError
     ├── TopologyError
     ├── WireError
-    └── ConfigError
+    ├── ConfigError
+    └── LaunchError
 
 Messages name the culprit (the stage, the value's path, the parameter) and say what to do.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "ConfigError",
     "DialectNotFoundError",
     "DuplicateDialectError",
+    "LaunchError",
     "MetadataError",
     "PartitionError",
     "PipeDialectError",
@@ -109,6 +111,10 @@ class WireError(PipeDialectError):
 
 class ConfigError(PipeDialectError, ValueError):
     """A required argument or configuration entry is missing or invalid."""
+
+
+class LaunchError(PipeDialectError):
+    """A rank of a local multi-process launch failed or did not finish in time."""
 
 
 class PipeDialectWarning(UserWarning):

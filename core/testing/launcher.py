@@ -1,0 +1,183 @@
+"""Run a function on N local ranks, the way ``torchrun`` would, and collect what each returns.
+
+Used by the conformance suite, the test suite and ``pipedialect demo``. Each rank is a fresh
+interpreter (``spawn``) with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` set, and ``OMP_NUM_THREADS=1`` so that ranks
+sharing a few cores do not oversubscribe them. The first rank to fail stops the launch: the
+others are terminated and :class:`~pipedialect.errors.LaunchError` carries the failing rank's
+traceback. A launch that outlives ``timeout`` is stopped the same way, never left hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..errors import LaunchError
+
+__all__ = ["free_port", "launch"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_GRACE_SECONDS = 5.0
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _rank_main(
+    rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: str
+) -> None:
+    """Entry point of one rank: run ``fn`` and leave its result or traceback in ``out``."""
+    try:
+        result: tuple[str, Any] = ("ok", fn(*args, **kwargs))
+    except BaseException as exc:
+        result = ("error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+    try:
+        payload = pickle.dumps(result)
+    except Exception as exc:
+        result = ("error", f"rank {rank} returned an unpicklable result: {exc}")
+        payload = pickle.dumps(result)
+    Path(out).write_bytes(payload)
+    if result[0] == "error":
+        # Leave at once: tearing down a process group whose peers are gone can block.
+        os._exit(1)
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def launch(
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> list[T]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return the results by rank.
+
+    ``fn`` must be importable by name (a module-level function), its arguments and result
+    picklable. ``env`` adds environment variables for every rank.
+
+    Raises:
+        LaunchError: a rank raised or died (the message holds its traceback), or the launch
+            ran longer than ``timeout`` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="pipedialect-launch-") as tmp:
+        procs: list[BaseProcess] = []
+        outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world_size)]
+        try:
+            for rank in range(world_size):
+                rank_env = {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(world_size),
+                    "LOCAL_WORLD_SIZE": str(world_size),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "OMP_NUM_THREADS": "1",
+                    **(env or {}),
+                }
+                with _environ(rank_env):
+                    p = ctx.Process(
+                        target=_rank_main,
+                        args=(rank, fn, args, kwargs, outs[rank]),
+                        name=f"pipedialect-rank{rank}",
+                    )
+                    p.start()
+                procs.append(p)
+            _wait(procs, outs, timeout)
+        finally:
+            _stop(procs)
+        return [_result(outs[r], r) for r in range(world_size)]
+
+
+def _wait(procs: list[BaseProcess], outs: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [r for r, p in enumerate(procs) if p.exitcode is None]
+        for r, p in enumerate(procs):
+            if p.exitcode not in (None, 0):
+                raise LaunchError(_failure(r, p, outs[r], len(procs)))
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"launch of {len(procs)} ranks timed out after {timeout:.0f}s; ranks still "
+                f"running: {running}. A rank is probably waiting for a peer that never sends."
+            )
+        procs[running[0]].join(0.05)
+
+
+def _failure(rank: int, proc: BaseProcess, out: str, world: int) -> str:
+    head = f"rank {rank} of {world} failed (exit code {proc.exitcode})"
+    path = Path(out)
+    if path.exists():
+        status, detail = pickle.loads(path.read_bytes())
+        if status == "error":
+            return f"{head}:\n{detail}"
+    if proc.exitcode is not None and proc.exitcode < 0:
+        return f"{head}: killed by signal {signal.Signals(-proc.exitcode).name}"
+    return f"{head} without a Python traceback; see the rank's output above"
+
+
+def _stop(procs: list[BaseProcess]) -> None:
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + _GRACE_SECONDS
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+def _result(out: str, rank: int) -> Any:
+    path = Path(out)
+    if not path.exists():
+        raise LaunchError(f"rank {rank} exited without reporting a result")
+    status, value = pickle.loads(path.read_bytes())
+    if status != "ok":
+        raise LaunchError(f"rank {rank} failed:\n{value}")
+    return value

@@ -1,0 +1,37 @@
+"""Module-level functions the launcher tests run on several ranks (spawn needs importable names)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def report_env() -> dict[str, str]:
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS", "EXTRA")
+    return {k: os.environ.get(k, "") for k in keys}
+
+
+def all_reduce_rank() -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def fail_on_rank_one() -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise RuntimeError("stage exploded on purpose")
+    t = torch.zeros(1)
+    dist.recv(t, src=1)  # would wait forever: the launcher must stop this rank
+    return 0
+
+
+def sleep_forever() -> None:
+    time.sleep(3600)

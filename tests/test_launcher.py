@@ -1,0 +1,47 @@
+"""The local multi-process launcher: results by rank, fail-fast with the traceback, timeouts."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipedialect import LaunchError
+from pipedialect.testing.launcher import launch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _launch_targets as targets  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+def test_ranks_get_torchrun_environment_and_results_come_back_in_order() -> None:
+    results = launch(targets.report_env, 3, env={"EXTRA": "x"})
+    assert [r["RANK"] for r in results] == ["0", "1", "2"]
+    assert {r["WORLD_SIZE"] for r in results} == {"3"}
+    assert {r["MASTER_ADDR"] for r in results} == {"127.0.0.1"}
+    assert {r["OMP_NUM_THREADS"] for r in results} == {"1"}
+    assert {r["EXTRA"] for r in results} == {"x"}
+
+
+def test_ranks_form_a_working_gloo_group() -> None:
+    assert launch(targets.all_reduce_rank, 2) == [3.0, 3.0]
+
+
+def test_a_failing_rank_stops_the_launch_with_its_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(targets.fail_on_rank_one, 2, timeout=120)
+    assert time.monotonic() - start < 60
+    message = str(info.value)
+    assert "rank 1 of 2 failed" in message
+    assert "stage exploded on purpose" in message and "Traceback" in message
+
+
+def test_a_hanging_launch_times_out() -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="timed out"):
+        launch(targets.sleep_forever, 2, timeout=3)
+    assert time.monotonic() - start < 30
