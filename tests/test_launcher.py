@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
+import _launch_targets as targets
 import pytest
 
 from pipedialect import LaunchError
 from pipedialect.testing.launcher import launch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _launch_targets as targets  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

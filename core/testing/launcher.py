@@ -136,9 +136,15 @@ def _wait(procs: list[BaseProcess], outs: list[str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         running = [r for r, p in enumerate(procs) if p.exitcode is None]
-        for r, p in enumerate(procs):
-            if p.exitcode not in (None, 0):
-                raise LaunchError(_failure(r, p, outs[r], len(procs)))
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed:
+            # Peers of a failed rank fail too (their connections close); report the first.
+            first = min(failed, key=lambda r: _failure_time(outs[r]))
+            message = _failure(first, procs[first], outs[first], len(procs))
+            others = [r for r in failed if r != first]
+            if others:
+                message += f"\n(ranks {others} failed after it, most likely as a consequence)"
+            raise LaunchError(message)
         if not running:
             return
         if time.monotonic() > deadline:
@@ -147,6 +153,11 @@ def _wait(procs: list[BaseProcess], outs: list[str], timeout: float) -> None:
                 f"running: {running}. A rank is probably waiting for a peer that never sends."
             )
         procs[running[0]].join(0.05)
+
+
+def _failure_time(out: str) -> float:
+    path = Path(out)
+    return path.stat().st_mtime if path.exists() else float("inf")
 
 
 def _failure(rank: int, proc: BaseProcess, out: str, world: int) -> str:
