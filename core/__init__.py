@@ -45,8 +45,10 @@ from .interfaces import (
     TieAnalyzer,
     Topology,
 )
+from .partition import PipelinePlan, partition
 from .plugins import DialectInfo, get_dialect, list_dialects
 from .stage import StageWrapper
+from .ties import DefaultTieAnalyzer, TieGroup, analyze_tie_ranks, find_tie_groups
 
 __all__ = [
     "BrokenPluginError",
@@ -54,6 +56,7 @@ __all__ = [
     "CaptureError",
     "CodecError",
     "ConfigError",
+    "DefaultTieAnalyzer",
     "Dialect",
     "DialectInfo",
     "DialectNotFoundError",
@@ -64,6 +67,7 @@ __all__ = [
     "PartitionError",
     "PipeDialectError",
     "PipeDialectWarning",
+    "PipelinePlan",
     "PluginError",
     "PluginWarning",
     "RuntimeEngine",
@@ -74,15 +78,19 @@ __all__ = [
     "TensorCodec",
     "TieAnalyzer",
     "TieError",
+    "TieGroup",
     "Topology",
     "TopologyError",
     "UnsupportedValueError",
     "WireError",
     "__version__",
+    "analyze_tie_ranks",
+    "find_tie_groups",
     "get_dialect",
     "hookimpl",
     "hookspec",
     "list_dialects",
+    "partition",
 ]
 
 

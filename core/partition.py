@@ -1,8 +1,351 @@
-"""Splitting a model into pipeline stages.
+"""Splitting a model into pipeline stages: :func:`partition` and the :class:`PipelinePlan`.
 
-(Stub: the partition issue implements this module.)
+``partition(model, ["blocks.3", "blocks.7"])`` captures the model's forward with torch.fx as one
+flat graph in which every split point is a single call, puts the stage boundary after each split
+point's call (Slapo's ``cut_pipeline_stage``), and cuts the graph into one GraphModule per stage
+whose parameters keep the original model's names (see ``_fx`` [Note: own splitter]). The plan
+also says what each stage receives and sends ([Note: liveness] in :mod:`pipedialect.liveness`)
+and which parameters stages share (:mod:`pipedialect.ties`). Everything is derived from the
+graph's node order, so every rank that partitions the same model gets the same plan;
+:meth:`PipelinePlan.fingerprint` lets ranks check that.
 """
 
 from __future__ import annotations
 
+import difflib
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, overload
+
+from torch import fx, nn
+
+from . import _fx
+from .errors import PartitionError, SplitPointError
+from .liveness import compute_liveness
+from .stage import StageWrapper
+from .ties import TieGroup, find_tie_groups
+
 __all__ = ["PipelinePlan", "partition"]
+
+logger = logging.getLogger(__name__)
+
+_W = TypeVar("_W", bound=StageWrapper)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class PipelinePlan:
+    """A model cut into pipeline stages, and what flows between them.
+
+    Stages share ``nn.Parameter`` objects with the partitioned model: deep-copy the model first
+    if an untouched reference is needed.
+    """
+
+    #: One GraphModule per stage; ``dict(stage.named_parameters())`` has original names.
+    stages: tuple[fx.GraphModule, ...]
+    #: ``submod_<k>``: each stage's value name in :attr:`graph`.
+    stage_names: tuple[str, ...]
+    #: The model's inputs in forward-signature order (without ``concrete_args``): the order the
+    #: data loader supplies them in.
+    input_names: tuple[str, ...]
+    #: For every stage, the names of its arguments in call order.
+    stage_arg_names: tuple[tuple[str, ...], ...]
+    #: For every stage, the names of the values it receives (``liveness[0] == input_names``).
+    liveness: tuple[tuple[str, ...], ...]
+    #: Parameters shared by several stages.
+    tie_groups: tuple[TieGroup, ...]
+    #: The split points as given.
+    split_points: tuple[str, ...]
+    #: The top-level GraphModule calling the stages in order; ``graph(*inputs)`` computes what
+    #: the model computes.
+    graph: fx.GraphModule
+
+    @property
+    def num_stages(self) -> int:
+        """The number of stages (split points + 1)."""
+        return len(self.stages)
+
+    def sends(self, stage_id: int) -> tuple[str, ...]:
+        """The names of the values ``stage_id`` sends to the next stage."""
+        return self.liveness[stage_id + 1] if stage_id + 1 < self.num_stages else ()
+
+    def liveness_dict(self) -> dict[int, list[str]]:
+        """``{stage id: [received value names]}``, the seed's ``liveness`` format."""
+        return {k: list(names) for k, names in enumerate(self.liveness)}
+
+    def arg_names_dict(self) -> dict[int, list[str]]:
+        """The seed's ``stage_id_2_arg_names``: ``{-1: inputs, stage id: [argument names]}``."""
+        table = {-1: list(self.input_names)}
+        table.update({k: list(names) for k, names in enumerate(self.stage_arg_names)})
+        return table
+
+    @overload
+    def wrap(self, **kwargs: Any) -> list[StageWrapper]: ...
+
+    @overload
+    def wrap(self, wrapper_cls: type[_W], **kwargs: Any) -> list[_W]: ...
+
+    def wrap(self, wrapper_cls: type[Any] = StageWrapper, **kwargs: Any) -> list[Any]:
+        """Return one ``wrapper_cls`` per stage, built with the seed's arguments plus ``kwargs``."""
+        liveness = self.liveness_dict()
+        arg_names = self.arg_names_dict()
+        return [
+            wrapper_cls(
+                stage, k, self.stage_names[k], self.num_stages, liveness, arg_names, **kwargs
+            )
+            for k, stage in enumerate(self.stages)
+        ]
+
+    def describe(self) -> str:
+        """A readable summary: per stage, its parameters, arguments, what it receives and sends."""
+        lines = [
+            f"PipelinePlan: {self.num_stages} stage(s), inputs {list(self.input_names)}, "
+            f"split after {list(self.split_points)}"
+        ]
+        for k, stage in enumerate(self.stages):
+            params = list(stage.parameters())
+            numel = sum(p.numel() for p in params)
+            cut = f", ends after {self.split_points[k]!r}" if k < len(self.split_points) else ""
+            lines.append(
+                f"[Stage {k}] {self.stage_names[k]}: {len(params)} parameter tensors "
+                f"({numel:,} elements){cut}"
+            )
+            lines.append(f"    arguments: {list(self.stage_arg_names[k])}")
+            lines.append(f"    receives:  {list(self.liveness[k])}")
+            sends = list(self.sends(k)) if k + 1 < self.num_stages else "(the model's output)"
+            lines.append(f"    sends:     {sends}")
+        if self.tie_groups:
+            lines.append("Tied parameters:")
+            lines.extend(f"    {group}" for group in self.tie_groups)
+        return "\n".join(lines)
+
+    def fingerprint(self) -> str:
+        """A hash of the plan's structure and code; equal on every rank that built the same plan."""
+        data = {
+            "inputs": self.input_names,
+            "args": self.stage_arg_names,
+            "liveness": self.liveness,
+            "ties": [(g.key, g.members) for g in self.tie_groups],
+            "split_points": self.split_points,
+            "code": [stage.code for stage in self.stages],
+            "params": [
+                [(n, list(p.shape)) for n, p in stage.named_parameters()] for stage in self.stages
+            ],
+        }
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def __repr__(self) -> str:
+        return (
+            f"PipelinePlan(num_stages={self.num_stages}, input_names={list(self.input_names)}, "
+            f"split_points={list(self.split_points)}, tie_groups={len(self.tie_groups)})"
+        )
+
+
+def partition(
+    model: nn.Module,
+    split_points: Sequence[str],
+    *,
+    concrete_args: Mapping[str, Any] | None = None,
+    leaf_modules: Sequence[str | type[nn.Module]] | None = None,
+) -> PipelinePlan:
+    """Cut ``model`` into ``len(split_points) + 1`` pipeline stages.
+
+    Args:
+        model: the model; its forward is captured with torch.fx.
+        split_points: module paths (``"blocks.3"``, ``"encoder.layers.5"``), in the order forward
+            calls them; each stage ends after its split point's call. A split point runs as one
+            call even if fx could trace through its code.
+        concrete_args: values fixed at capture time for forward parameters that steer control
+            flow (``{"use_cache": False}``); they are not plan inputs.
+        leaf_modules: module paths or classes fx must call rather than trace through.
+
+    Raises:
+        SplitPointError: a split point is unknown, never called, called more than once, out of
+            execution order, or leaves the last stage empty.
+        CaptureError: torch.fx cannot capture the forward (the message says what to try).
+    """
+    points = _normalise_split_points(split_points)
+    canonical = {id(m): name for name, m in model.named_modules()}
+    point_modules = [_resolve_split_point(model, path) for path in points]
+    leaf_ids, leaf_types, leaf_paths = _resolve_leaves(model, leaf_modules or ())
+    captured = _fx.capture(
+        model,
+        leaf_ids=frozenset(id(m) for m in point_modules) | leaf_ids,
+        leaf_types=leaf_types,
+        concrete_args=concrete_args,
+    )
+    try:
+        split_nodes = _locate(
+            model, captured.graph, points, [canonical[id(m)] for m in point_modules], leaf_paths
+        )
+        stage_of = _fx.assign_stages(captured.graph, split_nodes)
+        num_stages = len(points) + 1
+        if points and not any(s == num_stages - 1 for s in stage_of.values()):
+            raise SplitPointError(
+                f"split point {points[-1]!r} is the last computation in forward: the stage "
+                f"after it would compute nothing. Drop {points[-1]!r} from split_points."
+            )
+        cut = _fx.split(model, captured.graph, stage_of, num_stages)
+    finally:
+        _fx.remove_attrs(model, captured.added_attrs)
+    liveness = compute_liveness(cut.input_names, cut.arg_names, cut.defined_by)
+    plan = PipelinePlan(
+        stages=tuple(cut.stages),
+        stage_names=tuple(f"submod_{k}" for k in range(num_stages)),
+        input_names=tuple(cut.input_names),
+        stage_arg_names=tuple(tuple(a) for a in cut.arg_names),
+        liveness=liveness,
+        tie_groups=find_tie_groups(cut.stages),
+        split_points=tuple(points),
+        graph=cut.top,
+    )
+    logger.info("partitioned %s:\n%s", type(model).__name__, plan.describe())
+    return plan
+
+
+def _normalise_split_points(split_points: Sequence[str]) -> list[str]:
+    if isinstance(split_points, str):
+        raise SplitPointError(
+            f"split_points must be a list of module paths, got the string {split_points!r}; "
+            f"write [{split_points!r}]"
+        )
+    points = list(split_points)
+    for path in points:
+        if not isinstance(path, str):
+            raise SplitPointError(f"split point {path!r} is not a module path (a str)")
+        if not path:
+            raise SplitPointError(
+                "split point '' is the whole model; name a submodule after which a stage ends"
+            )
+    seen: set[str] = set()
+    for path in points:
+        if path in seen:
+            raise SplitPointError(f"split point {path!r} is listed more than once")
+        seen.add(path)
+    return points
+
+
+def _close_matches(path: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(path, candidates, n=5, cutoff=0.6)
+    if close:
+        return f"; close matches: {close}"
+    top = [c for c in candidates if "." not in c][:10]
+    return f"; the model's top-level modules are {top}"
+
+
+def _resolve_split_point(model: nn.Module, path: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        pass
+    names = [name for name, _ in model.named_modules() if name]
+    try:
+        model.get_parameter(path)
+    except AttributeError:
+        raise SplitPointError(
+            f"split point {path!r} is not a module of {type(model).__name__}"
+            + _close_matches(path, names)
+        ) from None
+    raise SplitPointError(
+        f"split point {path!r} is a parameter, not a module; name the module that uses it"
+    )
+
+
+def _resolve_leaves(
+    model: nn.Module, leaf_modules: Sequence[str | type[nn.Module]]
+) -> tuple[frozenset[int], tuple[type[nn.Module], ...], list[str]]:
+    ids: set[int] = set()
+    types: list[type[nn.Module]] = []
+    paths: list[str] = []
+    names = [name for name, _ in model.named_modules() if name]
+    for entry in leaf_modules:
+        if isinstance(entry, str):
+            try:
+                ids.add(id(model.get_submodule(entry)))
+            except AttributeError:
+                raise PartitionError(
+                    f"leaf module {entry!r} is not a module of {type(model).__name__}"
+                    + _close_matches(entry, names)
+                ) from None
+            paths.append(entry)
+        elif isinstance(entry, type) and issubclass(entry, nn.Module):
+            types.append(entry)
+            paths.extend(name for name, m in model.named_modules() if isinstance(m, entry))
+        else:
+            raise PartitionError(
+                f"leaf_modules entry {entry!r} is neither a module path nor an nn.Module class"
+            )
+    return frozenset(ids), tuple(types), paths
+
+
+def _locate(
+    model: nn.Module,
+    graph: fx.Graph,
+    points: Sequence[str],
+    targets: Sequence[str],
+    leaf_paths: Sequence[str],
+) -> list[fx.Node]:
+    """Find each split point's single call node and check execution order."""
+    calls: dict[str, list[fx.Node]] = {t: [] for t in targets}
+    position: dict[fx.Node, int] = {}
+    for i, node in enumerate(graph.nodes):
+        position[node] = i
+        if node.op == "call_module" and node.target in calls:
+            calls[str(node.target)].append(node)
+    found: list[fx.Node] = []
+    for path, target in zip(points, targets, strict=True):
+        nodes = calls[target]
+        if not nodes:
+            raise SplitPointError(_never_called(model, path, target, points, targets, leaf_paths))
+        if len(nodes) > 1:
+            raise SplitPointError(
+                f"split point {path!r} is called {len(nodes)} times in forward; a stage "
+                "boundary must follow exactly one call. Choose a module forward calls once."
+            )
+        found.append(nodes[0])
+    order = sorted(range(len(points)), key=lambda i: position[found[i]])
+    if order != list(range(len(points))):
+        first_bad = next(i for i, j in enumerate(order) if i != j)
+        raise SplitPointError(
+            f"split points are out of execution order at {points[first_bad]!r}: forward calls "
+            f"them in the order {[points[i] for i in order]}; list them in that order"
+        )
+    return found
+
+
+def _never_called(
+    model: nn.Module,
+    path: str,
+    target: str,
+    points: Sequence[str],
+    targets: Sequence[str],
+    leaf_paths: Sequence[str],
+) -> str:
+    for other_path, other in zip(points, targets, strict=True):
+        if target.startswith(other + "."):
+            return (
+                f"split point {path!r} is inside split point {other_path!r}, which runs as one "
+                "call; a split point cannot contain another"
+            )
+    for leaf in leaf_paths:
+        if target.startswith(leaf + "."):
+            return (
+                f"split point {path!r} is inside leaf module {leaf!r}, which runs as one call; "
+                f"remove {leaf!r} from leaf_modules or choose another split point"
+            )
+    atoms = target.split(".")
+    default_leaf = fx.Tracer()
+    for i in range(1, len(atoms)):
+        prefix = ".".join(atoms[:i])
+        if default_leaf.is_leaf_module(model.get_submodule(prefix), prefix):
+            return (
+                f"split point {path!r} is inside {prefix!r}, a torch.nn module that runs as one "
+                "call; choose a split point outside it"
+            )
+    return (
+        f"split point {path!r} is never called by forward (a module forward does not call, or "
+        "calls through .forward(...) or a functional path, is not a call fx can see); choose a "
+        "module forward calls as self.<name>(...)"
+    )

@@ -1,8 +1,237 @@
 """Tied parameters: which parameters stages share and which ranks must keep them equal.
 
-(Stub: the partition issue implements this module.)
+A tie group is the set of ``(parameter name, stage id)`` pairs that name one ``nn.Parameter``
+object, for example a GPT's token embedding on stage 0 and its LM head on the last stage. In one
+process the shared object is the tie; across processes each rank holds a copy, and the runtime
+keeps the copies equal (same start, gradients summed every step). :func:`find_tie_groups`
+finds the groups in one pass over the parameters; :func:`analyze_tie_ranks` maps them onto the
+global ranks of a process topology, as Slapo's function of the same name does
+(research/slapo.md, section 4.6), but pairing ranks by their coordinates rather than by sorting.
 """
 
 from __future__ import annotations
 
-__all__ = ["DefaultTieAnalyzer", "TieGroup", "TieRanks", "analyze_tie_ranks", "find_tie_groups"]
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from .errors import TieError, TopologyError
+from .interfaces import TieAnalyzer, Topology
+
+if TYPE_CHECKING:
+    from .partition import PipelinePlan
+
+__all__ = [
+    "DefaultTieAnalyzer",
+    "TieGroup",
+    "TieRanks",
+    "analyze_tie_ranks",
+    "check_tie_objects",
+    "check_topology",
+    "find_tie_groups",
+]
+
+logger = logging.getLogger(__name__)
+
+#: What :func:`analyze_tie_ranks` returns: for each group, the rank lists whose members must
+#: stay equal (one list per coordinate on the non-pipe axes, ranks in stage order), and the
+#: group's stage ids, sorted, in the order of the ranks in each of those lists.
+TieRanks = tuple[list[list[list[int]]], list[list[int]]]
+
+
+@dataclass(frozen=True)
+class TieGroup:
+    """One shared parameter: every ``(name, stage)`` that holds it.
+
+    Iterating a group yields its ``(name, stage)`` pairs, so it can be passed wherever Slapo's
+    ``analyze_tie_ranks`` expects an iterable of pairs.
+    """
+
+    #: Deterministic, unique among the plan's groups, valid as an ``nn.ModuleDict`` key.
+    key: str
+    #: ``(parameter name, stage id)`` pairs, sorted by stage, then name.
+    members: tuple[tuple[str, int], ...]
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return iter(self.members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stage ids holding the parameter, sorted, without repeats."""
+        return tuple(sorted({stage for _, stage in self.members}))
+
+    def names_on(self, stage: int) -> tuple[str, ...]:
+        """The names the parameter has on ``stage`` (several when tied within the stage too)."""
+        return tuple(name for name, s in self.members if s == stage)
+
+    def __str__(self) -> str:
+        return f"{self.key}: " + ", ".join(f"{name}@{stage}" for name, stage in self.members)
+
+
+def _stage_root(stage: nn.Module) -> nn.Module:
+    """The module whose parameter names are the original ones (a wrapper's ``mod``)."""
+    from .stage import StageWrapper
+
+    return stage.mod if isinstance(stage, StageWrapper) else stage
+
+
+def _key_part(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def find_tie_groups(stages: Sequence[nn.Module]) -> tuple[TieGroup, ...]:
+    """Return the parameters shared between stages (index = stage id), in a deterministic order.
+
+    One pass over every stage's parameters, grouped by object identity. ``named_parameters()``
+    hides repeats, so ``remove_duplicate=False`` is used: a parameter held twice within one
+    stage is listed under both names, so that a runtime can see and refuse what it cannot
+    honour. Only groups spanning at least two stages are returned; a tie inside a single stage
+    needs nothing (the stage holds one object). Names are relative to the stage's GraphModule,
+    that is the original model's names (a :class:`~pipedialect.StageWrapper` is looked through).
+    """
+    held: dict[int, list[tuple[str, int]]] = {}
+    keep: dict[int, nn.Parameter] = {}
+    for stage_id, stage in enumerate(stages):
+        for name, param in _stage_root(stage).named_parameters(remove_duplicate=False):
+            held.setdefault(id(param), []).append((name, stage_id))
+            keep[id(param)] = param
+    spans = [
+        tuple(sorted(set(members), key=lambda m: (m[1], m[0])))
+        for members in held.values()
+        if len({stage for _, stage in members}) > 1
+    ]
+    spans.sort(key=lambda members: (members[0][1], members[0][0]))
+    groups = tuple(
+        TieGroup(key=f"tie{i}_{_key_part(members[0][0])}", members=members)
+        for i, members in enumerate(spans)
+    )
+    for group in groups:
+        logger.debug("tie group %s", group)
+    return groups
+
+
+def _axis_values(coord: Any) -> dict[str, int]:
+    """Return a coordinate's ``{axis: value}`` (DeepSpeed's ProcessCoord is a named tuple)."""
+    as_dict = getattr(coord, "_asdict", None)
+    if callable(as_dict):
+        return {str(k): int(v) for k, v in as_dict().items()}
+    fields = getattr(coord, "_fields", None)
+    if fields is not None:
+        return {str(f): int(getattr(coord, f)) for f in fields}
+    known = ("pipe", "data", "model", "tensor", "sequence", "expert")
+    values = {axis: int(getattr(coord, axis)) for axis in known if hasattr(coord, axis)}
+    if "pipe" not in values:
+        raise TopologyError(f"topology coordinate {coord!r} has no 'pipe' field")
+    return values
+
+
+def analyze_tie_ranks(
+    tie_weight_groups: Iterable[Iterable[tuple[str, int]]], topology: Topology
+) -> TieRanks:
+    """Map tie groups to the global ranks that must keep each tied parameter equal.
+
+    For each group, the ranks holding its stages are paired by their coordinates on every axis
+    but ``pipe`` (same data-parallel replica, same tensor-parallel shard, ...). Returns
+    ``(tie_ranks, tie_stages)``: ``tie_ranks[g]`` is a list of rank lists, one per such
+    coordinate, each in stage order; ``tie_stages[g]`` is the sorted stage ids of group ``g``,
+    so ``tie_stages[g][j]`` is the stage of rank ``tie_ranks[g][c][j]``. With pipe as the
+    outermost axis this equals Slapo's result (PP=4 x TP=2, ties 0/3 and 1/2:
+    ``[[0, 6], [1, 7]]`` and ``[[2, 4], [3, 5]]``).
+
+    Raises:
+        TopologyError: a member's stage is outside the topology's pipe axis, or the stages hold
+            different sets of coordinates.
+    """
+    num_pipe = topology.get_dim("pipe")
+    tie_ranks: list[list[list[int]]] = []
+    tie_stages: list[list[int]] = []
+    for group in tie_weight_groups:
+        members = list(group)
+        stages = sorted({int(stage) for _, stage in members})
+        for name, stage in members:
+            if not 0 <= int(stage) < num_pipe:
+                raise TopologyError(
+                    f"tied parameter {name!r} is on stage {stage}, outside the topology's pipe "
+                    f"axis of size {num_pipe}; the topology must have one pipe coordinate per stage"
+                )
+        by_stage: list[dict[tuple[tuple[str, int], ...], int]] = []
+        for stage in stages:
+            table: dict[tuple[tuple[str, int], ...], int] = {}
+            for rank in topology.filter_match(pipe=stage):
+                axes = _axis_values(topology.get_coord(rank))
+                axes.pop("pipe", None)
+                table[tuple(sorted(axes.items()))] = rank
+            by_stage.append(table)
+        first = by_stage[0]
+        for stage, table in zip(stages[1:], by_stage[1:], strict=True):
+            if table.keys() != first.keys():
+                raise TopologyError(
+                    f"stages {stages[0]} and {stage} of tie group {members} are held by "
+                    "different sets of data/model coordinates; cannot pair their ranks"
+                )
+        order = sorted(first, key=first.__getitem__)
+        tie_ranks.append([[table[coord] for table in by_stage] for coord in order])
+        tie_stages.append(stages)
+    return tie_ranks, tie_stages
+
+
+def check_topology(plan: PipelinePlan, topology: Topology) -> None:
+    """Raise :class:`TopologyError` unless ``topology`` has one pipe coordinate per plan stage."""
+    num_pipe = topology.get_dim("pipe")
+    if num_pipe != plan.num_stages:
+        raise TopologyError(
+            f"the topology's pipe axis has {num_pipe} coordinates but the plan has "
+            f"{plan.num_stages} stages; build the topology with num_pp={plan.num_stages} "
+            "(one stage per pipe rank)"
+        )
+
+
+class DefaultTieAnalyzer(TieAnalyzer):
+    """Ties by parameter identity (:func:`find_tie_groups`), ranks by topology coordinates."""
+
+    def find_groups(self, stages: Sequence[nn.Module]) -> tuple[TieGroup, ...]:
+        """Return :func:`find_tie_groups` of ``stages``."""
+        return find_tie_groups(stages)
+
+    def analyze_ranks(self, groups: Sequence[TieGroup], topology: Topology) -> TieRanks:
+        """Return :func:`analyze_tie_ranks` of ``groups`` on ``topology``."""
+        return analyze_tie_ranks(groups, topology)
+
+
+def check_tie_objects(
+    groups: Iterable[TieGroup], stages: Sequence[nn.Module], *, where: str = ""
+) -> None:
+    """Raise :class:`TieError` unless each group's names resolve to one Parameter object.
+
+    For runtimes that hold every stage in one process: stages built separately (not from one
+    plan) may hold different copies of what the plan ties, which would silently untie them.
+    """
+    for group in groups:
+        objects: dict[int, str] = {}
+        for name, stage in group:
+            if not 0 <= stage < len(stages):
+                raise TieError(
+                    f"{where}tie group {group.key} names stage {stage}, but there are "
+                    f"{len(stages)} stage modules"
+                )
+            try:
+                param = _stage_root(stages[stage]).get_parameter(name)
+            except AttributeError:
+                raise TieError(
+                    f"{where}[Stage {stage}] has no parameter {name!r} of tie group "
+                    f"{group.key}; the stage modules do not match the plan"
+                ) from None
+            objects.setdefault(id(param), f"{name}@{stage}")
+        if len(objects) > 1:
+            raise TieError(
+                f"{where}tie group {group.key} ({', '.join(f'{n}@{s}' for n, s in group)}) "
+                f"is held as {len(objects)} different Parameter objects "
+                f"({', '.join(objects.values())}); build the stage modules from one model "
+                "(plan.wrap()) so that tied parameters stay one object"
+            )
