@@ -13,28 +13,29 @@ What it carries exactly
     ``torch.Size``; ``list``, ``tuple`` and ``dict`` (keys and their order), nested and empty.
     Dict keys may be ``str``, ``int``, ``bool``, ``float`` (not NaN) or ``None``.
 
-What it refuses, with :class:`~pipedialect.UnsupportedValueError` naming the value's path
-(e.g. ``[1]['mask']``)
-    subclasses of the builtin containers and scalars (namedtuples, ``OrderedDict``, Hugging Face
-    ``ModelOutput``, ``IntEnum``, numpy scalars), any other object, a container that contains
-    itself, and containers nested more than 100 deep. Their class could not be restored.
+What it refuses
+    With :class:`~pipedialect.UnsupportedValueError` naming the value's path (e.g.
+    ``[1]['mask']``): subclasses of the builtin containers and scalars (namedtuples,
+    ``OrderedDict``, Hugging Face ``ModelOutput``, ``IntEnum``, numpy scalars), any other
+    object, a container that contains itself, and containers nested more than 100 deep. Their
+    class could not be restored.
 
 Metadata format (version 1)
     Compact ASCII JSON: ``[1,<value>]``, where ``<value>`` is
 
-    ===========================  ==================================================
-    ``"T"``                      a tensor: the next tensor leaf, in depth-first order
+    =============================  ====================================================
+    ``"T"``                        a tensor: the next tensor leaf, in depth-first order
     ``null``, ``true``, ``false``  ``None``, ``True``, ``False``
-    a JSON integer               an ``int``
-    a JSON float                 a ``float``, written with ``float.__repr__``;
-                                 ``NaN``, ``Infinity``, ``-Infinity`` as JSON5 names
-    ``["s",<text>]``             a ``str``
-    ``["z",<int>,...]``          a ``torch.Size``
-    ``["l",<value>,...]``        a ``list``
-    ``["t",<value>,...]``        a ``tuple``
-    ``["d",<key>,<value>,...]``  a ``dict``; each key is a JSON string, integer,
-                                 float, ``true``, ``false`` or ``null``
-    ===========================  ==================================================
+    a JSON integer                 an ``int``
+    a JSON float                   a ``float``, written with ``float.__repr__``;
+                                   ``NaN``, ``Infinity``, ``-Infinity`` as JSON5 names
+    ``["s",<text>]``               a ``str``
+    ``["z",<int>,...]``            a ``torch.Size``
+    ``["l",<value>,...]``          a ``list``
+    ``["t",<value>,...]``          a ``tuple``
+    ``["d",<key>,<value>,...]``    a ``dict``; each key is a JSON string, integer,
+                                   float, ``true``, ``false`` or ``null``
+    =============================  ====================================================
 
     For example ``(hidden, None, (mask, pos), 0.5, 3, True)`` is
     ``[1,["t","T",null,["t","T","T"],0.5,3,true]]`` with the tensor leaves
@@ -44,12 +45,13 @@ Metadata format (version 1)
 
 Speed
     A structure is analysed once. The first ``encode`` of a structure walks the value; from the
-    second on, a generated function (straight-line Python, cached by metadata, the last one
-    used tried first) checks types, lengths, dict keys and constants while it picks out the
-    leaves, and falls back to the walk when the value no longer fits. ``decode`` of a metadata
+    second on, a generated function (straight-line Python, one per structure) checks types,
+    lengths, dict keys and constants while it picks out the leaves. The function of the last
+    structure is tried first; when the value does not fit it, the value is walked and the
+    function of its own structure, if known, takes over. ``decode`` of a metadata
     string seen before is a dict lookup plus one call of a generated function; the first time,
     the string is parsed and interpreted. Neither direction touches tensor data, so neither
-    forces a device-to-host sync. Caches are bounded (:data:`SchemaCodec.MAX_STRUCTURES`).
+    forces a device-to-host sync. Caches are bounded (``SchemaCodec.MAX_STRUCTURES``).
 
 Frozen structures
     ``SchemaCodec(freeze=True)`` fixes the structure (including the non-tensor values) at the
