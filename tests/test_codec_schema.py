@@ -334,6 +334,24 @@ def test_no_tensor_operation_at_all_so_no_sync() -> None:
     assert same(decoded, value)
 
 
+@pytest.mark.cuda
+def test_no_device_sync_on_cuda() -> None:
+    device = torch.device("cuda")
+    value = [torch.ones(3, device=device), {"k": (torch.zeros(1, device=device), 2.5)}, None, 3]
+    sender, receiver = SchemaCodec(), SchemaCodec()
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):  # the mode does catch a sync
+            value[0].sum().item()
+        for _ in range(3):
+            decoded = receiver.decode(*sender.encode(value, device))
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert same(decoded, value)
+
+
 def test_known_structures_skip_the_walk_and_the_parser(monkeypatch: pytest.MonkeyPatch) -> None:
     value = payload_a()
     sender, receiver = SchemaCodec(), SchemaCodec()
