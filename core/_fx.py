@@ -14,6 +14,7 @@ structure itself, so it returns exactly what the unsplit model returns.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -116,7 +117,7 @@ def capture(
         remove_attrs(model, _attr_names(model) - before)
         raise CaptureError(_capture_message(model, exc, tracer.failed_in)) from exc
     added = sorted(_attr_names(model) - before)
-    _drop_specialised_inputs(graph, concrete_args or {})
+    _drop_specialised_inputs(model, graph, concrete_args or {})
     return Captured(graph, added)
 
 
@@ -136,21 +137,27 @@ def _capture_message(model: nn.Module, exc: Exception, failed_in: str | None) ->
     )
 
 
-def _drop_specialised_inputs(graph: fx.Graph, concrete_args: Mapping[str, Any]) -> None:
+def _drop_specialised_inputs(
+    model: nn.Module, graph: fx.Graph, concrete_args: Mapping[str, Any]
+) -> None:
     """Remove placeholders fixed by ``concrete_args`` (and fx's checks on them) and unused varargs.
 
-    fx keeps a placeholder for every concrete argument and asserts its value at run time; the
-    plan's inputs are the remaining ones, so the placeholder is replaced by its fixed value.
+    fx keeps a placeholder for every concrete argument (renamed, e.g. ``mask_1``) and asserts
+    its value at run time; the plan's inputs are the remaining ones, so the placeholder is
+    replaced by its fixed value. Placeholders follow forward's signature, in order.
     """
-    for node in list(graph.nodes):
-        if node.op != "placeholder":
-            continue
-        name = str(node.target)
-        if name.startswith("*"):
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    params = list(inspect.signature(model.forward).parameters.values())
+    if len(params) == len(placeholders):
+        names = [p.name for p in params]
+    else:  # a signature fx saw differently: fall back to the placeholder targets
+        names = [str(n.target).lstrip("*") for n in placeholders]
+    for node, name in zip(placeholders, names, strict=True):
+        if str(node.target).startswith("*"):
             if node.users:
                 raise CaptureError(
-                    f"forward uses its variadic parameter {name!r}; pipeline stages need named "
-                    "inputs. Give forward explicit parameters, or fix it with concrete_args."
+                    f"forward uses its variadic parameter {node.target!r}; pipeline stages need "
+                    "named inputs. Give forward explicit parameters, or fix it with concrete_args."
                 )
             graph.erase_node(node)
             continue
