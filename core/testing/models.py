@@ -99,7 +99,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim, bias=False)  # a key bias gets no gradient (softmax shift)
         self.v = nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
         self.scale = 1.0 / math.sqrt(dim)
@@ -281,7 +281,7 @@ class CrossAttention(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim, bias=False)  # a key bias gets no gradient (softmax shift)
         self.v = nn.Linear(dim, dim)
         self.scale = 1.0 / math.sqrt(dim)
 

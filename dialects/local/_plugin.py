@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 import pipedialect
-from pipedialect import Capability, Dialect, PipeDialectError, RuntimeEngine
+from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine, Topology, TopologyError
 
 if TYPE_CHECKING:
     from pipedialect.partition import PipelinePlan
@@ -30,18 +30,78 @@ class LocalDialect(Dialect):
             Capability.PYTHON_VALUES,
             Capability.SKIP_CONNECTIONS,
             Capability.DYNAMIC_SHAPES,
+            Capability.CHECKPOINTS,
         }
     )
 
     def pipe_engine(
-        self, plan: PipelinePlan, stage_modules: Sequence[nn.Module] | None = None, **kwargs: Any
+        self,
+        plan: PipelinePlan,
+        stage_modules: Sequence[nn.Module] | None = None,
+        *,
+        config: dict[str, Any] | None = None,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
+        topology: Topology | None = None,
+        dynamic_shapes: bool = False,
+        **kwargs: Any,
     ) -> nn.Module:
-        """Not built yet."""
-        raise PipeDialectError("the local dialect's engine is not built yet")
+        """Return a :class:`~pipedialect.dialects.local.engine.LocalPipeline` of ``plan``.
 
-    def runtime_engine(self, module: nn.Module, **kwargs: Any) -> RuntimeEngine:
-        """Not built yet."""
-        raise PipeDialectError("the local dialect's engine is not built yet")
+        ``stage_modules`` (already-wrapped stages) default to ``plan.wrap()``. ``config`` (a
+        DeepSpeed config dict) and ``loss_fn(outputs, labels)`` are required; ``topology``, if
+        given, must have one pipe coordinate per stage and no data parallelism.
+        """
+        from pipedialect.ties import check_tie_objects, check_topology
+
+        from .config import parse_config
+        from .engine import LocalPipeline
+
+        if kwargs:
+            raise ConfigError(f"the local dialect takes no argument(s) {sorted(kwargs)}")
+        if config is None:
+            raise ConfigError("config (a DeepSpeed config dict) is required to build an engine")
+        parse_config(config)
+        if loss_fn is None or not callable(loss_fn):
+            raise ConfigError("loss_fn(outputs, labels) is required to build a pipeline engine")
+        if topology is not None:
+            check_topology(plan, topology)
+            if topology.world_size() != plan.num_stages:
+                raise TopologyError(
+                    f"the local dialect runs one replica of each of the {plan.num_stages} stages "
+                    f"in one process; the topology has {topology.world_size()} ranks "
+                    f"(data axis {topology.get_dim('data')}). Use a topology with data=1, or "
+                    "none."
+                )
+        if stage_modules is None:
+            stages: list[nn.Module] = list(
+                plan.wrap(self.stage_wrapper, dynamic_shapes=dynamic_shapes)
+            )
+        else:
+            stages = list(stage_modules)
+            if len(stages) != plan.num_stages:
+                raise ConfigError(
+                    f"got {len(stages)} stage modules for a plan of {plan.num_stages} stages"
+                )
+            check_tie_objects(plan.tie_groups, stages)
+        return LocalPipeline(stages, plan=plan, loss_fn=loss_fn, config=config)
+
+    def runtime_engine(
+        self, module: nn.Module, *, config: dict[str, Any] | None = None, **kwargs: Any
+    ) -> RuntimeEngine:
+        """Return the :class:`~pipedialect.dialects.local.engine.LocalEngine` that trains it."""
+        from .engine import build_engine
+
+        if kwargs:
+            raise ConfigError(f"the local runtime engine takes no argument(s) {sorted(kwargs)}")
+        return build_engine(module, config)
+
+    def local_stages(self, engine: RuntimeEngine) -> Sequence[int]:
+        """Every stage: the local engine runs them all in this process."""
+        from .engine import LocalEngine
+
+        if not isinstance(engine, LocalEngine):
+            raise ConfigError(f"not a local engine: {type(engine).__name__}")
+        return list(range(engine.module.num_stages))
 
 
 @pipedialect.hookimpl
