@@ -320,6 +320,14 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
     assert [float(second.train_batch(data)) for _ in range(2)] == later
     assert engine().load_checkpoint(tmp_path / "nothing") == (None, None)
 
+    plan = partition(spec.build(), spec.split_points_for(2))
+    other = dialect.runtime_engine(
+        dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn), config=config
+    )
+    assert isinstance(other, LocalEngine)
+    with pytest.raises(ConfigError, match="different pipeline plan"):
+        other.load_checkpoint(tmp_path)
+
 
 def test_local_stages_and_capabilities() -> None:
     spec = MODELS["skip"]
