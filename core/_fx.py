@@ -109,6 +109,13 @@ def capture(
     concrete_args: Mapping[str, Any] | None,
 ) -> Captured:
     """Trace ``model`` into one flat graph; failures become :class:`CaptureError`."""
+    accepted = list(inspect.signature(model.forward).parameters)
+    unknown = sorted(set(concrete_args or {}) - set(accepted))
+    if unknown:
+        raise CaptureError(
+            f"concrete_args names {unknown}, which {type(model).__name__}.forward does not take "
+            f"(its parameters: {accepted})"
+        )
     tracer = SplitTracer(leaf_ids, leaf_types)
     before = _attr_names(model)
     try:
@@ -117,7 +124,11 @@ def capture(
         remove_attrs(model, _attr_names(model) - before)
         raise CaptureError(_capture_message(model, exc, tracer.failed_in)) from exc
     added = sorted(_attr_names(model) - before)
-    _drop_specialised_inputs(model, graph, concrete_args or {})
+    try:
+        _drop_specialised_inputs(model, graph, concrete_args or {})
+    except CaptureError:
+        remove_attrs(model, added)
+        raise
     return Captured(graph, added)
 
 

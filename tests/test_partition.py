@@ -378,6 +378,30 @@ def test_leaf_modules_make_untraceable_code_capturable(leaf: str | type[nn.Modul
         assert torch.equal(plan.graph(x), reference(x))
 
 
+def test_variadic_inputs() -> None:
+    class Variadic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor, *rest: torch.Tensor, **extra: Any) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    plan = partition(Variadic(), ["a"])
+    assert plan.input_names == ("x",)
+
+    class UsesVariadic(Variadic):
+        def forward(self, x: torch.Tensor, *rest: torch.Tensor, **extra: Any) -> torch.Tensor:
+            return self.b(self.a(x)) + rest[0]
+
+    model = UsesVariadic()
+    attrs = set(vars(model))
+    with pytest.raises(CaptureError, match="variadic parameter '\\*rest'"):
+        partition(model, ["a"])
+    assert set(vars(model)) == attrs
+
+
 def test_unknown_leaf_module() -> None:
     with pytest.raises(PartitionError, match=r"'gat'.*close matches.*'gate'"):
         partition(Gated(), ["pre"], leaf_modules=["gat"])
@@ -417,6 +441,8 @@ def test_concrete_args_fix_flags_and_none_inputs() -> None:
         or getattr(n.target, "__name__", "") in ("_assert", "_assert_is_none")
     ]
     assert leftovers == []
+    with pytest.raises(CaptureError, match=r"\['dubble'\].*\['x', 'mask', 'double'\]"):
+        partition(model, ["a"], concrete_args={"dubble": True})
     plan = partition(model, ["a"], concrete_args={"double": True})
     assert plan.input_names == ("x", "mask")
     mask = torch.randn(2, 3)
