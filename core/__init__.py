@@ -17,6 +17,7 @@ from .codec import SchemaCodec
 from .errors import (
     BrokenPluginError,
     CaptureError,
+    CheckpointError,
     CodecError,
     ConfigError,
     DialectNotFoundError,
@@ -54,6 +55,7 @@ __all__ = [
     "BrokenPluginError",
     "Capability",
     "CaptureError",
+    "CheckpointError",
     "CodecError",
     "ConfigError",
     "DefaultTieAnalyzer",

@@ -232,6 +232,8 @@ class WireDecoder:
         self.prefix = prefix
         self.frozen = frozen
         self.layout: WireLayout | None = None
+        #: The tensors of the last decode that carry a gradient (kind ``g``), in wire order.
+        self.grad_leaves: list[torch.Tensor] = []
 
     def decode(self, wire: Sequence[torch.Tensor]) -> Any:
         """Rebuild the value from ``wire`` (as :meth:`WireEncoder.encode` produced it)."""
@@ -248,6 +250,7 @@ class WireDecoder:
                 f"{len(layout.order)}; sender and receiver disagree about the boundary"
             )
         leaves: list[torch.Tensor] = list(body)
+        grads: list[torch.Tensor] = []
         grad_enabled = torch.is_grad_enabled()
         for p, i in enumerate(layout.order):
             t = body[p]
@@ -258,7 +261,10 @@ class WireDecoder:
                 # A runtime marks received floats as needing a gradient; do the same for a
                 # detached value, so which outputs need one is decided as in training.
                 t = t.detach().requires_grad_()
+            if layout.kinds[p] == "g":
+                grads.append(t)
             leaves[i] = t
+        self.grad_leaves = grads
         return self.codec.decode(leaves, layout.codec_metadata)
 
 

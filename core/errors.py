@@ -19,6 +19,7 @@ everything the library raises on purpose. Below it, one branch per concern::
     ├── TopologyError
     ├── WireError
     ├── ConfigError
+    ├── CheckpointError
     └── LaunchError
 
 Messages name the culprit (the stage, the value's path, the parameter) and say what to do.
@@ -29,6 +30,7 @@ from __future__ import annotations
 __all__ = [
     "BrokenPluginError",
     "CaptureError",
+    "CheckpointError",
     "CodecError",
     "ConfigError",
     "DialectNotFoundError",
@@ -111,6 +113,10 @@ class WireError(PipeDialectError):
 
 class ConfigError(PipeDialectError, ValueError):
     """A required argument or configuration entry is missing or invalid."""
+
+
+class CheckpointError(PipeDialectError):
+    """A checkpoint does not match the pipeline it is loaded into."""
 
 
 class LaunchError(PipeDialectError):

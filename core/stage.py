@@ -172,7 +172,8 @@ class StageWrapper(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Receive, run, send; the last stage returns the model's output for the loss."""
         if self.last:
-            return self.run(self.receive(args, kwargs))
+            received = self.receive(args, kwargs)
+            return self.after_run(received, self.run(received))
         if not torch.is_grad_enabled() and self._encoder.layout is None and not self.dynamic_shapes:
             # The wire layout depends on which values need a gradient, which only shows with
             # grad enabled. Work it out once, so evaluation sends exactly what training will.
@@ -183,7 +184,15 @@ class StageWrapper(nn.Module):
 
     def _forward_and_send(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         received = self.receive(args, kwargs)
-        return self.send(received, self.run(received))
+        return self.send(received, self.after_run(received, self.run(received)))
+
+    def after_run(self, received: Sequence[Any], out: Any) -> Any:
+        """Hook between running the stage and sending its values; returns ``out`` unchanged.
+
+        Dialects override it to adapt the output to their runtime's rules.
+        """
+        del received
+        return out
 
     def extra_repr(self) -> str:
         return f"stage_id={self.stage_id}, name={self.name!r}, total_stages={self.total_stages}"

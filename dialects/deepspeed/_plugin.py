@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 import pipedialect
-from pipedialect import Capability, Dialect, PipeDialectError, RuntimeEngine
+from pipedialect import Capability, Dialect, RuntimeEngine, Topology
+
+from ._stage import DeepSpeedPipeStageWrapper
 
 if TYPE_CHECKING:
     from pipedialect.partition import PipelinePlan
@@ -17,7 +21,12 @@ __all__ = ["DeepSpeedDialect", "register_dialects"]
 
 
 class DeepSpeedDialect(Dialect):
-    """DeepSpeed's ``PipelineModule`` and ``PipelineEngine`` (1F1B), upstream DeepSpeed."""
+    """DeepSpeed's ``PipelineModule`` trained by its ``PipelineEngine`` (1F1B), upstream DeepSpeed.
+
+    ``pipe_engine(plan, config=..., loss_fn=..., topology=...)`` returns a
+    ``deepspeed.pipe.PipelineModule``; ``runtime_engine(module, config=...)`` calls
+    ``deepspeed.initialize`` and returns the ``PipelineEngine``.
+    """
 
     name = "deepspeed"
     version = pipedialect.__version__
@@ -35,15 +44,57 @@ class DeepSpeedDialect(Dialect):
         }
     )
 
+    @property
+    def stage_wrapper(self) -> type[DeepSpeedPipeStageWrapper]:
+        """:class:`~pipedialect.dialects.deepspeed.pipeline.DeepSpeedPipeStageWrapper`."""
+        return DeepSpeedPipeStageWrapper
+
     def pipe_engine(
         self, plan: PipelinePlan, stage_modules: Sequence[nn.Module] | None = None, **kwargs: Any
     ) -> nn.Module:
-        """Not built yet."""
-        raise PipeDialectError("the deepspeed dialect's engine is not built yet")
+        """Wrap the plan's stages (unless given) and build the ``PipelineModule``.
+
+        Keyword arguments: ``config``, ``loss_fn`` and ``topology`` (required), ``fp16`` /
+        ``bf16`` (must agree with the config), ``dynamic_shape`` (boundary shapes may change
+        between micro-batches; DeepSpeed then re-sends tensor metadata every time).
+        """
+        from ._build import build_pipeline_module
+
+        if stage_modules is None:
+            stage_modules = plan.wrap(
+                self.stage_wrapper, dynamic_shapes=bool(kwargs.get("dynamic_shape", False))
+            )
+        return build_pipeline_module(plan, stage_modules, **kwargs)
 
     def runtime_engine(self, module: nn.Module, **kwargs: Any) -> RuntimeEngine:
-        """Not built yet."""
-        raise PipeDialectError("the deepspeed dialect's engine is not built yet")
+        """Return DeepSpeed's ``PipelineEngine`` for ``module`` (``deepspeed.initialize``)."""
+        from .engine import init_ds_engine
+
+        engine: RuntimeEngine = init_ds_engine(module, **kwargs)
+        return engine
+
+    def local_stages(self, engine: RuntimeEngine) -> Sequence[int]:
+        """The one stage this process trains."""
+        return [int(engine.stage_id)]  # type: ignore[attr-defined]
+
+    def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
+        """``PipeModelDataParallelTopology(num_pp=num_stages, num_mp=1, num_dp=data_parallel)``."""
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        topology: Topology = PipeModelDataParallelTopology(
+            num_pp=num_stages, num_mp=1, num_dp=data_parallel
+        )
+        return topology
+
+    def init_distributed(self, backend: str | None = None) -> None:
+        """``deepspeed.init_distributed``: NCCL with CUDA (on the local device), else gloo."""
+        import deepspeed
+
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        deepspeed.init_distributed(dist_backend=backend)
 
 
 @pipedialect.hookimpl

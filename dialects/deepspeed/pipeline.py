@@ -43,11 +43,30 @@ What the seed format cannot express (use :class:`~pipedialect.SchemaCodec` inste
 
 :class:`PathCodec` puts this codec behind the :class:`~pipedialect.TensorCodec` interface
 (the top level decodes as a list, nested sequences as tuples).
+
+The pipeline engine
+===================
+
+:class:`DeepSpeedPipeStageWrapper` runs one stage inside DeepSpeed's ``PipelineModule``;
+:func:`deepspeed_pipe_engine` builds that ``PipelineModule`` from the stage wrappers;
+:func:`analyze_tie_ranks` maps tied parameters onto ranks. Unlike Slapo's, they run on upstream
+DeepSpeed (no fork) and drop nothing:
+
+- tied weights across stages are registered with DeepSpeed's own tie machinery: equal at start,
+  gradients all-reduced every step, counted once in gradient norms, saved once in checkpoints;
+- the stage wrappers use :class:`~pipedialect.SchemaCodec` (lossless) and the wire layout of
+  ``pipedialect._wire`` (floats that need no gradient are bit-cast, so DeepSpeed gives none to
+  them); several gradient-carrying tensors may cross one boundary;
+- every argument, the topology and the ties are checked before the first collective call.
 """
 
 from __future__ import annotations
 
-# ---- codec (the seed's path codec; owned by the codec issue) -------------------------------
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
 from pipedialect._codec_path import (
     PathCodec,
     WrappedTypeCode,
@@ -58,15 +77,49 @@ from pipedialect._codec_path import (
     get_simple_nested_list_str,
     unflatten,
 )
+from pipedialect.ties import analyze_tie_ranks
+
+from ._build import build_pipeline_module
+from ._stage import DeepSpeedPipeStageWrapper
 
 __all__ = [
+    "DeepSpeedPipeStageWrapper",
     "PathCodec",
     "WrappedTypeCode",
+    "analyze_tie_ranks",
     "decode_metadata",
+    "deepspeed_pipe_engine",
     "encode_metadata",
     "flat_and_name_tensor_list",
     "flatten",
     "get_simple_nested_list_str",
     "unflatten",
 ]
-# ---- end of codec section ------------------------------------------------------------------
+
+
+def deepspeed_pipe_engine(
+    sch_metadata: Any, stage_modules: Sequence[nn.Module], **kwargs: Any
+) -> nn.Module:
+    """DeepSpeed pipeline engine: the ``PipelineModule`` that runs ``stage_modules``.
+
+    Args:
+        sch_metadata: the :class:`~pipedialect.PipelinePlan` the stages come from (Slapo's
+            ``ScheduleMetadata`` with ``tie_weights`` is accepted too); its tie groups are
+            registered with DeepSpeed.
+        stage_modules: one stage wrapper per pipeline stage, in stage order.
+        **kwargs: ``config`` (the DeepSpeed config), ``loss_fn(outputs, labels)`` and
+            ``topology`` (a DeepSpeed ``ProcessTopology`` whose pipe axis has one entry per
+            stage) are required; ``fp16`` / ``bf16`` must agree with the config;
+            ``dynamic_shape`` lets boundary shapes change between micro-batches.
+
+    Returns:
+        The ``deepspeed.pipe.PipelineModule`` (a subclass registering the plan's ties).
+
+    Raises:
+        ConfigError: a required argument is missing or unknown, or the process group is not
+            initialised.
+        TopologyError: the topology's pipe axis differs from the number of stages, it has a
+            model-parallel axis, or it does not match the world size.
+        TieError: a tie cannot be honoured (two different Parameter objects on one stage).
+    """
+    return build_pipeline_module(sch_metadata, stage_modules, **kwargs)

@@ -1,0 +1,212 @@
+"""Building the DeepSpeed pipeline module: every check that can fail runs before any collective.
+
+``PipelineModule.__init__`` creates process groups, and a collective call that only some ranks
+reach hangs the others. So the arguments, the topology, the process group and the ties are all
+validated first; a mistake raises a named error on every rank alike (they all see the same
+arguments), never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from pipedialect import ConfigError, TieError, Topology, TopologyError
+from pipedialect.ties import analyze_tie_ranks
+
+if TYPE_CHECKING:
+    from ._module import PipeDialectPipelineModule, TieSpec
+
+__all__ = ["build_pipeline_module"]
+
+_KNOWN_KWARGS = frozenset({"config", "loss_fn", "topology", "fp16", "bf16", "dynamic_shape"})
+
+
+def build_pipeline_module(
+    sch_metadata: Any, stage_modules: Sequence[nn.Module], **kwargs: Any
+) -> PipeDialectPipelineModule:
+    """Validate everything, then build the ``PipelineModule`` (see ``deepspeed_pipe_engine``)."""
+    unknown = set(kwargs) - _KNOWN_KWARGS
+    if unknown:
+        raise ConfigError(
+            f"unknown argument(s) {sorted(unknown)} for the DeepSpeed pipeline engine; "
+            f"accepted: {', '.join(sorted(_KNOWN_KWARGS))}"
+        )
+    missing = [k for k in ("config", "loss_fn", "topology") if kwargs.get(k) is None]
+    if missing:
+        raise ConfigError(
+            f"the DeepSpeed pipeline engine needs {', '.join(missing)}: pass config=<DeepSpeed "
+            "config dict>, loss_fn=<callable(outputs, labels)> and topology=<e.g. "
+            "PipeModelDataParallelTopology(num_pp, num_mp=1, num_dp)>"
+        )
+    config, loss_fn, topology = kwargs["config"], kwargs["loss_fn"], kwargs["topology"]
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
+    _check_precision(config, kwargs)
+    stages = list(stage_modules)
+    _check_topology(topology, len(stages))
+    _check_process_group(topology)
+    ties = resolve_ties(tie_groups_of(sch_metadata), stages, topology)
+
+    from ._module import PipeDialectPipelineModule
+
+    return PipeDialectPipelineModule(
+        stages,
+        topology=topology,
+        loss_fn=loss_fn,
+        ties=ties,
+        dynamic_shape=bool(kwargs.get("dynamic_shape", False)),
+    )
+
+
+def _check_precision(config: Any, kwargs: Mapping[str, Any]) -> None:
+    if not isinstance(config, Mapping):
+        return  # a JSON path: DeepSpeed reads and checks it
+    for key in ("fp16", "bf16"):
+        if key not in kwargs:
+            continue
+        section = config.get(key, {})
+        enabled = bool(section.get("enabled", False)) if isinstance(section, Mapping) else False
+        if bool(kwargs[key]) != enabled:
+            raise ConfigError(
+                f"{key}={kwargs[key]!r} was passed but the DeepSpeed config has "
+                f"{key}.enabled={enabled}; DeepSpeed converts the model from the config, so make "
+                "them agree"
+            )
+
+
+def _check_topology(topology: Any, num_stages: int) -> None:
+    if not isinstance(topology, Topology):
+        raise TopologyError(
+            f"topology must be a process topology (get_dim, filter_match, get_coord, "
+            f"world_size), such as deepspeed.pipe.PipeModelDataParallelTopology; got {topology!r}"
+        )
+    if not hasattr(topology, "get_axis_names"):
+        raise TopologyError(
+            f"the DeepSpeed dialect needs one of DeepSpeed's own topology classes (it builds its "
+            f"process grid from them), got {type(topology).__name__}; use "
+            "dialect.make_topology(num_stages, data_parallel)"
+        )
+    pipe = topology.get_dim("pipe")
+    if pipe != num_stages:
+        raise TopologyError(
+            f"the topology has {pipe} pipeline stages but the plan has {num_stages}; build it "
+            f"with num_pp={num_stages}, or partition the model into {pipe} stages"
+        )
+    if topology.get_dim("model") > 1:
+        raise TopologyError(
+            f"the topology has a model-parallel axis of size {topology.get_dim('model')}; "
+            "pipedialect does not shard stages for tensor parallelism, use num_mp=1"
+        )
+
+
+def _check_process_group(topology: Topology) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            "the process group is not initialised: call dialect.init_distributed() (or "
+            "deepspeed.init_distributed()) on every rank before building the engine"
+        )
+    world = dist.get_world_size()
+    if world != topology.world_size():
+        raise TopologyError(
+            f"the topology describes {topology.world_size()} ranks but the process group has "
+            f"{world}; launch pipe x data = {topology.world_size()} processes"
+        )
+    if os.environ.get("LOCAL_RANK") is None:
+        raise ConfigError(
+            "LOCAL_RANK is not set; launch with torchrun or the deepspeed launcher, which set it"
+        )
+
+
+def tie_groups_of(sch_metadata: Any) -> list[tuple[str, list[tuple[str, int]]]]:
+    """Return ``(key, [(parameter name, stage), ...])`` for each tie group of a plan.
+
+    Accepts a :class:`~pipedialect.PipelinePlan` (``tie_groups``) or Slapo's
+    ``ScheduleMetadata`` (``tie_weights``: parameter -> list of ``(name, stage)``).
+    """
+    groups = getattr(sch_metadata, "tie_groups", None)
+    if groups is not None:
+        return [(str(g.key), [(str(n), int(s)) for n, s in g]) for g in groups]
+    legacy = getattr(sch_metadata, "tie_weights", None)
+    if legacy is None:
+        raise ConfigError(
+            f"{type(sch_metadata).__name__} has neither tie_groups (a PipelinePlan) nor "
+            "tie_weights; pass the plan returned by pipedialect.partition"
+        )
+    out = []
+    for members in legacy.values() if isinstance(legacy, Mapping) else legacy:
+        pairs = sorted({(str(n), int(s)) for n, s in members}, key=lambda p: (p[1], p[0]))
+        key = "tie_" + "_".join(f"{n}@{s}" for n, s in pairs).replace(".", "_")
+        out.append((key, pairs))
+    return sorted(out)
+
+
+def resolve_ties(
+    groups: Sequence[tuple[str, Sequence[tuple[str, int]]]],
+    stages: Sequence[nn.Module],
+    topology: Topology,
+) -> list[TieSpec]:
+    """Find the module and attribute holding each tied weight on each stage.
+
+    Raises:
+        TieError: a member names no parameter of its stage, or two members on one stage are
+            different Parameter objects (DeepSpeed keeps one copy per stage in sync).
+    """
+    from ._module import TieSpec
+
+    specs = []
+    cross = [(key, members) for key, members in groups if len({s for _, s in members}) > 1]
+    if not cross:
+        return []
+    tie_ranks, tie_stages = analyze_tie_ranks([m for _, m in cross], topology)
+    for (key, members), rank_lists, stage_ids in zip(cross, tie_ranks, tie_stages, strict=True):
+        owners: dict[int, tuple[nn.Module, str]] = {}
+        held: dict[int, tuple[str, nn.Parameter]] = {}
+        for name, stage in members:
+            if not 0 <= stage < len(stages):
+                raise TieError(
+                    f"tie group {key!r}: member {name!r} names stage {stage}, "
+                    f"but there are {len(stages)} stages"
+                )
+            module, attr, param = _owner(stages[stage], name, key, stage)
+            if stage in held:
+                other_name, other = held[stage]
+                if other is not param:
+                    raise TieError(
+                        f"[Stage {stage}] tie group {key!r} has two members on this stage, "
+                        f"{other_name!r} and {name!r}, that are different Parameter objects; "
+                        "DeepSpeed keeps one copy of a tied weight per stage in sync. Tie them "
+                        f"again ({name} = {other_name}) after building the stage modules."
+                    )
+                continue
+            held[stage] = (name, param)
+            owners[stage] = (module, attr)
+        specs.append(
+            TieSpec(
+                key=key,
+                rank_groups=tuple(tuple(r) for r in rank_lists),
+                owners={s: owners[s] for s in stage_ids},
+            )
+        )
+    return specs
+
+
+def _owner(stage: nn.Module, name: str, key: str, stage_id: int) -> tuple[nn.Module, str, Any]:
+    root = getattr(stage, "mod", stage)  # a stage wrapper holds the stage module as .mod
+    prefix, _, attr = name.rpartition(".")
+    try:
+        module = root.get_submodule(prefix) if prefix else root
+        param = getattr(module, attr)
+    except AttributeError:
+        raise TieError(
+            f"[Stage {stage_id}] tie group {key!r} names parameter {name!r}, which this stage's "
+            "module does not have; the stage modules do not match the plan"
+        ) from None
+    if not isinstance(param, nn.Parameter):
+        raise TieError(f"[Stage {stage_id}] tie group {key!r}: {name!r} is not a Parameter")
+    return module, attr, param

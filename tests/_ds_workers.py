@@ -1,0 +1,301 @@
+"""What each rank runs in the DeepSpeed tests (module-level, so spawned ranks can import it).
+
+Every worker builds the whole model (identical weights on every rank: per-module seeded init),
+partitions it, and trains it with the real DeepSpeed PipelineEngine over gloo. It returns the
+losses and the parameters of the stage it trained, by their original names, for the test process
+to compare with the unsplit model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import pipedialect
+from pipedialect.partition import partition
+from pipedialect.testing.models import (
+    ModelSpec,
+    ResidualMLP,
+    cross_entropy_loss,
+    get_model,
+    mse_loss,
+    seeded_init,
+)
+
+DATA_SEED = 100
+
+
+class SkipTiedNet(nn.Module):
+    """Embedding tied to the output projection, plus the embedding added back before the head.
+
+    Split after blocks 0, 1 and 2 it has a tie between stages 0 and 3 and a skip connection that
+    rides from stage 0 through stages 1 and 2 to stage 3.
+    """
+
+    def __init__(self, vocab: int = 16, dim: int = 16, seed: int = 0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(ResidualMLP(dim) for _ in range(4))
+        self.out = nn.Linear(dim, vocab, bias=False)
+        seeded_init(self, seed)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed(ids)
+        h = e
+        for block in self.blocks:
+            h = block(h)
+        return self.out(torch.tanh(h) + e)
+
+
+def _skiptied_batch(gen: torch.Generator, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 16, (batch_size, 6), generator=gen)
+    labels = torch.randint(0, 16, (batch_size, 6), generator=gen)
+    return ids, labels
+
+
+SKIPTIED = ModelSpec(
+    name="skiptied",
+    description="tie between stages 0 and 3 and a skip connection from stage 0 to stage 3",
+    factory=SkipTiedNet,
+    loss_fn=cross_entropy_loss,
+    split_points={4: ("blocks.0", "blocks.1", "blocks.2"), 2: ("blocks.1",)},
+    input_names=("ids",),
+    _make_batch=_skiptied_batch,
+)
+
+
+class PoolTrapNet(nn.Module):
+    """Three stages; the middle one receives a large bool mask and sends two floats.
+
+    DeepSpeed 0.19 pools receive buffers by position only, so the middle stage's second gradient
+    buffer would land in the slot the (larger) mask was received in, with the mask's dtype. The
+    mask is also an expanded, non-contiguous view, which a send cannot take as it is.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 4)
+        seeded_init(self, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (x.unsqueeze(-1) > 0).expand(-1, -1, -1, 4)
+        h = self.a(x)
+        h1 = torch.tanh(self.b(h))
+        gate = mask.float().mean(-1)
+        return self.c((h1 + h) * gate)
+
+
+def _pooltrap_batch(gen: torch.Generator, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, 4, 8, generator=gen), torch.randn(
+        batch_size, 4, 4, generator=gen
+    )
+
+
+POOLTRAP = ModelSpec(
+    name="pooltrap",
+    description="a middle stage that receives a big bool mask and sends two gradient floats",
+    factory=PoolTrapNet,
+    loss_fn=mse_loss,
+    split_points={3: ("a", "b")},
+    input_names=("x",),
+    _make_batch=_pooltrap_batch,
+)
+
+
+class HiddenAndScores(nn.Module):
+    """Returns a hidden state and scores derived from it; both need gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h, torch.tanh(h)
+
+
+class ArgmaxNet(nn.Module):
+    """The second stage uses the scores only through ``argmax``: no gradient reaches them."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.first = HiddenAndScores()
+        self.head = nn.Linear(8, 4)
+        seeded_init(self, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, scores = self.first(x)
+        picked = scores.argmax(-1, keepdim=True).float()
+        return self.head(h) + 0.01 * picked
+
+
+ARGMAX = ModelSpec(
+    name="argmax",
+    description="a received value that needs a gradient but reaches no output differentiably",
+    factory=ArgmaxNet,
+    loss_fn=mse_loss,
+    split_points={2: ("first",)},
+    input_names=("x",),
+    _make_batch=lambda gen, b: (torch.randn(b, 8, generator=gen), torch.randn(b, 4, generator=gen)),
+)
+
+
+def spec_for(name: str) -> ModelSpec:
+    extra = {"skiptied": SKIPTIED, "pooltrap": POOLTRAP, "argmax": ARGMAX}
+    return extra.get(name) or get_model(name)
+
+
+def ds_config(
+    optimizer: str, *, gas: int, micro: int, dp: int, clip: float = 0.0
+) -> dict[str, Any]:
+    """A DeepSpeed config; ``optimizer`` is sgd, adam (plain Adam) or adamw (DeepSpeed's Adam)."""
+    if optimizer == "sgd":
+        opt = {"type": "SGD", "params": {"lr": 0.1}}
+    elif optimizer == "adam":
+        opt = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "adam_w_mode": False}}
+    elif optimizer == "adamw":
+        opt = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.1}}
+    else:
+        raise ValueError(optimizer)
+    return {
+        "train_batch_size": micro * gas * dp,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "optimizer": opt,
+        "gradient_clipping": clip,
+        "steps_per_print": 10**9,
+    }
+
+
+def data_stream(spec: ModelSpec, count: int, micro: int, dp_rank: int) -> Iterator[Any]:
+    return iter(list(spec.micro_batches(count, batch_size=micro, seed=DATA_SEED + dp_rank)))
+
+
+def build(
+    name: str, num_stages: int, dp: int, config: dict[str, Any], seed: int = 0
+) -> tuple[Any, Any, Any, ModelSpec]:
+    """Partition the model and build the DeepSpeed engine on this rank."""
+    spec = spec_for(name)
+    plan = partition(spec.build(seed), spec.split_points_for(num_stages))
+    dialect = pipedialect.get_dialect("deepspeed")
+    dialect.init_distributed()
+    topology = dialect.make_topology(num_stages, dp)
+    module = dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn, topology=topology)
+    engine = dialect.runtime_engine(module, config=config)
+    return plan, engine, dialect, spec
+
+
+def local_params(plan: Any, stage: int) -> dict[str, torch.Tensor]:
+    return {
+        n: p.detach().cpu().clone()
+        for n, p in plan.stages[stage].named_parameters(remove_duplicate=False)
+    }
+
+
+def train(
+    name: str,
+    num_stages: int,
+    dp: int,
+    optimizer: str,
+    steps: int,
+    gas: int = 4,
+    micro: int = 2,
+    clip: float = 0.0,
+) -> dict[str, Any]:
+    """Train ``steps`` batches; return losses, this rank's stage and its parameters."""
+    config = ds_config(optimizer, gas=gas, micro=micro, dp=dp, clip=clip)
+    plan, engine, dialect, spec = build(name, num_stages, dp, config)
+    dp_rank = engine.grid.get_data_parallel_rank()
+    data = data_stream(spec, steps * gas, micro, dp_rank)
+    losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+    (stage,) = dialect.local_stages(engine)
+    eval_loss = float(engine.eval_batch(data_stream(spec, gas, micro, dp_rank)))
+    return {
+        "losses": losses,
+        "eval_loss": eval_loss,
+        "stage": stage,
+        "dp_rank": dp_rank,
+        "params": local_params(plan, stage),
+        "replicated": sorted(
+            n
+            for n, p in plan.stages[stage].named_parameters(remove_duplicate=False)
+            if getattr(p, "ds_pipe_replicated", False)
+        ),
+    }
+
+
+def checkpoint_run(
+    name: str, num_stages: int, optimizer: str, ckpt_dir: str, save_at: int, steps: int
+) -> dict[str, Any]:
+    """Train, saving a checkpoint after ``save_at`` steps, or resume from it if it exists."""
+    gas, micro = 2, 2
+    config = ds_config(optimizer, gas=gas, micro=micro, dp=1)
+    resume = (Path(ckpt_dir) / f"step{save_at}").is_dir()
+    plan, engine, dialect, spec = build(name, num_stages, 1, config, seed=0 if not resume else 7)
+    data = data_stream(spec, steps * gas, micro, 0)
+    losses: list[float] = []
+    start = 0
+    if resume:
+        # Different initial weights (seed 7): everything must come from the checkpoint.
+        engine.load_checkpoint(ckpt_dir, tag=f"step{save_at}")
+        for _ in range(save_at * gas):  # the data the first run already consumed
+            next(data)
+        start = save_at
+    for step in range(start, steps):
+        losses.append(float(engine.train_batch(data_iter=data)))
+        if not resume and step + 1 == save_at:
+            engine.save_checkpoint(ckpt_dir, tag=f"step{save_at}")
+    (stage,) = dialect.local_stages(engine)
+    return {"losses": losses, "stage": stage, "params": local_params(plan, stage)}
+
+
+def fail_mid_step(name: str) -> None:
+    """Rank 1's stage raises during its second training step."""
+    config = ds_config("sgd", gas=2, micro=2, dp=1)
+    plan, engine, dialect, spec = build(name, 2, 1, config)
+    (stage,) = dialect.local_stages(engine)
+    calls = {"n": 0}
+
+    def explode(module: nn.Module, args: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure in stage 1")
+
+    if stage == 1:
+        plan.stages[1].register_forward_pre_hook(explode)
+    data = data_stream(spec, 8, 2, 0)
+    for _ in range(4):
+        engine.train_batch(data_iter=data)
+
+
+def build_errors(case: str) -> str:
+    """Build an engine with one mistake; return the error's type and message."""
+    spec = get_model("gpt")
+    plan = partition(spec.build(0), spec.split_points_for(2))
+    dialect = pipedialect.get_dialect("deepspeed")
+    dialect.init_distributed()
+    config = ds_config("sgd", gas=2, micro=2, dp=1)
+    kwargs: dict[str, Any] = {
+        "config": config,
+        "loss_fn": spec.loss_fn,
+        "topology": dialect.make_topology(2, 1),
+    }
+    if case == "stages":
+        kwargs["topology"] = dialect.make_topology(1, 2)
+    elif case == "missing":
+        del kwargs["loss_fn"], kwargs["topology"]
+    try:
+        dialect.pipe_engine(plan, **kwargs)
+    except pipedialect.PipeDialectError as exc:
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank got here: nothing hung half-way through a collective
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

@@ -1,0 +1,230 @@
+"""The DeepSpeed dialect on the real DeepSpeed PipelineEngine: several processes, gloo, CPU.
+
+Each launch trains a partitioned model; the test process trains the unsplit model on the same
+micro-batches with a plain PyTorch loop (the independent reference) and compares every step's
+loss and, at the end, every parameter of every stage by its original name.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _ds_workers as workers
+import pytest
+import torch
+
+from pipedialect.testing.launcher import free_port, launch
+
+pytestmark = pytest.mark.distributed
+
+RTOL = 1e-6
+ATOL = 1e-7
+
+
+def reference(
+    name: str, dp: int, optimizer: str, steps: int, gas: int = 4, micro: int = 2, clip: float = 0.0
+) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """Train the unsplit model in this process; return losses, parameters and an eval loss."""
+    spec = workers.spec_for(name)
+    model = spec.build(0)
+    params = list(model.parameters())
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1)
+    elif optimizer == "adam":
+        opt = torch.optim.Adam(params, lr=1e-2)
+    else:  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    streams = [workers.data_stream(spec, steps * gas, micro, r) for r in range(dp)]
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for stream in streams:
+            for _ in range(gas):
+                inputs, labels = next(stream)
+                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+                loss = spec.loss_fn(out, labels)
+                (loss / (gas * dp)).backward()
+                total += loss.item() / (gas * dp)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        losses.append(total)
+    with torch.no_grad():
+        evals = []
+        for r in range(dp):
+            for inputs, labels in workers.data_stream(spec, gas, micro, r):
+                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+                evals.append(spec.loss_fn(out, labels).item())
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return losses, named, sum(evals) / len(evals)
+
+
+def assert_tensor_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal within 1e-6 relative, measured on the whole tensor.
+
+    Adam divides each gradient by its own running magnitude, so an element whose gradient is
+    float noise in both runs can differ by more than 1e-6 of itself after a few steps even when
+    every gradient agrees to 1e-7; the tensor-wide relative error is the meaningful measure.
+    """
+    assert actual.shape == expected.shape, what
+    err = (actual.double() - expected.double()).norm().item()
+    scale = expected.double().norm().item()
+    assert err <= RTOL * max(scale, 1.0), f"{what}: relative error {err / max(scale, 1.0):.2e}"
+
+
+def assert_matches_reference(
+    results: list[dict[str, Any]], ref: Any, num_stages: int, model: str
+) -> None:
+    ref_losses, ref_params, ref_eval = ref
+    stages_seen = set()
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), r["stage"]
+        assert r["eval_loss"] == pytest.approx(ref_eval, rel=RTOL, abs=ATOL)
+        stages_seen.add(r["stage"])
+        for name, value in r["params"].items():
+            assert_tensor_close(value, ref_params[name].detach(), f"stage {r['stage']} {name}")
+    assert stages_seen == set(range(num_stages))
+    all_names = set().union(*(r["params"] for r in results))
+    assert all_names == set(ref_params)  # every parameter was trained by some stage
+    untrained = workers.spec_for(model).build(0).state_dict(keep_vars=False)
+    assert any(not torch.equal(untrained[n], p) for n, p in ref_params.items())  # it trained
+
+
+def test_pp2_gpt_with_tied_embedding_adam() -> None:
+    results = launch(workers.train, 2, "gpt", 2, 1, "adam", 4, timeout=600)
+    assert_matches_reference(results, reference("gpt", 1, "adam", 4), 2, "gpt")
+    # The tied LM head on stage 1 is DeepSpeed's replicated copy; stage 0 owns the weight.
+    by_stage = {r["stage"]: r for r in results}
+    assert by_stage[0]["replicated"] == []
+    assert by_stage[1]["replicated"] == ["lm_head.weight"]
+
+
+def test_pp2_sgd_and_deepspeed_adamw_semantics() -> None:
+    results = launch(workers.train, 2, "gpt", 2, 1, "sgd", 3, timeout=600)
+    assert_matches_reference(results, reference("gpt", 1, "sgd", 3), 2, "gpt")
+    results = launch(workers.train, 2, "skip", 2, 1, "adamw", 3, timeout=600)
+    assert_matches_reference(results, reference("skip", 1, "adamw", 3), 2, "skip")
+
+
+def test_pp2_dp2_four_processes() -> None:
+    results = launch(workers.train, 4, "gpt", 2, 2, "adam", 3, timeout=600)
+    assert sorted((r["stage"], r["dp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_matches_reference(results, reference("gpt", 2, "adam", 3), 2, "gpt")
+
+
+def test_pp4_skip_connection_and_tie_between_first_and_last_stage() -> None:
+    results = launch(workers.train, 4, "skiptied", 4, 1, "adam", 3, timeout=600)
+    assert_matches_reference(results, reference("skiptied", 1, "adam", 3), 4, "skiptied")
+
+
+def test_mixed_boundary_dict_none_bool_int_nograd_float_number() -> None:
+    results = launch(workers.train, 2, "mixed", 2, 1, "adam", 3, timeout=600)
+    assert_matches_reference(results, reference("mixed", 1, "adam", 3), 2, "mixed")
+
+
+def test_pp4_encoder_decoder_several_gradient_tensors_per_boundary() -> None:
+    results = launch(workers.train, 4, "encdec", 4, 1, "adam", 3, timeout=600)
+    assert_matches_reference(results, reference("encdec", 1, "adam", 3), 4, "encdec")
+
+
+def test_middle_stage_receiving_a_big_mask_and_sending_two_floats() -> None:
+    results = launch(workers.train, 3, "pooltrap", 3, 1, "adam", 3, timeout=600)
+    assert_matches_reference(results, reference("pooltrap", 1, "adam", 3), 3, "pooltrap")
+
+
+def test_received_value_used_without_gradient_path_gets_a_zero_gradient() -> None:
+    results = launch(workers.train, 2, "argmax", 2, 1, "sgd", 3, timeout=600)
+    assert_matches_reference(results, reference("argmax", 1, "sgd", 3), 2, "argmax")
+
+
+def test_gradient_clipping_uses_the_global_norm() -> None:
+    clip = 0.05  # small enough that every step clips
+    results = launch(workers.train, 2, "gpt", 2, 1, "sgd", 3, 4, 2, clip, timeout=600)
+    assert_matches_reference(results, reference("gpt", 1, "sgd", 3, clip=clip), 2, "gpt")
+
+
+def test_checkpoint_resume_continues_with_the_uninterrupted_losses(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    first = launch(workers.checkpoint_run, 2, "gpt", 2, "adam", ckpt, 2, 5, timeout=600)
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "step2").iterdir())
+    layer_files = [f for f in files if f.startswith("layer_")]
+    assert len(layer_files) == 2
+    # The tied weight is saved once: by its owner (stage 0), not by stage 1's replicated copy.
+    saved = [
+        set(torch.load(tmp_path / "ckpt" / "step2" / f, weights_only=True)) for f in layer_files
+    ]
+    tied_copies = [
+        k for keys in saved for k in keys if k.endswith(("wte.weight", "lm_head.weight"))
+    ]
+    assert tied_copies == ["mod.wte.weight"], tied_copies
+    resumed = launch(workers.checkpoint_run, 2, "gpt", 2, "adam", ckpt, 2, 5, timeout=600)
+    for a, b in zip(
+        sorted(first, key=lambda r: r["stage"]),
+        sorted(resumed, key=lambda r: r["stage"]),
+        strict=True,
+    ):
+        assert b["losses"] == a["losses"][2:]  # exactly, not approximately
+        for name, value in a["params"].items():
+            assert torch.equal(value, b["params"][name]), name
+
+
+def test_a_rank_that_raises_makes_every_process_exit(tmp_path: Path) -> None:
+    """No launcher here to kill the others: each process must stop on its own."""
+    port = free_port()
+    procs = []
+    start = time.monotonic()
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        log = (tmp_path / f"rank{rank}.log").open("w")
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, "-c", "import _ds_workers as w; w.fail_mid_step('gpt')"],
+                    cwd=Path(__file__).parent,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+                log,
+            )
+        )
+    codes = []
+    for proc, log in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, 120 - (time.monotonic() - start))))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    elapsed = time.monotonic() - start
+    assert all(code != 0 for code in codes), codes
+    assert "injected failure in stage 1" in (tmp_path / "rank1.log").read_text()
+    # Start-up (imports, the process group) takes a few seconds; the failure itself must
+    # bring everything down well within 60 s.
+    assert elapsed < 60 + 20, elapsed
+
+
+@pytest.mark.parametrize("case", ["stages", "missing"])
+def test_mistakes_are_named_errors_raised_before_any_collective(case: str) -> None:
+    messages = launch(workers.build_errors, 2, case, timeout=300)
+    assert messages[0] == messages[1]
+    if case == "stages":
+        assert messages[0].startswith("TopologyError:") and "the plan has 2" in messages[0]
+    else:
+        assert messages[0].startswith("ConfigError:")
+        assert "loss_fn" in messages[0] and "topology" in messages[0]
