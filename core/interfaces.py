@@ -14,7 +14,7 @@ import abc
 import enum
 import os
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -135,23 +135,13 @@ class GridTopology:
         return f"GridTopology(pipe={self._dims['pipe']}, data={self._dims['data']})"
 
 
-class _GridCoord(tuple[int, int]):
+class _GridCoord(NamedTuple):
     """A ``(pipe, data)`` coordinate with named fields, like DeepSpeed's ProcessCoord."""
 
-    __slots__ = ()
-
-    def __new__(cls, pipe: int, data: int) -> _GridCoord:
-        return super().__new__(cls, (pipe, data))
-
-    @property
-    def pipe(self) -> int:
-        """The pipeline stage."""
-        return self[0]
-
-    @property
-    def data(self) -> int:
-        """The data-parallel replica."""
-        return self[1]
+    #: The pipeline stage.
+    pipe: int
+    #: The data-parallel replica.
+    data: int
 
 
 class TensorCodec(abc.ABC):

@@ -17,6 +17,7 @@ from torch import nn
 
 import pipedialect
 from pipedialect import (
+    CheckpointError,
     ConfigError,
     GridTopology,
     StructureChangedError,
@@ -325,7 +326,7 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
         dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn), config=config
     )
     assert isinstance(other, LocalEngine)
-    with pytest.raises(ConfigError, match="different pipeline plan"):
+    with pytest.raises(CheckpointError, match="different pipeline plan"):
         other.load_checkpoint(tmp_path)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipedialect import ConfigError
+from pipedialect import CheckpointError, ConfigError
 from pipedialect.partition import PipelinePlan
 
 from .config import TrainingConfig, build_optimizer, clip_gradients, parse_config
@@ -223,7 +223,7 @@ class LocalEngine:
         path = Path(load_dir) / tag / _CHECKPOINT_FILE
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state.get("plan") != self.module.plan.fingerprint():
-            raise ConfigError(
+            raise CheckpointError(
                 f"checkpoint {path} was saved from a different pipeline plan; partition the same "
                 "model with the same split points before loading it"
             )
