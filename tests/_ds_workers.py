@@ -183,7 +183,8 @@ def build(
 ) -> tuple[Any, Any, Any, ModelSpec]:
     """Partition the model and build the DeepSpeed engine on this rank."""
     spec = spec_for(name)
-    plan = partition(spec.build(seed), spec.split_points_for(num_stages))
+    split_points = spec.split_points_for(num_stages) if num_stages > 1 else ()
+    plan = partition(spec.build(seed), split_points)
     dialect = pipedialect.get_dialect("deepspeed")
     dialect.init_distributed()
     topology = dialect.make_topology(num_stages, dp)
@@ -210,6 +211,8 @@ def train(
     clip: float = 0.0,
 ) -> dict[str, Any]:
     """Train ``steps`` batches; return losses, this rank's stage and its parameters."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 on GPUs too
+    torch.backends.cudnn.allow_tf32 = False
     config = ds_config(optimizer, gas=gas, micro=micro, dp=dp, clip=clip)
     plan, engine, dialect, spec = build(name, num_stages, dp, config)
     dp_rank = engine.grid.get_data_parallel_rank()
@@ -220,6 +223,7 @@ def train(
     return {
         "losses": losses,
         "eval_loss": eval_loss,
+        "device": str(next(plan.stages[stage].parameters()).device),
         "stage": stage,
         "dp_rank": dp_rank,
         "params": local_params(plan, stage),

@@ -105,6 +105,11 @@ def test_pp2_gpt_with_tied_embedding_adam() -> None:
     assert by_stage[1]["replicated"] == ["lm_head.weight"]
 
 
+def test_single_stage_pipeline() -> None:
+    results = launch(workers.train, 1, "skip", 1, 1, "adam", 3, timeout=600)
+    assert_matches_reference(results, reference("skip", 1, "adam", 3), 1, "skip")
+
+
 def test_pp2_sgd_and_deepspeed_adamw_semantics() -> None:
     results = launch(workers.train, 2, "gpt", 2, 1, "sgd", 3, timeout=600)
     assert_matches_reference(results, reference("gpt", 1, "sgd", 3), 2, "gpt")
