@@ -17,7 +17,7 @@ EDITABLE := -e . --config-settings editable_mode=strict
 .PHONY: demo setup develop test lint typecheck unit docs clean
 
 demo: setup
-	$(BIN)/pipedialect list
+	$(BIN)/pipedialect demo
 
 setup: $(STAMP)
 
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet --no-build-isolation deepspeed==$(DEEPSPEED_VERSION)
-	$(BIN)/python -m pip install --quiet $(EDITABLE)'[deepspeed,dev,docs]'
+	$(BIN)/python -m pip install --quiet $(EDITABLE)'[deepspeed,demo,dev,docs]'
 	touch $(STAMP)
 
 # The strict editable install links files one by one: relink after adding a module.

@@ -1,7 +1,9 @@
 """The ``pipedialect`` command line.
 
-``pipedialect list [--json]`` shows the installed dialects: name, version, distribution,
-capabilities and status (a broken plugin is listed with the reason it failed).
+- ``pipedialect list [--json]`` shows the installed dialects: name, version, distribution,
+  capabilities and status (a broken plugin is listed with the reason it failed).
+- ``pipedialect demo [--dialect D] [--stages N] [--dp N] [--steps N]`` trains a small GPT over
+  pipeline stages and compares every step's loss with the unsplit model in one process.
 """
 
 from __future__ import annotations
@@ -51,6 +53,25 @@ def _table(infos: Sequence[DialectInfo]) -> str:
     return "\n".join(lines)
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoSettings, run_demo
+
+    settings = DemoSettings(
+        dialect=args.dialect,
+        stages=args.stages,
+        dp=args.dp,
+        steps=args.steps,
+        output=None if args.no_plot else args.output,
+        cpu=args.cpu,
+    )
+    try:
+        run_demo(settings)
+    except KeyboardInterrupt:
+        print("\ninterrupted: every process the demo started has been stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``pipedialect`` command."""
     parser = argparse.ArgumentParser(
@@ -61,6 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
     p_list = sub.add_parser("list", help="show the installed dialects and their capabilities")
     p_list.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p_list.set_defaults(func=_cmd_list)
+
+    p_demo = sub.add_parser(
+        "demo",
+        help="train a small GPT over pipeline stages and compare with one process",
+        description="Train a small GPT-style model (tied embedding and LM head) over pipeline "
+        "stages in processes the demo starts, then compare every step's loss with the unsplit "
+        "model trained in one process.",
+    )
+    p_demo.add_argument("--dialect", default="deepspeed", help="dialect to train with")
+    p_demo.add_argument("--stages", type=int, default=2, help="pipeline stages (1-8)")
+    p_demo.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p_demo.add_argument("--steps", type=int, default=30, help="training steps")
+    p_demo.add_argument("--output", default="pipedialect-demo.png", help="loss-curve PNG to write")
+    p_demo.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p_demo.add_argument("--cpu", action="store_true", help="use gloo on CPUs even with GPUs")
+    p_demo.set_defaults(func=_cmd_demo)
     return parser
 
 

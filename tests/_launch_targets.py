@@ -35,3 +35,13 @@ def fail_on_rank_one() -> int:
 
 def sleep_forever() -> None:
     time.sleep(3600)
+
+
+def chatter_then_fail() -> None:
+    import os
+    import sys
+
+    print(f"chatter from rank {os.environ['RANK']}", flush=True)
+    os.write(2, b"low-level stderr line\n")  # bypasses Python's sys.stderr
+    if os.environ["RANK"] == "1":
+        sys.exit("rank 1 gives up")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import _launch_targets as targets
 import pytest
@@ -41,3 +42,13 @@ def test_a_hanging_launch_times_out() -> None:
     with pytest.raises(LaunchError, match="timed out"):
         launch(targets.sleep_forever, 2, timeout=3)
     assert time.monotonic() - start < 30
+
+
+def test_log_dir_captures_each_rank_and_failures_quote_it(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError) as info:
+        launch(targets.chatter_then_fail, 2, log_dir=str(tmp_path))
+    assert "chatter from rank 0" in (tmp_path / "rank0.log").read_text()
+    assert "low-level stderr line" in (tmp_path / "rank0.log").read_text()
+    message = str(info.value)
+    assert "rank 1 of 2 failed" in message and "rank 1 gives up" in message
+    assert "chatter from rank 1" in message  # the tail of the failing rank's log

@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -45,9 +46,22 @@ def free_port() -> int:
 
 
 def _rank_main(
-    rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: str
+    rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: str,
+    log: str | None,
 ) -> None:
     """Entry point of one rank: run ``fn`` and leave its result or traceback in ``out``."""
+    if log is not None:
+        # Redirect at the file-descriptor level, so output of C++ code lands there too.
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     try:
         result: tuple[str, Any] = ("ok", fn(*args, **kwargs))
     except BaseException as exc:
@@ -88,12 +102,17 @@ def launch(
     *args: Any,
     timeout: float = 300.0,
     env: Mapping[str, str] | None = None,
+    on_poll: Callable[[], None] | None = None,
+    log_dir: str | None = None,
     **kwargs: Any,
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return the results by rank.
 
     ``fn`` must be importable by name (a module-level function), its arguments and result
-    picklable. ``env`` adds environment variables for every rank.
+    picklable. ``env`` adds environment variables for every rank. ``on_poll`` is called about
+    every 50 ms while the ranks run (to show progress, say). With ``log_dir``, each rank's
+    standard output and error go to ``<log_dir>/rank<r>.log`` instead of this terminal, and a
+    failure quotes the end of the failing rank's log.
 
     Raises:
         LaunchError: a rank raised or died (the message holds its traceback), or the launch
@@ -106,6 +125,10 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="pipedialect-launch-") as tmp:
         procs: list[BaseProcess] = []
         outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world_size)]
+        logs = [
+            None if log_dir is None else str(Path(log_dir) / f"rank{r}.log")
+            for r in range(world_size)
+        ]
         try:
             for rank in range(world_size):
                 rank_env = {
@@ -121,18 +144,24 @@ def launch(
                 with _environ(rank_env):
                     p = ctx.Process(
                         target=_rank_main,
-                        args=(rank, fn, args, kwargs, outs[rank]),
+                        args=(rank, fn, args, kwargs, outs[rank], logs[rank]),
                         name=f"pipedialect-rank{rank}",
                     )
                     p.start()
                 procs.append(p)
-            _wait(procs, outs, timeout)
+            _wait(procs, outs, logs, timeout, on_poll)
         finally:
             _stop(procs)
         return [_result(outs[r], r) for r in range(world_size)]
 
 
-def _wait(procs: list[BaseProcess], outs: list[str], timeout: float) -> None:
+def _wait(
+    procs: list[BaseProcess],
+    outs: list[str],
+    logs: list[str | None],
+    timeout: float,
+    on_poll: Callable[[], None] | None,
+) -> None:
     deadline = time.monotonic() + timeout
     while True:
         running = [r for r, p in enumerate(procs) if p.exitcode is None]
@@ -141,6 +170,7 @@ def _wait(procs: list[BaseProcess], outs: list[str], timeout: float) -> None:
             # Peers of a failed rank fail too (their connections close); report the first.
             first = min(failed, key=lambda r: _failure_time(outs[r]))
             message = _failure(first, procs[first], outs[first], len(procs))
+            message += _log_tail(logs[first])
             others = [r for r in failed if r != first]
             if others:
                 message += f"\n(ranks {others} failed after it, most likely as a consequence)"
@@ -153,6 +183,15 @@ def _wait(procs: list[BaseProcess], outs: list[str], timeout: float) -> None:
                 f"running: {running}. A rank is probably waiting for a peer that never sends."
             )
         procs[running[0]].join(0.05)
+        if on_poll is not None:
+            on_poll()
+
+
+def _log_tail(log: str | None, lines: int = 30) -> str:
+    if log is None or not Path(log).exists():
+        return ""
+    tail = Path(log).read_text(errors="replace").splitlines()[-lines:]
+    return f"\n--- last {len(tail)} lines of {log} ---\n" + "\n".join(tail)
 
 
 def _failure_time(out: str) -> float:

@@ -1,0 +1,270 @@
+"""``pipedialect demo``: a real pipeline-parallel training run, checked against one process.
+
+A small GPT-style model (:class:`~pipedialect.testing.models.TinyGPT`: token embedding tied to
+the LM head) learns a toy language (every sequence counts up with its own stride). The demo
+partitions it into ``stages`` pipeline stages, starts ``stages x dp`` processes itself (gloo on
+CPUs, NCCL when there is one GPU per process), trains with the chosen dialect while a progress
+bar shows the loss, then trains the unsplit model in this process on the same micro-batches and
+prints both loss curves side by side with their largest difference. A PNG of the curves is
+written when matplotlib is installed. Ctrl-C stops every process the demo started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from .errors import ConfigError
+from .interfaces import Capability
+from .testing.models import TinyGPT, cross_entropy_loss
+
+__all__ = ["DemoSettings", "demo_batches", "demo_config", "run_demo"]
+
+VOCAB = 48
+SEQ = 16
+DIM = 32
+BLOCKS = 8
+MICRO = 4
+GAS = 4
+LR = 3e-3
+CLIP = 1.0
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """What ``pipedialect demo`` runs."""
+
+    #: The dialect to train with.
+    dialect: str = "deepspeed"
+    #: Pipeline stages (the model has 8 blocks; at most 8 stages).
+    stages: int = 2
+    #: Data-parallel replicas of the pipeline.
+    dp: int = 1
+    #: Training steps (each one optimizer step over ``GAS`` micro-batches per replica).
+    steps: int = 30
+    #: Where the loss-curve PNG goes; None for no picture.
+    output: str | None = "pipedialect-demo.png"
+    #: Force gloo on CPUs even when GPUs are present.
+    cpu: bool = False
+
+
+def demo_config(dp: int) -> dict[str, Any]:
+    """The DeepSpeed-style config every dialect trains the demo with (plain Adam, clipping)."""
+    return {
+        "train_batch_size": MICRO * GAS * dp,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {
+            "type": "Adam",
+            "params": {"lr": LR, "torch_adam": True, "adam_w_mode": False},
+        },
+        "gradient_clipping": CLIP,
+        "steps_per_print": 10**9,
+    }
+
+
+def demo_batches(count: int, replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` micro-batches of counting sequences for data-parallel replica ``replica``."""
+    gen = torch.Generator().manual_seed(1000 + replica)
+    out = []
+    for _ in range(count):
+        start = torch.randint(0, VOCAB, (MICRO, 1), generator=gen)
+        stride = torch.randint(1, 4, (MICRO, 1), generator=gen)
+        ids = (start + stride * torch.arange(SEQ + 1)) % VOCAB
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def _model() -> TinyGPT:
+    return TinyGPT(vocab=VOCAB, dim=DIM, max_len=SEQ, num_blocks=BLOCKS, seed=0)
+
+
+def _split_points(stages: int) -> list[str]:
+    """Split the blocks as evenly as possible: stage k ends after its last block."""
+    bounds = [round(BLOCKS * (k + 1) / stages) for k in range(stages - 1)]
+    return [f"blocks.{b - 1}" for b in bounds]
+
+
+def _rank_worker(settings: DemoSettings, progress: str, backend: str) -> list[float]:
+    """What each rank runs: partition, build the engine, train, report progress."""
+    from . import get_dialect
+    from .partition import partition
+
+    torch.manual_seed(0)
+    dialect = get_dialect(settings.dialect)
+    multi = Capability.MULTI_PROCESS in dialect.capabilities
+    if multi:
+        dialect.init_distributed(backend)
+    rank = int(os.environ.get("RANK", "0"))
+    plan = partition(_model(), _split_points(settings.stages))
+    topology = dialect.make_topology(settings.stages, settings.dp)
+    config = demo_config(settings.dp)
+    module = dialect.pipe_engine(plan, config=config, loss_fn=cross_entropy_loss, topology=topology)
+    engine = dialect.runtime_engine(module, config=config)
+    replica = int(topology.get_coord(rank).data) if multi else 0
+    data = iter(demo_batches(settings.steps * GAS, replica))
+    losses = []
+    for step in range(settings.steps):
+        losses.append(float(engine.train_batch(data_iter=data)))
+        if rank == 0:
+            with Path(progress).open("a") as f:
+                f.write(json.dumps({"step": step + 1, "loss": losses[-1]}) + "\n")
+    return losses
+
+
+def reference_losses(settings: DemoSettings) -> list[float]:
+    """Train the unsplit model in this process on the same micro-batches."""
+    model = _model()
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=LR)
+    streams = [iter(demo_batches(settings.steps * GAS, r)) for r in range(settings.dp)]
+    losses = []
+    for _ in range(settings.steps):
+        opt.zero_grad()
+        total = 0.0
+        for stream in streams:
+            for _ in range(GAS):
+                ids, labels = next(stream)
+                loss = cross_entropy_loss(model(ids), labels)
+                torch.autograd.backward(loss / (GAS * settings.dp))
+                total += loss.item() / (GAS * settings.dp)
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+class _Progress:
+    """A one-line progress bar fed by the progress file rank 0 appends to."""
+
+    def __init__(self, path: Path, total: int, out: TextIO) -> None:
+        self.path = path
+        self.total = total
+        self.out = out
+        self.offset = 0
+        self.tty = out.isatty()
+        self.start = time.monotonic()
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open() as f:
+            f.seek(self.offset)
+            lines = f.readlines()
+            self.offset = f.tell()
+        for line in lines:
+            if line.endswith("\n"):
+                self._show(json.loads(line))
+
+    def _show(self, entry: dict[str, Any]) -> None:
+        step, loss = entry["step"], entry["loss"]
+        width = 30
+        done = round(width * step / self.total)
+        bar = "#" * done + "." * (width - done)
+        elapsed = time.monotonic() - self.start
+        text = f"[{bar}] step {step:>3}/{self.total}  loss {loss:.4f}  {elapsed:5.1f}s"
+        if self.tty:
+            self.out.write("\r" + text)
+            if step == self.total:
+                self.out.write("\n")
+        else:
+            self.out.write(text + "\n")
+        self.out.flush()
+
+
+def _choose_backend(settings: DemoSettings, world: int) -> tuple[str, dict[str, str]]:
+    if not settings.cpu and torch.cuda.is_available() and torch.cuda.device_count() >= world:
+        return "nccl", {}
+    return "gloo", {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _plot(path: str, pipeline: Sequence[float], reference: Sequence[float], label: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no loss-curve PNG (pip install 'pipedialect[demo]')"
+    steps = range(1, len(pipeline) + 1)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(steps, reference, label="unsplit model, one process", linewidth=3, alpha=0.4)
+    ax.plot(steps, pipeline, label=label, linestyle="--", marker=".")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean micro-batch loss")
+    ax.set_title("pipedialect demo: TinyGPT, tied embedding and LM head")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return f"loss curves written to {path}"
+
+
+def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> float:
+    """Run the demo; print progress and the comparison to ``out``; return the largest difference."""
+    from . import get_dialect
+
+    if not 1 <= settings.stages <= BLOCKS:
+        raise ConfigError(
+            f"--stages must be between 1 and {BLOCKS} (the model has {BLOCKS} blocks)"
+        )
+    if settings.dp < 1 or settings.steps < 1:
+        raise ConfigError("--dp and --steps must be at least 1")
+    dialect = get_dialect(settings.dialect)
+    multi = Capability.MULTI_PROCESS in dialect.capabilities
+    if not multi and settings.dp != 1:
+        raise ConfigError(f"the {settings.dialect!r} dialect runs in one process: use --dp 1")
+    world = settings.stages * settings.dp if multi else 1
+    backend, env = _choose_backend(settings, world)
+    where = f"{world} process(es), {backend}" if multi else "this process"
+    print(
+        f"pipedialect demo: TinyGPT ({BLOCKS} blocks, dim {DIM}, vocab {VOCAB}, embedding tied to "
+        f"the LM head)\n  dialect {settings.dialect!r}: {settings.stages} stage(s) x "
+        f"{settings.dp} replica(s) on {where}; {settings.steps} steps of {GAS} micro-batches",
+        file=out,
+    )
+    with tempfile.TemporaryDirectory(prefix="pipedialect-demo-") as tmp:
+        progress_path = Path(tmp) / "progress.jsonl"
+        progress = _Progress(progress_path, settings.steps, out)
+        if multi:
+            from .testing.launcher import launch
+
+            results = launch(
+                _rank_worker,
+                world,
+                settings,
+                str(progress_path),
+                backend,
+                timeout=3600,
+                env=env,
+                log_dir=tmp,
+                on_poll=progress.poll,
+            )
+            pipeline = results[0]
+        else:
+            pipeline = _rank_worker(settings, str(progress_path), backend)
+        progress.poll()
+    reference = reference_losses(settings)
+    print(f"\n{'step':>4}  {'pipeline':>10}  {'reference':>10}  {'difference':>10}", file=out)
+    for step, (a, b) in enumerate(zip(pipeline, reference, strict=True), start=1):
+        print(f"{step:>4}  {a:>10.6f}  {b:>10.6f}  {a - b:>10.2e}", file=out)
+    largest = max(abs(a - b) for a, b in zip(pipeline, reference, strict=True))
+    relative = largest / max(abs(b) for b in reference)
+    print(
+        f"\nlargest difference from the single-process reference: {largest:.2e} "
+        f"({relative:.1e} relative); loss {pipeline[0]:.3f} -> {pipeline[-1]:.3f}",
+        file=out,
+    )
+    if settings.output:
+        label = f"{settings.dialect}, {settings.stages} stages x {settings.dp}"
+        print(_plot(settings.output, pipeline, reference, label), file=out)
+    return largest

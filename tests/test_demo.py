@@ -1,0 +1,85 @@
+"""``pipedialect demo``: the README's main job, run as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipedialect.demo import DemoSettings, demo_batches, reference_losses
+
+CLI = [sys.executable, "-m", "pipedialect.cli"]
+
+
+def run_cli(*args: str, cwd: Path) -> str:
+    proc = subprocess.run(
+        [*CLI, "demo", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def largest_difference(output: str) -> float:
+    match = re.search(r"largest difference from the single-process reference: (\S+)", output)
+    assert match, output
+    return float(match.group(1))
+
+
+def test_demo_data_is_a_learnable_counting_language() -> None:
+    (ids, labels), *_ = demo_batches(1, replica=0)
+    stride = (labels - ids) % 48
+    assert (stride == stride[:, :1]).all()  # every sequence counts with one stride
+    losses = reference_losses(DemoSettings(steps=12))
+    assert losses[-1] < losses[0] - 0.3
+
+
+def test_local_demo_matches_its_reference(tmp_path: Path) -> None:
+    out = run_cli("--dialect", "local", "--stages", "4", "--steps", "3", "--no-plot", cwd=tmp_path)
+    assert "step   3/3" in out
+    assert largest_difference(out) < 1e-5
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.distributed
+def test_deepspeed_demo_trains_two_stages_and_writes_the_plot(tmp_path: Path) -> None:
+    out = run_cli("--stages", "2", "--steps", "4", "--output", "curve.png", cwd=tmp_path)
+    assert "dialect 'deepspeed': 2 stage(s) x 1 replica(s) on 2 process(es), gloo" in out
+    assert largest_difference(out) < 1e-5
+    assert "SEED_LAYERS" not in out  # the ranks' own chatter goes to their logs
+    png = (tmp_path / "curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@pytest.mark.distributed
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*CLI, "demo", "--steps", "100000", "--no-plot"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 300
+        while "loss" not in proc.stdout.readline():  # training has started on every rank
+            assert time.monotonic() < deadline and proc.poll() is None
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 130
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive
+    assert "interrupted" in proc.stderr.read()
