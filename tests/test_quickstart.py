@@ -41,6 +41,8 @@ def test_example_trains_under_torchrun() -> None:
         text=True,
         timeout=600,
         cwd=ROOT,
+        # Unbuffered: each print is one write, so the two ranks' lines never splice.
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d{4})", proc.stdout)]
