@@ -179,14 +179,28 @@ def data_stream(spec: ModelSpec, count: int, micro: int, dp_rank: int) -> Iterat
 
 
 def build(
-    name: str, num_stages: int, dp: int, config: dict[str, Any], seed: int = 0
+    name: str,
+    num_stages: int,
+    dp: int,
+    config: dict[str, Any],
+    seed: int = 0,
+    perturb_ties: bool = False,
 ) -> tuple[Any, Any, Any, ModelSpec]:
-    """Partition the model and build the DeepSpeed engine on this rank."""
+    """Partition the model and build the DeepSpeed engine on this rank.
+
+    ``perturb_ties`` shifts every tied weight on every rank but rank 0 before the engine is
+    built: the engine must make them equal again (broadcast from the first owner).
+    """
     spec = spec_for(name)
     split_points = spec.split_points_for(num_stages) if num_stages > 1 else ()
     plan = partition(spec.build(seed), split_points)
     dialect = pipedialect.get_dialect("deepspeed")
     dialect.init_distributed()
+    if perturb_ties and torch.distributed.get_rank() != 0:
+        with torch.no_grad():
+            for group in plan.tie_groups:
+                name0, stage0 = next(iter(group))
+                plan.stages[stage0].get_parameter(name0).add_(1.0)
     topology = dialect.make_topology(num_stages, dp)
     module = dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn, topology=topology)
     engine = dialect.runtime_engine(module, config=config)
@@ -209,12 +223,13 @@ def train(
     gas: int = 4,
     micro: int = 2,
     clip: float = 0.0,
+    perturb_ties: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` batches; return losses, this rank's stage and its parameters."""
     torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 on GPUs too
     torch.backends.cudnn.allow_tf32 = False
     config = ds_config(optimizer, gas=gas, micro=micro, dp=dp, clip=clip)
-    plan, engine, dialect, spec = build(name, num_stages, dp, config)
+    plan, engine, dialect, spec = build(name, num_stages, dp, config, perturb_ties=perturb_ties)
     dp_rank = engine.grid.get_data_parallel_rank()
     data = data_stream(spec, steps * gas, micro, dp_rank)
     losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
@@ -224,6 +239,9 @@ def train(
         "losses": losses,
         "eval_loss": eval_loss,
         "device": str(next(plan.stages[stage].parameters()).device),
+        # Only the local stage's parameters are in the engine (and on its device).
+        "engine_holds_only_local_stage": {id(p) for p in engine.module.parameters()}
+        == {id(p) for p in plan.stages[stage].parameters()},
         "stage": stage,
         "dp_rank": dp_rank,
         "params": local_params(plan, stage),
