@@ -1,0 +1,165 @@
+"""Building the torch pipeline: every check that can fail runs before any collective.
+
+Creating the tie process groups and broadcasting tied weights are collectives, and a collective
+that only some ranks reach hangs the others. So the arguments, the schedule, the placement, the
+process group and the stage modules are all validated first; a mistake raises a named error on
+every rank alike (they all see the same arguments), never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pipedialect import ConfigError, StageWrapper, Topology, TopologyError
+from pipedialect.dialects.local.config import parse_config
+
+from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
+
+if TYPE_CHECKING:
+    from pipedialect.partition import PipelinePlan
+
+    from .engine import TorchPipeline
+
+__all__: list[str] = []
+
+
+def resolve_placement(
+    spec: ScheduleSpec,
+    num_stages: int,
+    num_ranks: int,
+    stages_per_rank: int | None,
+) -> dict[int, int]:
+    """Check ``stages_per_rank`` against the plan and the ranks; return the placement."""
+    if stages_per_rank is not None:
+        if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int):
+            raise ConfigError(f"stages_per_rank must be an integer, got {stages_per_rank!r}")
+        if stages_per_rank * num_ranks != num_stages:
+            raise TopologyError(
+                f"stages_per_rank={stages_per_rank} on {num_ranks} pipeline ranks needs a plan "
+                f"of {stages_per_rank * num_ranks} stages, but the plan has {num_stages}; "
+                "partition the model accordingly, or change stages_per_rank or the number of "
+                "ranks"
+            )
+    return stage_to_rank(spec, num_stages, num_ranks)
+
+
+def _pipe_ranks(topology: Topology | None) -> int | None:
+    if topology is None:
+        return None
+    if not isinstance(topology, Topology):
+        raise TopologyError(
+            f"topology must be a process topology (get_dim, filter_match, get_coord, "
+            f"world_size), such as dialect.make_topology(num_stages); got {topology!r}"
+        )
+    pipe = topology.get_dim("pipe")
+    extra = {axis: topology.get_dim(axis) for axis in ("data", "model") if topology.get_dim(axis)}
+    if any(size > 1 for size in extra.values()):
+        raise TopologyError(
+            f"the torch dialect runs one pipeline (no data or model parallelism), but the "
+            f"topology has {extra}; use a topology with data=1, e.g. "
+            "dialect.make_topology(num_stages)"
+        )
+    if topology.world_size() != pipe:
+        raise TopologyError(
+            f"the topology has {topology.world_size()} ranks but a pipe axis of {pipe}; the "
+            "torch dialect needs every rank on the pipe axis"
+        )
+    return pipe
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    import torch.distributed as dist
+
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def build_pipeline(
+    plan: PipelinePlan,
+    stage_modules: Sequence[nn.Module] | None,
+    *,
+    wrapper: type[StageWrapper],
+    config: Mapping[str, Any] | None,
+    loss_fn: Callable[[Any, Any], Any] | None,
+    schedule: str,
+    topology: Topology | None,
+    stages_per_rank: int | None,
+    device: torch.device | str | None,
+    dynamic_shapes: bool,
+) -> TorchPipeline:
+    """Validate everything, then build the :class:`~.engine.TorchPipeline` of this rank."""
+    import torch.distributed as dist
+
+    if config is None:
+        raise ConfigError("config (a DeepSpeed config dict) is required to build an engine")
+    parse_config(config)
+    if loss_fn is None or not callable(loss_fn):
+        raise ConfigError("loss_fn(outputs, labels) is required to build a pipeline engine")
+    if dynamic_shapes:
+        raise ConfigError(
+            "torch.distributed.pipelining fixes boundary shapes at the first micro-batch; the "
+            "torch dialect does not support dynamic_shapes (pad boundary values to one shape)"
+        )
+    spec = resolve_schedule(schedule)
+    num_stages = plan.num_stages
+    pipe = _pipe_ranks(topology)
+    if pipe is not None:
+        placement = resolve_placement(spec, num_stages, pipe, stages_per_rank)
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            "the process group is not initialised: call dialect.init_distributed() on every "
+            "rank before building the engine"
+        )
+    world = dist.get_world_size()
+    if pipe is None:
+        placement = resolve_placement(spec, num_stages, world, stages_per_rank)
+    elif world != pipe:
+        raise TopologyError(
+            f"the topology describes {pipe} ranks but the process group has {world}; launch "
+            f"{pipe} processes"
+        )
+    if stage_modules is None:
+        stages: list[nn.Module] = list(plan.wrap(wrapper))
+    else:
+        stages = list(stage_modules)
+        if len(stages) != num_stages:
+            raise ConfigError(
+                f"got {len(stages)} stage modules for a plan of {num_stages} stages; pass one "
+                "per stage (every rank passes all of them), or none"
+            )
+    return _construct(plan, stages, spec, placement, loss_fn, config, device)
+
+
+def _construct(
+    plan: PipelinePlan,
+    stages: list[nn.Module],
+    spec: ScheduleSpec,
+    placement: dict[int, int],
+    loss_fn: Callable[[Any, Any], Any],
+    config: Mapping[str, Any],
+    device: torch.device | str | None,
+) -> TorchPipeline:
+    from ._ties import TieSync
+    from .engine import TorchPipeline
+
+    ties = TieSync.build(plan.tie_groups, stages, placement)
+    pipeline = TorchPipeline(
+        plan,
+        stages,
+        spec=spec,
+        placement=placement,
+        loss_fn=loss_fn,
+        config=config,
+        ties=ties,
+        device=_device(device),
+    )
+    ties.broadcast_weights()
+    return pipeline

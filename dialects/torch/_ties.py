@@ -1,0 +1,162 @@
+"""Tied weights across ranks, and gradient clipping with the global norm.
+
+[Note: tied weights on torch]
+``torch.distributed.pipelining`` never synchronises a parameter that several stages share: each
+rank updates its own copy with its own gradient, and the copies drift apart from the second
+step on. Every rank here builds the whole plan, so within one rank the stages of a tie group
+hold one ``Parameter`` object (one gradient, stepped once). Across ranks, the ranks holding a
+group's stages form a process group; the copies are broadcast from the lowest of those ranks
+when the engine is built, and their gradients are summed (all-reduce) after every backward and
+before clipping and the optimizer step, so every copy takes the step the unsplit model takes.
+
+Gradient clipping uses the norm over all of the model's gradients, as the unsplit model would:
+each rank sums the squares of its own gradients, counting a tied parameter only on the group's
+lowest rank (after the all-reduce every copy holds the same gradient), and the sums are
+all-reduced. The clip coefficient is DeepSpeed's, ``min(1, max_norm / (norm + 1e-6))``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipedialect import TieError, TieGroup
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TiedCopy:
+    """One tie group as seen from this rank."""
+
+    #: The group's key.
+    key: str
+    #: The global ranks holding the group's stages, sorted; the first one owns the weight.
+    ranks: tuple[int, ...]
+    #: The process group of those ranks (None when one rank holds every stage of the group).
+    group: Any
+    #: This rank's copy, or None when this rank holds none of the group's stages.
+    param: nn.Parameter | None
+
+    @property
+    def owner(self) -> int:
+        """The rank that broadcasts the weight and counts it in the gradient norm."""
+        return self.ranks[0]
+
+
+def _root(stage: nn.Module) -> nn.Module:
+    from pipedialect import StageWrapper
+
+    return stage.mod if isinstance(stage, StageWrapper) else stage
+
+
+class TieSync:
+    """Keeps the copies of tied parameters on different ranks equal; see the module note."""
+
+    def __init__(self, copies: Sequence[TiedCopy]) -> None:
+        self.copies = tuple(copies)
+
+    @classmethod
+    def build(
+        cls,
+        groups: Iterable[TieGroup],
+        stages: Sequence[nn.Module],
+        placement: Mapping[int, int],
+    ) -> TieSync:
+        """Resolve each group on this rank and create the process groups (a collective).
+
+        Every rank must call this with the same groups and placement: each cross-rank group
+        becomes a ``dist.new_group``, which every rank takes part in.
+
+        Raises:
+            TieError: a member names no parameter of its stage, or the members on this rank are
+                different Parameter objects.
+        """
+        rank = dist.get_rank()
+        resolved: list[tuple[TieGroup, tuple[int, ...], nn.Parameter | None]] = []
+        for group in groups:
+            ranks = tuple(sorted({placement[s] for s in group.stages}))
+            # Checked for every rank, not only this one, so that all ranks fail alike.
+            held: dict[int, tuple[str, int, nn.Parameter]] = {}
+            for name, stage in group:
+                try:
+                    found = _root(stages[stage]).get_parameter(name)
+                except AttributeError:
+                    raise TieError(
+                        f"[Stage {stage}] tie group {group.key} names parameter {name!r}, which "
+                        "this stage's module does not have; the stage modules do not match the "
+                        "plan"
+                    ) from None
+                owner = placement[stage]
+                if owner in held and held[owner][2] is not found:
+                    other, other_stage, _ = held[owner]
+                    raise TieError(
+                        f"[Stage {stage}] tie group {group.key}: {name!r} here and {other!r} on "
+                        f"stage {other_stage} run on the same rank ({owner}) but are different "
+                        "Parameter objects; stages on one rank must share a tied parameter. "
+                        "Build the stage modules with plan.wrap()."
+                    )
+                held.setdefault(owner, (name, stage, found))
+            mine = held.get(rank)
+            resolved.append((group, ranks, mine[2] if mine else None))
+        copies = []
+        for group, ranks, param in resolved:
+            pg = dist.new_group(ranks=list(ranks)) if len(ranks) > 1 else None
+            copies.append(TiedCopy(group.key, ranks, pg, param))
+            if len(ranks) > 1 and param is not None:
+                logger.debug("tie group %s synchronised between ranks %s", group.key, ranks)
+        return cls(copies)
+
+    def _cross_rank(self) -> Iterable[tuple[TiedCopy, nn.Parameter]]:
+        for copy in self.copies:
+            if copy.group is not None and copy.param is not None:
+                yield copy, copy.param
+
+    def broadcast_weights(self) -> None:
+        """Make every copy equal to the owner's (at start)."""
+        with torch.no_grad():
+            for copy, param in self._cross_rank():
+                dist.broadcast(param.data, src=copy.owner, group=copy.group)
+
+    def all_reduce_grads(self) -> None:
+        """Sum the gradients of every tied parameter over the ranks holding it."""
+        for copy, param in self._cross_rank():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=copy.group)
+
+    def not_counted_here(self) -> set[int]:
+        """``id`` of the tied parameters whose gradient another rank counts in the norm."""
+        rank = dist.get_rank()
+        return {id(param) for copy, param in self._cross_rank() if copy.owner != rank}
+
+
+def clip_global_norm(
+    parameters: Sequence[nn.Parameter], max_norm: float, skip: set[int], device: torch.device
+) -> torch.Tensor:
+    """Clip gradients to the global 2-norm ``max_norm``; return the norm (see the module note).
+
+    ``parameters`` are this rank's, each once; ``skip`` holds the ids of those another rank
+    counts. Every rank must call this (the norm is all-reduced over the default group).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    counted = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
+    if counted:
+        local = torch.stack([g.detach().float().norm(2) for g in counted]).pow(2).sum()
+    else:
+        local = torch.zeros((), device=device)
+    total_sq = local.to(device=device, dtype=torch.float32)
+    dist.all_reduce(total_sq, op=dist.ReduceOp.SUM)
+    total = total_sq.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total

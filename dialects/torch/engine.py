@@ -1,0 +1,330 @@
+"""The torch dialect's pipeline module and runtime engine.
+
+:class:`TorchPipeline` (what ``TorchDialect.pipe_engine`` returns) holds this rank's stages, each
+a stage wrapper behind a :class:`~torch.distributed.pipelining.PipelineStage` adapter, and the
+schedule that drives them. Torch's stages need example boundary tensors, which come from the
+first micro-batch ([Note: boundary examples] in ``_setup``), so the ``PipelineStage`` objects and
+the schedule are built on the first ``train_batch`` or ``eval_batch``.
+
+:class:`TorchEngine` (what ``runtime_engine`` returns) drives it like DeepSpeed's
+``PipelineEngine``: ``train_batch`` takes ``gradient_accumulation_steps`` ``(inputs, labels)``
+micro-batches, runs them through the schedule (each loss scaled by ``1/gradient_accumulation_steps``
+for its backward), sums tied-weight gradients across ranks ([Note: tied weights on torch] in
+``_ties``), clips with the global norm, steps the optimizer once and returns the mean
+micro-batch loss on every rank. Only the ranks holding the first or the last stage read the data
+iterator, as in DeepSpeed. The configuration is a DeepSpeed config dict with DeepSpeed 0.19.8
+semantics (:mod:`pipedialect.dialects.local.config`), so one config gives the same numbers on
+every dialect.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipedialect import ConfigError
+from pipedialect.dialects.local.config import TrainingConfig, build_optimizer, parse_config
+from pipedialect.partition import PipelinePlan
+
+from ._schedules import ScheduleSpec
+from ._setup import StageExamples, infer_examples
+from ._stage import BatchContext, LossAdapter, StageRunner, pipeline_stage_class, to_device
+from ._ties import TieSync, clip_global_norm
+
+__all__ = ["TorchEngine", "TorchPipeline"]
+
+logger = logging.getLogger(__name__)
+
+
+class TorchPipeline(nn.Module):
+    """This rank's stages of one plan, and the ``torch.distributed.pipelining`` schedule.
+
+    Built by :meth:`TorchDialect.pipe_engine <pipedialect.dialects.torch.TorchDialect.pipe_engine>`
+    after every check has passed; its parameters are those of this rank's stages (each once).
+    """
+
+    def __init__(
+        self,
+        plan: PipelinePlan,
+        stages: Sequence[nn.Module],
+        *,
+        spec: ScheduleSpec,
+        placement: Mapping[int, int],
+        loss_fn: Callable[[Any, Any], Any],
+        config: Mapping[str, Any],
+        ties: TieSync,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        rank = dist.get_rank()
+        self.plan = plan
+        self.spec = spec
+        self.placement = dict(placement)
+        self.num_stages = plan.num_stages
+        self.num_ranks = len(set(placement.values()))
+        self.rank = rank
+        self.stage_ids = tuple(k for k in range(self.num_stages) if placement[k] == rank)
+        self.loss_fn = loss_fn
+        self.config = dict(config)
+        self.ties = ties
+        self.device = device
+        self.context = BatchContext()
+        self.runners = nn.ModuleList(
+            StageRunner(stages[k], k, self.num_stages, self.context, device) for k in self.stage_ids
+        )
+        self.runners.to(device)
+        self._loss = LossAdapter(loss_fn, self.context)
+        self._stages: list[Any] = []
+        self._schedules: dict[int, Any] = {}
+        self._examples: dict[int, StageExamples] | None = None
+
+    # -- where things are ------------------------------------------------------------------
+
+    @property
+    def holds_first(self) -> bool:
+        """Whether this rank runs stage 0 (it reads the model inputs)."""
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last(self) -> bool:
+        """Whether this rank runs the last stage (it reads the labels and computes the loss)."""
+        return self.num_stages - 1 in self.stage_ids
+
+    @property
+    def last_rank(self) -> int:
+        """The rank that runs the last stage."""
+        return self.placement[self.num_stages - 1]
+
+    @property
+    def built(self) -> bool:
+        """Whether the ``PipelineStage`` objects exist (after the first batch)."""
+        return bool(self._stages)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Not callable: a pipeline runs through its engine's ``train_batch``/``eval_batch``."""
+        raise ConfigError(
+            "a torch pipeline module is driven by its engine: call "
+            "dialect.runtime_engine(module, config=...).train_batch(data_iter)"
+        )
+
+    # -- building the torch objects ----------------------------------------------------------
+
+    def build(self, first_inputs: Any, num_micro_batches: int) -> None:
+        """Create the ``PipelineStage`` objects from the first micro-batch (all ranks at once)."""
+        stage_cls = pipeline_stage_class()
+        self._examples = infer_examples(
+            {r.stage_id: r for r in self._runners()}, self.placement, first_inputs, self.device
+        )
+        self._stages = [
+            stage_cls(
+                runner,
+                runner.stage_id,
+                self.num_stages,
+                self.device,
+                input_args=self._examples[runner.stage_id].inputs,
+                output_args=self._examples[runner.stage_id].outputs,
+            )
+            for runner in self._runners()
+        ]
+        self.schedule(num_micro_batches)
+
+    def _runners(self) -> list[StageRunner]:
+        return [r for r in self.runners if isinstance(r, StageRunner)]
+
+    def schedule(self, num_micro_batches: int) -> Any:
+        """The schedule for ``num_micro_batches`` (one per count, built on first use)."""
+        found = self._schedules.get(num_micro_batches)
+        if found is not None:
+            return found
+        cls = self.spec.torch_class()
+        if cls is None:
+            raise ConfigError(f"this torch has no {self.spec.torch_name}")
+        target: Any = self._stages[0] if self.spec.placement == "single" else self._stages
+        try:
+            schedule = cls(
+                target, n_microbatches=num_micro_batches, loss_fn=self._loss, scale_grads=False
+            )
+        except ValueError as exc:
+            raise ConfigError(
+                f"schedule {self.spec.name!r} cannot run {num_micro_batches} micro-batches over "
+                f"{self.num_stages} stages on {self.num_ranks} ranks: {exc}. Change "
+                "gradient_accumulation_steps (or num_micro_batches)."
+            ) from exc
+        self._check_placement(schedule)
+        self._schedules[num_micro_batches] = schedule
+        return schedule
+
+    def _check_placement(self, schedule: Any) -> None:
+        used = getattr(schedule, "stage_index_to_group_rank", None)
+        if used is None:
+            used = self._stages[0].stage_index_to_group_rank
+        if dict(used) != self.placement:
+            from pipedialect import TopologyError
+
+            raise TopologyError(
+                f"torch's {type(schedule).__name__} places stages as {dict(used)}, but this "
+                f"dialect placed them as {self.placement}; this torch version changed its "
+                "placement convention"
+            )
+
+    # -- one batch ----------------------------------------------------------------------------
+
+    def run(self, batches: list[tuple[Any, Any]], count: int, *, train: bool) -> torch.Tensor:
+        """Run ``count`` micro-batches through the schedule; return the mean loss (last rank).
+
+        ``batches`` holds the micro-batches on ranks holding the first or last stage, and is
+        empty elsewhere.
+        """
+        if not self.built:
+            self.build(batches[0][0] if self.holds_first else None, count)
+        schedule = self.schedule(count)
+        inputs = [b[0] for b in batches] if self.holds_first else []
+        labels = [to_device(b[1], self.device) for b in batches] if self.holds_last else []
+        self.context.start(inputs, labels, count if train else 1)
+        index = torch.arange(count)
+        args = (index,) if self.holds_first else ()
+        target = index if self.holds_last else None
+        if train:
+            schedule.step(*args, target=target, return_outputs=False)
+        else:
+            schedule.eval(*args, target=target, return_outputs=False)
+        if not self.holds_last:
+            return torch.zeros((), device=self.device)
+        missing = [i for i in range(count) if i not in self.context.losses]
+        if missing:
+            raise ConfigError(f"the schedule computed no loss for micro-batches {missing}")
+        total = self.context.losses[0].clone()
+        for i in range(1, count):
+            total += self.context.losses[i]
+        return (total / count).to(self.device)
+
+
+class TorchEngine:
+    """Trains a :class:`TorchPipeline` with DeepSpeed ``PipelineEngine`` semantics."""
+
+    def __init__(self, module: TorchPipeline, config: TrainingConfig) -> None:
+        self.module = module
+        self.config = config
+        # parameters() yields a parameter shared by two local stages once.
+        self.optimizer = build_optimizer(config, module.parameters())
+        self.global_steps = 0
+        self.micro_batches = config.gradient_accumulation_steps
+        self._data_iterator: Iterator[Any] | None = None
+
+    # -- DeepSpeed-style accessors ---------------------------------------------------------
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        """The stages this rank runs."""
+        return self.module.stage_ids
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step."""
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch."""
+        return self.config.micro_batch_size
+
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs stage 0."""
+        return self.module.holds_first
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage."""
+        return self.module.holds_last
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """Set the iterator ``train_batch()`` uses when called without one."""
+        self._data_iterator = iterator
+
+    # -- training ----------------------------------------------------------------------------
+
+    def _pull(self, data_iter: Iterator[Any] | None, count: int) -> list[tuple[Any, Any]]:
+        if not (self.module.holds_first or self.module.holds_last):
+            return []
+        if data_iter is None:
+            data_iter = self._data_iterator
+        if data_iter is None:
+            raise ConfigError(
+                f"rank {self.module.rank} runs stage(s) {list(self.stage_ids)}, which read the "
+                "data: pass a data_iter (or call set_dataiterator first)"
+            )
+        batches = []
+        for _ in range(count):
+            batch = next(data_iter)
+            if not isinstance(batch, tuple | list) or len(batch) != 2:
+                raise ConfigError(
+                    "data_iter must yield (inputs, labels) pairs, one per micro-batch; got "
+                    f"{type(batch).__name__}"
+                    + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
+                )
+            batches.append((batch[0], batch[1]))
+        return batches
+
+    def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        loss = loss.detach().reshape(()).to(self.module.device, torch.float32).clone()
+        dist.broadcast(loss, src=self.module.last_rank)
+        return loss
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Train on ``gradient_accumulation_steps`` micro-batches; return their mean loss."""
+        gas = self.config.gradient_accumulation_steps
+        batches = self._pull(data_iter, gas)
+        self.module.train()
+        loss = self.module.run(batches, gas, train=True)
+        self.module.ties.all_reduce_grads()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.config.gradient_clipping > 0.0:
+            clip_global_norm(
+                params,
+                self.config.gradient_clipping,
+                self.module.ties.not_counted_here(),
+                self.module.device,
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps += 1
+        return self._broadcast_loss(loss)
+
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any] | None = None,
+        return_logits: bool = False,
+        num_micro_batches: int | None = None,
+    ) -> Any:
+        """Return the mean loss over ``num_micro_batches`` (default: gradient accumulation
+        steps) micro-batches without changing any parameter; with ``return_logits`` also the
+        last micro-batch's outputs (on the rank holding the last stage, None elsewhere)."""
+        count = self.config.gradient_accumulation_steps
+        if num_micro_batches is not None:
+            count = num_micro_batches
+        if count < 1:
+            raise ConfigError(f"num_micro_batches must be at least 1, got {count}")
+        batches = self._pull(data_iter, count)
+        self.module.eval()
+        with torch.no_grad():
+            loss = self.module.run(batches, count, train=False)
+        mean = self._broadcast_loss(loss)
+        if return_logits:
+            return mean, self.module.context.last_output if self.module.holds_last else None
+        return mean
+
+
+def build_engine(module: nn.Module, config: Mapping[str, Any] | None) -> TorchEngine:
+    """Return the :class:`TorchEngine` training ``module`` (``config`` defaults to its own)."""
+    if not isinstance(module, TorchPipeline):
+        raise ConfigError(
+            f"the torch runtime engine trains what TorchDialect.pipe_engine built, got "
+            f"{type(module).__name__}"
+        )
+    return TorchEngine(module, parse_config(module.config if config is None else config))

@@ -1,0 +1,120 @@
+"""What each rank runs in the torch dialect tests (module-level, so spawned ranks can import it).
+
+Every worker joins one gloo process group and then trains several configurations one after the
+other (each launch costs seconds on two shared cores; a configuration costs a fraction of one).
+For each it builds the whole model (identical weights on every rank: per-module seeded init),
+partitions it, trains it with ``torch.distributed.pipelining`` through the torch dialect, and
+returns the losses and the parameters of the stages it trained, by their original names, for
+the test process to compare with the unsplit model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import pipedialect
+from pipedialect.partition import partition
+from pipedialect.testing.models import ModelSpec, get_model
+
+DATA_SEED = 100
+
+
+def spec_for(name: str) -> ModelSpec:
+    """The shared test models, plus the extra ones of the DeepSpeed tests."""
+    import _ds_workers
+
+    return _ds_workers.spec_for(name)
+
+
+def ds_config(optimizer: str, *, gas: int, micro: int, clip: float = 0.0) -> dict[str, Any]:
+    """A DeepSpeed config; ``optimizer`` is sgd, adam (plain Adam) or adamw (DeepSpeed's Adam)."""
+    import _ds_workers
+
+    return _ds_workers.ds_config(optimizer, gas=gas, micro=micro, dp=1, clip=clip)
+
+
+def data_stream(spec: ModelSpec, count: int, micro: int) -> Iterator[Any]:
+    return iter(list(spec.micro_batches(count, batch_size=micro, seed=DATA_SEED)))
+
+
+def _one(case: dict[str, Any]) -> dict[str, Any]:
+    """Train one configuration on this rank; return what the test compares."""
+    name = case["model"]
+    spec = spec_for(name)
+    gas, micro, steps = case.get("gas", 4), case.get("micro", 2), case.get("steps", 3)
+    config = ds_config(
+        case.get("optimizer", "adam"), gas=gas, micro=micro, clip=case.get("clip", 0.0)
+    )
+    plan = partition(spec.build(0), spec.split_points_for(case["stages"]))
+    dialect = pipedialect.get_dialect("torch")
+    module = dialect.pipe_engine(
+        plan, config=config, loss_fn=spec.loss_fn, schedule=case["schedule"]
+    )
+    engine = dialect.runtime_engine(module, config=config)
+    stages = list(dialect.local_stages(engine))
+    reads = engine.is_first_stage() or engine.is_last_stage()
+    data = (
+        data_stream(spec, steps * gas, micro) if reads or not case.get("none_in_middle") else None
+    )
+    losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+    eval_data = data_stream(spec, gas, micro) if reads or not case.get("none_in_middle") else None
+    eval_loss = float(engine.eval_batch(eval_data))
+    short_eval = None
+    if case.get("eval_micro"):
+        count = case["eval_micro"]
+        short = data_stream(spec, count, micro) if reads else None
+        mean, logits = engine.eval_batch(short, return_logits=True, num_micro_batches=count)
+        short_eval = (float(mean), None if logits is None else logits.detach().cpu())
+    params: dict[str, torch.Tensor] = {}
+    for k in stages:
+        for n, p in plan.stages[k].named_parameters(remove_duplicate=False):
+            params[n] = p.detach().cpu().clone()
+    return {
+        "case": case,
+        "rank": dist.get_rank(),
+        "stages": stages,
+        "losses": losses,
+        "eval_loss": eval_loss,
+        "short_eval": short_eval,
+        "params": params,
+    }
+
+
+def run_cases(
+    cases: list[dict[str, Any]],
+    tie_sync: bool = True,
+    error_cases: tuple[dict[str, Any], ...] = (),
+) -> dict[str, Any]:
+    """Train every case in turn on this rank (one process group for all), then try to build an
+    engine for every error case; return the results and the error messages."""
+    if not tie_sync:
+        from pipedialect.dialects.torch import _ties
+
+        _ties.TieSync.all_reduce_grads = lambda self: None  # type: ignore[method-assign]
+    dialect = pipedialect.get_dialect("torch")
+    dialect.init_distributed()
+    results = []
+    for case in cases:
+        results.append(_one(case))
+        dist.barrier()
+    errors = [_build_error(case) for case in error_cases]
+    return {"rank": dist.get_rank(), "results": results, "errors": errors}
+
+
+def _build_error(case: dict[str, Any]) -> str:
+    """Build an engine with one mistake; return the error's type and message."""
+    spec = get_model("gpt")
+    plan = partition(spec.build(0), spec.split_points_for(case.get("stages", 2)))
+    dialect = pipedialect.get_dialect("torch")
+    config = ds_config("sgd", gas=4, micro=2)
+    kwargs = {"config": config, "loss_fn": spec.loss_fn, **case.get("kwargs", {})}
+    try:
+        dialect.pipe_engine(plan, **kwargs)
+    except pipedialect.PipeDialectError as exc:
+        dist.barrier()  # every rank got here: nothing hung half-way through a collective
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

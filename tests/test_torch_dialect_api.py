@@ -1,0 +1,180 @@
+"""The torch dialect in one process: registration, schedule names, placement, argument errors.
+
+Everything here is checked before any process group is needed, so no ranks are launched; the
+distributed behaviour is in test_torch_dialect.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import pipedialect
+from pipedialect import ConfigError, GridTopology, TopologyError
+from pipedialect.dialects.torch import TorchDialect, available_schedules
+from pipedialect.dialects.torch._schedules import resolve_schedule, stage_to_rank
+from pipedialect.dialects.torch._stage import normalize_wire
+from pipedialect.testing.models import get_model
+
+
+@pytest.fixture(scope="module")
+def gpt_plan() -> Any:
+    spec = get_model("gpt")
+    return pipedialect.partition(spec.build(0), spec.split_points_for(2))
+
+
+def _config() -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "gradient_clipping": 0.0,
+    }
+
+
+def test_found_through_its_entry_point_with_honest_capabilities() -> None:
+    dialect = pipedialect.get_dialect("torch")
+    assert isinstance(dialect, TorchDialect)
+    (info,) = [i for i in pipedialect.list_dialects() if i.name == "torch"]
+    assert info.status == "ok"
+    assert info.distribution == "pipedialect"
+    caps = pipedialect.Capability
+    assert {
+        caps.TIED_WEIGHTS,
+        caps.NON_FLOAT_TENSORS,
+        caps.MULTI_GRAD_BOUNDARY,
+    } <= info.capabilities
+    # torch fixes boundary shapes, and this dialect runs one pipeline replica
+    assert caps.DYNAMIC_SHAPES not in info.capabilities
+    assert caps.DATA_PARALLEL not in info.capabilities
+
+
+def test_schedule_names_and_aliases() -> None:
+    names = available_schedules()
+    assert names[:3] == ("gpipe", "1f1b", "interleaved_1f1b")
+    assert "interleaved_zero_bubble" in names and "zbv_zero_bubble" in names
+    assert resolve_schedule("Interleaved1F1B").name == "interleaved_1f1b"
+    assert resolve_schedule("ScheduleZBVZeroBubble").name == "zbv_zero_bubble"
+    assert resolve_schedule("ZBV").name == "zbv_zero_bubble"
+    assert resolve_schedule("interleaved-1f1b").name == "interleaved_1f1b"
+    assert resolve_schedule("GPipe").torch_class() is torch.distributed.pipelining.ScheduleGPipe
+
+
+@pytest.mark.parametrize("bad", ["1F1B_fast", "pipedream", ""])
+def test_unknown_schedule_names_are_refused_with_the_choices(bad: str) -> None:
+    with pytest.raises(ConfigError, match="unknown pipeline schedule") as info:
+        TorchDialect(schedule=bad)
+    assert "interleaved_1f1b" in str(info.value)
+
+
+def test_unknown_schedule_name_in_pipe_engine(gpt_plan: Any) -> None:
+    with pytest.raises(ConfigError, match=r"'fast'.*available: gpipe, 1f1b"):
+        TorchDialect().pipe_engine(
+            gpt_plan, config=_config(), loss_fn=get_model("gpt").loss_fn, schedule="fast"
+        )
+
+
+def test_placement_matches_torch_for_looped_and_v_schedules() -> None:
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    looped = resolve_schedule("interleaved_1f1b")
+    v = resolve_schedule("zbv_zero_bubble")
+    assert stage_to_rank(looped, 6, 3) == {0: 0, 1: 1, 2: 2, 3: 0, 4: 1, 5: 2}
+    assert stage_to_rank(v, 4, 2) == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert stage_to_rank(v, 6, 3) == {0: 0, 1: 1, 2: 2, 3: 2, 4: 1, 5: 0}
+    for ranks in (1, 2, 4):
+        assert stage_to_rank(v, 2 * ranks, ranks) == generate_stage_to_rank_mapping(
+            ranks, 2 * ranks, style="v"
+        )
+        assert stage_to_rank(looped, 3 * ranks, ranks) == generate_stage_to_rank_mapping(
+            ranks, 3 * ranks, style="loop"
+        )
+    assert stage_to_rank(resolve_schedule("1f1b"), 3, 3) == {0: 0, 1: 1, 2: 2}
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages", "ranks", "message"),
+    [
+        ("1f1b", 4, 2, "runs one stage per rank"),
+        ("gpipe", 1, 2, "has 1 stages"),
+        ("interleaved_1f1b", 3, 2, "has 3 stages"),
+        ("zbv_zero_bubble", 6, 2, "exactly 2 stages per rank"),
+        ("dualpipev", 2, 2, "exactly 2 stages per rank"),
+    ],
+)
+def test_stages_that_do_not_fit_the_ranks(
+    schedule: str, stages: int, ranks: int, message: str
+) -> None:
+    with pytest.raises(TopologyError, match=message):
+        stage_to_rank(resolve_schedule(schedule), stages, ranks)
+
+
+def _engine_error(plan: Any, **kwargs: Any) -> str:
+    args: dict[str, Any] = {"config": _config(), "loss_fn": get_model("gpt").loss_fn}
+    args.update(kwargs)
+    with pytest.raises(pipedialect.PipeDialectError) as info:
+        TorchDialect().pipe_engine(plan, **args)
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+def test_argument_errors_come_before_any_collective(gpt_plan: Any) -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # each error below is raised without a process group
+    assert _engine_error(gpt_plan, pipeline_size=2).startswith("ConfigError: unknown argument")
+    assert "config" in _engine_error(gpt_plan, config=None)
+    assert "loss_fn" in _engine_error(gpt_plan, loss_fn="cross-entropy")
+    assert "dynamic_shapes" in _engine_error(gpt_plan, dynamic_shapes=True)
+    assert "optimizer" in _engine_error(gpt_plan, config={**_config(), "optimizer": None})
+    data = _engine_error(gpt_plan, topology=GridTopology(pipe=2, data=2))
+    assert data.startswith("TopologyError") and "data" in data
+    fits = _engine_error(gpt_plan, topology=GridTopology(pipe=4))
+    assert fits.startswith("TopologyError") and "2 stages" in fits
+    v_two = _engine_error(gpt_plan, topology=GridTopology(pipe=2), schedule="zbv")
+    assert v_two.startswith("TopologyError") and "exactly 2 stages per rank" in v_two
+    spr = _engine_error(gpt_plan, topology=GridTopology(pipe=2), stages_per_rank=2)
+    assert spr.startswith("TopologyError") and "stages_per_rank=2" in spr
+    unset = _engine_error(gpt_plan, topology=GridTopology(pipe=2))
+    assert unset.startswith("ConfigError") and "init_distributed" in unset
+
+
+def test_make_topology_counts_ranks_not_stages() -> None:
+    assert TorchDialect().make_topology(4).get_dim("pipe") == 4
+    assert TorchDialect("interleaved_1f1b").make_topology(4).get_dim("pipe") == 2
+    assert TorchDialect("looped_bfs", stages_per_rank=3).make_topology(6).get_dim("pipe") == 2
+    assert TorchDialect("zbv").make_topology(6).world_size() == 3
+    with pytest.raises(TopologyError, match="data_parallel=2"):
+        TorchDialect().make_topology(2, data_parallel=2)
+    with pytest.raises(TopologyError, match="5 stages"):
+        TorchDialect("dualpipev").make_topology(5)
+    with pytest.raises(ConfigError, match="stages_per_rank"):
+        TorchDialect(stages_per_rank=0)
+
+
+def test_runtime_engine_and_local_stages_refuse_foreign_objects() -> None:
+    dialect = TorchDialect()
+    with pytest.raises(ConfigError, match=r"TorchDialect\.pipe_engine"):
+        dialect.runtime_engine(torch.nn.Linear(2, 2), config=_config())
+    with pytest.raises(ConfigError, match="takes no argument"):
+        dialect.runtime_engine(torch.nn.Linear(2, 2), optimizer=None)
+    with pytest.raises(ConfigError, match="not a torch engine"):
+        dialect.local_stages(object())  # type: ignore[arg-type]
+
+
+def test_wire_tensors_become_plain_tensors_torch_can_send_and_detach() -> None:
+    base = torch.randn(4, 6, requires_grad=True)
+    h = base * 2
+    ids = torch.arange(12).reshape(3, 4)
+    wire = (h[:, :3], h.t(), ids[1:], ids.t(), torch.ones(3))
+    out = normalize_wire(wire, "[Stage 0]")
+    assert all(t.is_contiguous() and not t._is_view() for t in out)
+    assert out[0].requires_grad and out[1].requires_grad  # the graph is kept
+    assert torch.equal(out[0], h[:, :3]) and torch.equal(out[1], h.t())
+    assert out[2].data_ptr() == ids[1:].data_ptr()  # a contiguous no-grad view: no copy
+    assert out[4] is wire[4]
+    for t in out:
+        t.detach_()  # what the zero-bubble schedules do to stage outputs
+    with pytest.raises(ConfigError, match=r"\[Stage 3\] a stage module must return"):
+        normalize_wire({"h": h}, "[Stage 3]")
