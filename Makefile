@@ -12,7 +12,7 @@ BIN    := $(VENV)/bin
 TORCH_VERSION     ?= 2.13.0
 DEEPSPEED_VERSION ?= 0.19.8
 STAMP  := $(VENV)/.pipedialect-installed
-EDITABLE := -e . --config-settings editable_mode=strict
+STRICT := --config-settings editable_mode=strict
 
 .PHONY: demo setup develop test lint typecheck unit docs clean
 
@@ -26,12 +26,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet --no-build-isolation deepspeed==$(DEEPSPEED_VERSION)
-	$(BIN)/python -m pip install --quiet $(EDITABLE)'[deepspeed,demo,dev,docs]'
+	$(BIN)/python -m pip install --quiet $(STRICT) -e '.[deepspeed,demo,dev,docs]'
 	touch $(STAMP)
 
 # The strict editable install links files one by one: relink after adding a module.
 develop: setup
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation $(EDITABLE)
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation $(STRICT) -e .
 
 test: develop lint typecheck unit docs
 
