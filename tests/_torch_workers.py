@@ -88,9 +88,11 @@ def run_cases(
     cases: list[dict[str, Any]],
     tie_sync: bool = True,
     error_cases: tuple[dict[str, Any], ...] = (),
+    checkpoint_dir: str | None = None,
 ) -> dict[str, Any]:
     """Train every case in turn on this rank (one process group for all), then try to build an
-    engine for every error case; return the results and the error messages."""
+    engine for every error case, then (with ``checkpoint_dir``) save and resume; return the
+    results, the error messages and the checkpoint run."""
     if not tie_sync:
         from pipedialect.dialects.torch import _ties
 
@@ -102,7 +104,58 @@ def run_cases(
         results.append(_one(case))
         dist.barrier()
     errors = [_build_error(case) for case in error_cases]
-    return {"rank": dist.get_rank(), "results": results, "errors": errors}
+    resumed = None if checkpoint_dir is None else _checkpoint_run(checkpoint_dir)
+    return {"rank": dist.get_rank(), "results": results, "errors": errors, "resumed": resumed}
+
+
+def _engine(name: str, stages: int, schedule: str, config: dict[str, Any], seed: int) -> Any:
+    spec = spec_for(name)
+    plan = partition(spec.build(seed), spec.split_points_for(stages))
+    dialect = pipedialect.get_dialect("torch")
+    module = dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn, schedule=schedule)
+    return plan, dialect.runtime_engine(module, config=config)
+
+
+def _checkpoint_run(ckpt_dir: str, save_at: int = 2, steps: int = 4) -> dict[str, Any]:
+    """Train ``steps`` steps saving after ``save_at``; resume a fresh engine (other initial
+    weights) from the checkpoint and train the same remaining steps; then try to load the
+    checkpoint into an engine of another plan."""
+    gas, micro = 2, 2
+    config = ds_config("adam", gas=gas, micro=micro)
+    spec = spec_for("gpt")
+    plan, engine = _engine("gpt", 4, "interleaved_1f1b", config, seed=0)
+    data = data_stream(spec, steps * gas, micro)
+    losses = []
+    for step in range(steps):
+        losses.append(float(engine.train_batch(data_iter=data)))
+        if step + 1 == save_at:
+            engine.save_checkpoint(ckpt_dir, tag="mid", client_state={"step": save_at})
+    plan2, engine2 = _engine("gpt", 4, "interleaved_1f1b", config, seed=7)
+    path, client = engine2.load_checkpoint(ckpt_dir)  # the tag from "latest"
+    data = data_stream(spec, steps * gas, micro)
+    for _ in range(save_at * gas):
+        next(data)
+    resumed = [float(engine2.train_batch(data_iter=data)) for _ in range(steps - save_at)]
+    same = all(
+        torch.equal(p, q)
+        for k in engine.stage_ids
+        for p, q in zip(plan.stages[k].parameters(), plan2.stages[k].parameters(), strict=True)
+    )
+    _, other = _engine("gpt", 2, "1f1b", config, seed=0)
+    try:
+        other.load_checkpoint(ckpt_dir, tag="mid")
+        refused = "no error"
+    except pipedialect.PipeDialectError as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    return {
+        "losses": losses,
+        "resumed": resumed,
+        "client": client,
+        "path": path,
+        "params_equal": same,
+        "refused": refused,
+        "global_steps": engine2.global_steps,
+    }
 
 
 def _build_error(case: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ end, every parameter of every stage by its original name.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import _torch_workers as workers
@@ -190,6 +191,24 @@ def test_rich_boundaries_dicts_none_ints_bools_nograd_floats_several_gradients()
     launched = launch(workers.run_cases, 2, cases, timeout=TIMEOUT)
     for per_rank in by_case(launched):
         check_case(per_rank)
+
+
+def test_checkpoint_resume_continues_with_the_uninterrupted_losses(tmp_path: Path) -> None:
+    """Saved after 2 of 4 steps (interleaved, tie across ranks, Adam state), resumed into an
+    engine built from other initial weights: the last 2 steps are the uninterrupted ones."""
+    launched = launch(workers.run_cases, 2, [], True, (), str(tmp_path), timeout=TIMEOUT)
+    for r in launched:
+        run = r["resumed"]
+        assert run["resumed"] == run["losses"][2:]  # exactly, not approximately
+        assert run["params_equal"]
+        assert run["client"] == {"step": 2}
+        assert run["global_steps"] == 4
+        assert run["path"] == str(tmp_path / "mid")
+        assert run["refused"].startswith("CheckpointError"), run["refused"]
+    assert sorted(p.name for p in (tmp_path / "mid").iterdir()) == [
+        "torch_engine_rank0.pt",
+        "torch_engine_rank1.pt",
+    ]
 
 
 def test_tie_sync_is_what_makes_split_ties_exact() -> None:

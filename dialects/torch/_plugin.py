@@ -58,6 +58,7 @@ class TorchDialect(Dialect):
             Capability.PYTHON_VALUES,
             Capability.SKIP_CONNECTIONS,
             Capability.MULTI_PROCESS,
+            Capability.CHECKPOINTS,
         }
     )
 

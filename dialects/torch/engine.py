@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedialect import ConfigError
+from pipedialect import CheckpointError, ConfigError
 from pipedialect.dialects.local.config import TrainingConfig, build_optimizer, parse_config
 from pipedialect.partition import PipelinePlan
 
@@ -318,6 +319,134 @@ class TorchEngine:
         if return_logits:
             return mean, self.module.context.last_output if self.module.holds_last else None
         return mean
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> bool:
+        """Save this rank's stages, optimizer state and step count under ``save_dir/tag``.
+
+        Every rank calls it (see [Note: torch checkpoints]); returns True as DeepSpeed does.
+        """
+        tag = tag or f"global_step{self.global_steps}"
+        _Checkpoints.save(self, save_dir, tag, client_state or {})
+        dist.barrier()
+        if save_latest and self.module.rank == 0:
+            (Path(save_dir) / _LATEST_FILE).write_text(tag)
+        dist.barrier()
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load what :meth:`save_checkpoint` saved; return ``(path, client_state)``.
+
+        Without ``tag``, the one recorded in ``load_dir/latest``; ``(None, None)`` when there is
+        none, as DeepSpeed returns. Every rank calls it.
+        """
+        if tag is None:
+            latest = Path(load_dir) / _LATEST_FILE
+            if not latest.is_file():
+                logger.warning(
+                    "no checkpoint tag given and no %s file in %s", _LATEST_FILE, load_dir
+                )
+                return None, None
+            tag = latest.read_text().strip()
+        path = Path(load_dir) / tag
+        client_state = _Checkpoints.load(self, path, load_optimizer_states)
+        return str(path), client_state
+
+
+_LATEST_FILE = "latest"
+
+
+def _rank_file(rank: int) -> str:
+    return f"torch_engine_rank{rank}.pt"
+
+
+class _Checkpoints:
+    """[Note: torch checkpoints] One file per rank under ``save_dir/tag``.
+
+    Each rank saves the state of the stages it runs (by stage id, parameters under their
+    original names), its optimizer's state, the step count, the plan's fingerprint and the
+    placement; rank 0 records the tag in ``save_dir/latest``. Loading checks that the plan and
+    the placement are the same (the optimizer state is per rank), loads, and broadcasts the
+    tied weights again (every copy was saved, so this only guards against a mixed-up file).
+    """
+
+    @staticmethod
+    def save(
+        engine: TorchEngine, save_dir: str | Path, tag: str, client_state: Mapping[str, Any]
+    ) -> Path:
+        module = engine.module
+        path = Path(save_dir) / tag
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "stages": {k: module.plan.stages[k].state_dict() for k in module.stage_ids},
+                "optimizer": engine.optimizer.state_dict(),
+                "global_steps": engine.global_steps,
+                "client_state": dict(client_state),
+                "plan": module.plan.fingerprint(),
+                "placement": module.placement,
+            },
+            path / _rank_file(module.rank),
+        )
+        return path
+
+    @staticmethod
+    def load(engine: TorchEngine, path: Path, load_optimizer_states: bool) -> dict[str, Any]:
+        module = engine.module
+        state: dict[str, Any] = {}
+        problem: str | None = None
+        try:
+            state = _Checkpoints._read(module, path)
+        except CheckpointError as exc:
+            problem = str(exc)
+        # Every rank learns whether every other one can load, so none is left waiting in the
+        # broadcast below while another has raised.
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        failed = [p for p in problems if p is not None]
+        if failed:
+            raise CheckpointError(failed[0] if problem is None else problem)
+        for k in module.stage_ids:
+            module.plan.stages[k].load_state_dict(state["stages"][k])
+        if load_optimizer_states:
+            engine.optimizer.load_state_dict(state["optimizer"])
+        engine.global_steps = int(state["global_steps"])
+        module.ties.broadcast_weights()
+        return dict(state["client_state"])
+
+    @staticmethod
+    def _read(module: TorchPipeline, path: Path) -> dict[str, Any]:
+        file = path / _rank_file(module.rank)
+        if not file.is_file():
+            raise CheckpointError(
+                f"rank {module.rank} finds no {file.name} in {path}; load a checkpoint saved by "
+                f"the same number of ranks ({module.num_ranks})"
+            )
+        state: dict[str, Any] = torch.load(file, map_location=module.device, weights_only=True)
+        if state.get("plan") != module.plan.fingerprint():
+            raise CheckpointError(
+                f"checkpoint {file} was saved from a different pipeline plan; partition the same "
+                "model with the same split points before loading it"
+            )
+        if dict(state.get("placement", {})) != module.placement:
+            raise CheckpointError(
+                f"checkpoint {file} was saved with stages placed as {state.get('placement')}, "
+                f"but this run places them as {module.placement}; use the same schedule family "
+                "and number of ranks"
+            )
+        return state
 
 
 def build_engine(module: nn.Module, config: Mapping[str, Any] | None) -> TorchEngine:
