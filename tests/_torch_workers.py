@@ -171,3 +171,18 @@ def _build_error(case: dict[str, Any]) -> str:
         dist.barrier()  # every rank got here: nothing hung half-way through a collective
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def new_shape_mid_run() -> None:
+    """The third micro-batch has a longer sequence than the first two: the sender must refuse."""
+    spec = get_model("gpt")
+    plan = partition(spec.build(0), spec.split_points_for(2))
+    dialect = pipedialect.get_dialect("torch")
+    dialect.init_distributed()
+    config = ds_config("sgd", gas=4, micro=2)
+    module = dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn)
+    engine = dialect.runtime_engine(module, config=config)
+    batches = list(spec.micro_batches(4, batch_size=2, seed=DATA_SEED))
+    ids, labels = batches[2]
+    batches[2] = (ids[:, :6].contiguous(), labels[:, :6].contiguous())
+    engine.train_batch(iter(batches))

@@ -15,6 +15,7 @@ import _torch_workers as workers
 import pytest
 import torch
 
+from pipedialect import LaunchError
 from pipedialect.testing.launcher import launch
 
 pytestmark = pytest.mark.distributed
@@ -252,6 +253,16 @@ def test_three_ranks_middle_rank_reads_no_data_and_bad_placements_fail_alike() -
     assert fits.startswith("TopologyError") and "2 stages" in fits and "3" in fits, fits
     assert looped.startswith("TopologyError") and "4 stages" in looped, looped
     assert world.startswith("TopologyError") and "process group has 3" in world, world
+
+
+def test_a_changed_boundary_shape_is_the_named_error_not_torchs_runtime_error() -> None:
+    """Torch wraps what a stage raises in a RuntimeError; the engine surfaces ours."""
+    with pytest.raises(LaunchError) as info:
+        launch(workers.new_shape_mid_run, 2, timeout=TIMEOUT)
+    message = str(info.value)
+    assert "rank 0" in message.splitlines()[0]  # the sending stage's rank failed first
+    assert "StructureChangedError: [Stage 0] tensor at" in message, message
+    assert "changed shape from (2, 8, 16) to (2, 6, 16)" in message, message
 
 
 def _grid(pipe: int) -> Any:

@@ -115,6 +115,10 @@ def resolve_schedule(name: object, *, installed: bool = True) -> ScheduleSpec:
     return spec
 
 
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
 def stage_to_rank(spec: ScheduleSpec, num_stages: int, num_ranks: int) -> dict[int, int]:
     """Map every stage id to its pipeline rank ([Note: stage placement]).
 
@@ -135,7 +139,7 @@ def stage_to_rank(spec: ScheduleSpec, num_stages: int, num_ranks: int) -> dict[i
         if per_rank != 1:
             raise TopologyError(
                 f"schedule {spec.name!r} runs one stage per rank, but the plan has {num_stages} "
-                f"stages for {num_ranks} ranks; launch {num_stages} ranks, or use a looped "
+                f"stages for {num_ranks} ranks; launch {_ranks(num_stages)}, or use a looped "
                 "schedule such as 'interleaved_1f1b' for several stages per rank"
             )
         return {k: k for k in range(num_stages)}
@@ -145,6 +149,6 @@ def stage_to_rank(spec: ScheduleSpec, num_stages: int, num_ranks: int) -> dict[i
         raise TopologyError(
             f"schedule {spec.name!r} is V-shaped: exactly 2 stages per rank, but the plan has "
             f"{num_stages} stages for {num_ranks} ranks; partition the model into "
-            f"{2 * num_ranks} stages, or launch {num_stages // 2 or 1} ranks"
+            f"{2 * num_ranks} stages, or launch {_ranks(num_stages // 2 or 1)}"
         )
     return {k: k if k < num_ranks else 2 * num_ranks - 1 - k for k in range(num_stages)}

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedialect import CheckpointError, ConfigError
+from pipedialect import CheckpointError, ConfigError, PipeDialectError
 from pipedialect.dialects.local.config import TrainingConfig, build_optimizer, parse_config
 from pipedialect.partition import PipelinePlan
 
@@ -190,10 +190,18 @@ class TorchPipeline(nn.Module):
         index = torch.arange(count)
         args = (index,) if self.holds_first else ()
         target = index if self.holds_last else None
-        if train:
-            schedule.step(*args, target=target, return_outputs=False)
-        else:
-            schedule.eval(*args, target=target, return_outputs=False)
+        try:
+            if train:
+                schedule.step(*args, target=target, return_outputs=False)
+            else:
+                schedule.eval(*args, target=target, return_outputs=False)
+        except Exception as exc:
+            # Torch wraps what a stage raises in a RuntimeError of its own; a pipedialect error
+            # (a changed boundary structure, say) is what the user needs to see.
+            ours = _pipedialect_cause(exc)
+            if ours is None:
+                raise
+            raise ours from None
         if not self.holds_last:
             return torch.zeros((), device=self.device)
         missing = [i for i in range(count) if i not in self.context.losses]
@@ -203,6 +211,18 @@ class TorchPipeline(nn.Module):
         for i in range(1, count):
             total += self.context.losses[i]
         return (total / count).to(self.device)
+
+
+def _pipedialect_cause(exc: BaseException) -> PipeDialectError | None:
+    """The first :class:`~pipedialect.PipeDialectError` in ``exc``'s chain of causes."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PipeDialectError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 class TorchEngine:
