@@ -1,19 +1,44 @@
-"""The pytest plugin of pipedialect (entry point ``pytest11``).
+"""The pytest plugin of pipedialect (entry point ``pytest11``): delivers the conformance suite.
 
-It is inert unless asked: it only adds the ``--dialect`` option, which the conformance suite
-reads. Installing pipedialect therefore changes nothing about other projects' test runs.
+It is inert unless asked. It adds options (``--dialect``, ``--dialect-option``,
+``--conformance-timeout``) and markers, and acts only on the suite's own tests: those collected
+without a ``--dialect`` (say, a project whose test module imports the suite but runs without the
+option) are deselected, never run and never an error. Nothing heavy is imported until a suite
+test is collected.
+
+With ``--dialect NAME`` (several allowed) the suite's tests are parametrized over the dialects;
+the suite (``pytest --pyargs pipedialect.testing.suite --dialect NAME``, or a test module doing
+``from pipedialect.testing.suite import *``) then runs against each, and a per-area summary ends
+the output.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-__all__ = ["pytest_addoption"]
+from ._session import AREA_MARKER, DIALECT_FIXTURE, Outcome, area_of, session
+
+__all__ = [
+    "pipedialect_name",
+    "pytest_addoption",
+    "pytest_collection_modifyitems",
+    "pytest_configure",
+    "pytest_generate_tests",
+]
+
+_MARKERS = (
+    f"{AREA_MARKER}(name): the conformance-suite contract area a test belongs to",
+    "pipedialect_requires(*capabilities): run only against dialects declaring them all",
+    "pipedialect_refuses(*capabilities): run only against dialects declaring none of them",
+    "pipedialect_runs: the test runs the dialect's stages or engines",
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """Add ``--dialect NAME``: the dialect the conformance suite runs against."""
-    group = parser.getgroup("pipedialect")
+    """Add the options that point the conformance suite at installed dialects."""
+    group = parser.getgroup("pipedialect", "pipedialect conformance suite")
     group.addoption(
         "--dialect",
         action="append",
@@ -22,3 +47,136 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the pipedialect conformance suite against this installed dialect "
         "(may be given several times)",
     )
+    group.addoption(
+        "--dialect-option",
+        action="append",
+        default=[],
+        metavar="[DIALECT:][runtime.]KEY=VALUE",
+        help="extra keyword argument for the dialect's pipe_engine (runtime_engine with the "
+        "'runtime.' prefix); VALUE is a Python literal or a string (may be given several times)",
+    )
+    group.addoption(
+        "--conformance-timeout",
+        type=float,
+        default=180.0,
+        metavar="SECONDS",
+        help="stop a multi-process run in which no case finishes for this long (default 180)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the suite's markers and, when asked for, its per-area summary."""
+    for line in _MARKERS:
+        config.addinivalue_line("markers", line)
+    options = config.getoption("dialect_option", default=[]) or []
+    if options:
+        from ..errors import ConfigError
+        from ._options import parse_dialect_options
+
+        try:
+            parse_dialect_options(options, "")
+        except ConfigError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    state = session(config)
+    state.raw_options = list(options)
+    state.case_timeout = float(config.getoption("conformance_timeout", default=180.0) or 180.0)
+    config.pluginmanager.register(_Reporter(config), "pipedialect-conformance-reporter")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize the suite's tests with the ``--dialect`` names."""
+    if DIALECT_FIXTURE not in metafunc.fixturenames:
+        return
+    names = list(dict.fromkeys(metafunc.config.getoption("dialect", default=[]) or []))
+    if names:
+        metafunc.parametrize(DIALECT_FIXTURE, names, ids=names, scope="session")
+
+
+@pytest.fixture
+def pipedialect_name() -> str:
+    """The dialect a suite test runs against; set by ``--dialect`` (parametrized)."""
+    pytest.skip("no --dialect given")  # unreachable: such tests are deselected
+
+
+def _parametrized(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and DIALECT_FIXTURE in callspec.params
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect suite tests that have no dialect; note what the others need."""
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        needs_name = DIALECT_FIXTURE in getattr(item, "fixturenames", ())
+        (drop if needs_name and not _parametrized(item) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+    state = session(config)
+    for item in keep:
+        area = area_of(item)
+        if area is None:
+            continue
+        state.areas[item.nodeid] = area
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None:
+            case = callspec.params.get("case")
+            if isinstance(case, str):
+                state.wanted.add(case)
+            name = callspec.params.get(DIALECT_FIXTURE)
+            if isinstance(name, str):
+                state.dialects[item.nodeid] = name
+
+
+def _detail(report: pytest.TestReport) -> str:
+    crash: Any = getattr(report.longrepr, "reprcrash", None)
+    message = str(getattr(crash, "message", "") or "")
+    if message:
+        return message.removeprefix("Failed: ").removeprefix("AssertionError: ")
+    return report.longreprtext
+
+
+class _Reporter:
+    """Collects suite outcomes by area and prints the summary."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        state = session(self.config)
+        area = state.areas.get(report.nodeid)
+        if area is None:
+            return
+        outcome = state.outcomes.setdefault(report.nodeid, Outcome(area, report.nodeid))
+        if outcome.status == "failed":
+            return
+        if report.failed:
+            outcome.status, outcome.detail = "failed", _detail(report)
+        elif report.skipped:
+            reason = _skip_reason(report)
+            from ._requirements import CAPABILITY_SKIP_PREFIX
+
+            if reason.startswith(CAPABILITY_SKIP_PREFIX):
+                outcome.status = "capability"
+                outcome.detail = reason.removeprefix(CAPABILITY_SKIP_PREFIX).strip()
+            else:
+                outcome.status, outcome.detail = "skipped", reason
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        state = session(self.config)
+        if not state.outcomes:
+            return
+        from ._report import format_summary
+
+        terminalreporter.section("pipedialect conformance summary")
+        for line in format_summary(state):
+            terminalreporter.write_line(line)
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
