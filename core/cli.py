@@ -13,6 +13,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from ._cli_check import add_check_parser
 from .plugins import DialectInfo, list_dialects
 
 __all__ = ["main"]
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--no-plot", action="store_true", help="write no PNG")
     p_demo.add_argument("--cpu", action="store_true", help="use gloo on CPUs even with GPUs")
     p_demo.set_defaults(func=_cmd_demo)
+    add_check_parser(sub)
     return parser
 
 
