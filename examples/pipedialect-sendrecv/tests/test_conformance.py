@@ -1,0 +1,7 @@
+"""pipedialect's conformance suite, run by this project's own CI: ``pytest --dialect sendrecv``.
+
+Importing the suite's classes here is all it takes (as SQLAlchemy's dialect suite works); pytest
+then runs them against every ``--dialect`` given, and without one it runs none of them.
+"""
+
+from pipedialect.testing.suite import *  # noqa: F403
