@@ -1,0 +1,165 @@
+"""The conformance suite against real dialects: ``pipedialect check`` in fresh interpreters.
+
+- ``deepspeed`` (multi-process, gloo) passes it.
+- The example third-party dialect (examples/pipedialect-sendrecv, registered by its entry point)
+  passes it, with plain ``pipedialect check`` and with its own CI file under plain pytest.
+- Its deliberately broken variants (tests/plugins/sendrecv_broken) each fail it with a message
+  naming the contract they break: the suite is shown to catch bugs.
+
+The two distributions are copied and pip-installed into target directories once per session and
+put on the checks' PYTHONPATH, so entry points are found exactly as in a user's environment.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.fixture(scope="session")
+def third_party(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Install the example dialect and its broken variants; return their target directories."""
+    root = tmp_path_factory.mktemp("third-party")
+    targets = []
+    for name, source in (
+        ("sendrecv", ROOT / "examples" / "pipedialect-sendrecv"),
+        ("sendrecv_broken", ROOT / "tests" / "plugins" / "sendrecv_broken"),
+    ):
+        # Build from a copy: pip writes build/ and *.egg-info next to the sources.
+        copy = root / f"{name}-src"
+        shutil.copytree(source, copy, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+        target = root / name
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                "--target",
+                str(target),
+                str(copy),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        targets.append(target)
+    return targets
+
+
+def run(
+    argv: list[str],
+    cwd: Path,
+    paths: list[Path] = (),
+    timeout: float = 900,  # type: ignore[assignment]
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
+    return subprocess.run(
+        argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def summary(proc: subprocess.CompletedProcess[str]) -> str:
+    """The suite's summary section (or everything, to show why it is missing)."""
+    _, found, rest = proc.stdout.partition("pipedialect conformance summary")
+    return rest if found else proc.stdout[-8000:] + proc.stderr[-4000:]
+
+
+def test_deepspeed_passes_the_suite(tmp_path: Path) -> None:
+    proc = run([sys.executable, "-c", CHECK, "check", "deepspeed"], tmp_path)
+    text = summary(proc)
+    assert proc.returncode == 0, text
+    assert "conformance of 'deepspeed': PASSED" in text
+    # Declared, so tested: multi-process training, data parallel, checkpoints.
+    assert "does not declare dynamic-shapes" in text
+    assert "does not declare data-parallel" not in text
+    assert "does not declare checkpoints" not in text
+
+
+def test_example_dialect_passes_the_suite(third_party: list[Path], tmp_path: Path) -> None:
+    proc = run([sys.executable, "-c", CHECK, "check", "sendrecv"], tmp_path, third_party)
+    text = summary(proc)
+    assert proc.returncode == 0, text
+    assert "dialect 'sendrecv' declares: data-parallel, dynamic-shapes" in text
+    assert "1 test(s): dialect 'sendrecv' does not declare checkpoints" in text
+    assert "conformance of 'sendrecv': PASSED" in text
+
+
+def test_example_runs_the_suite_from_its_own_test_file(
+    third_party: list[Path], tmp_path: Path
+) -> None:
+    """What a third party's CI does: its test module imports the suite; plain pytest runs it."""
+    tests = ROOT / "examples" / "pipedialect-sendrecv" / "tests"
+    argv = [sys.executable, "-m", "pytest", str(tests), "-p", "no:cacheprovider", "-q"]
+    proc = run(
+        [*argv, "--dialect", "sendrecv", "-k", "registration or codec"], tmp_path, third_party
+    )
+    assert proc.returncode == 0, summary(proc)
+    assert "8 passed" in proc.stdout
+    assert "conformance of 'sendrecv': PASSED" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("variant", "select", "expected"),
+    [
+        (
+            "notiesync",
+            "tied_training and gpt-2 and not 2x2",
+            [
+                "[ties] TestTies::test_tied_training_matches_unsplit[sendrecv-notiesync-gpt-2]",
+                "tied weights [gpt, 2 stages]: parameter wte.weight on stage 0 (rank 0) differs "
+                "from the unsplit model after step 1",
+                "tied weights [gpt, 2 stages]: parameter lm_head.weight on stage 1 (rank 1) "
+                "differs from the unsplit model after step 1",
+                "sum their gradients every step",
+            ],
+        ),
+        (
+            "nokeys",
+            "codec or matches_unsplit and mixed-2",
+            [
+                "[codec] TestCodec::test_round_trip[sendrecv-nokeys]",
+                "decode(encode(value)) differs from the value at",
+                "[training] TestTraining::test_matches_unsplit[sendrecv-nokeys-mixed-2]",
+                "boundary [mixed, 2 stages]: [Stage 1] on rank 1 received 'submod_0'",
+                "dict keys ['0', '1', '2', '3', '4', '5'] instead of ['h', 'mask', 'ids', "
+                "'scale', 'extra', 'factor']",
+            ],
+        ),
+        (
+            "reorder",
+            "matches_unsplit and skip-2",
+            [
+                "[training] TestTraining::test_matches_unsplit[sendrecv-reorder-skip-2]",
+                "boundary [skip, 2 stages]: [Stage 1] on rank 1 received 'submod_0.1' (value 1 "
+                "of 2 crossing into stage 1",
+                "the boundary's values arrive reordered",
+            ],
+        ),
+    ],
+)
+def test_broken_variant_fails_naming_the_broken_contract(
+    third_party: list[Path], tmp_path: Path, variant: str, select: str, expected: list[str]
+) -> None:
+    name = f"sendrecv-{variant}"
+    proc = run([sys.executable, "-c", CHECK, "check", name, "-k", select], tmp_path, third_party)
+    text = summary(proc)
+    assert proc.returncode == 1, text
+    assert f"conformance of {name!r}: FAILED" in text
+    flat = " ".join(text.split())
+    for fragment in expected:
+        assert " ".join(fragment.split()) in flat, fragment
