@@ -1,7 +1,8 @@
 """Splitting a model into pipeline stages: :func:`partition` and the :class:`PipelinePlan`.
 
 ``partition(model, ["blocks.3", "blocks.7"])`` captures the model's forward with torch.fx as one
-flat graph in which every split point is a single call, puts the stage boundary after each split
+flat graph in which every split point is a single call (or, given ``example_inputs``, with
+torch.export: [Note: export capture] in ``_export``), puts the stage boundary after each split
 point's call (Slapo's ``cut_pipeline_stage``), and cuts the graph into one GraphModule per stage
 whose parameters keep the original model's names (see ``_fx`` [Note: own splitter]). The plan
 also says what each stage receives and sends ([Note: liveness] in :mod:`pipedialect.liveness`)
@@ -22,7 +23,7 @@ from typing import Any, TypeVar, overload
 
 from torch import fx, nn
 
-from . import _fx
+from . import _export, _fx
 from .errors import PartitionError, SplitPointError
 from .liveness import compute_liveness
 from .stage import StageWrapper
@@ -149,6 +150,7 @@ def partition(
     *,
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
+    example_inputs: Mapping[str, Any] | None = None,
 ) -> PipelinePlan:
     """Cut ``model`` into ``len(split_points) + 1`` pipeline stages.
 
@@ -160,26 +162,47 @@ def partition(
         concrete_args: values fixed at capture time for forward parameters that steer control
             flow (``{"use_cache": False}``); they are not plan inputs.
         leaf_modules: module paths or classes fx must call rather than trace through.
+        example_inputs: ``{parameter name: tensor}``, one micro-batch of the model's inputs.
+            Given, the forward is captured with ``torch.export`` (non-strict) instead of
+            torch.fx: the plan's inputs are exactly these names, in forward's signature order,
+            every other parameter keeps its default unless ``concrete_args`` fixes it (a
+            forward taking ``**kwargs`` accepts other names there, e.g. ``return_dict``), and
+            the stages are specialised to these shapes and dtypes (stage 0 checks them) and to
+            the model's current train/eval mode. This is the route for code fx cannot trace,
+            such as transformers models ([Note: export capture] in ``_export``); it does not
+            take ``leaf_modules``.
 
     Raises:
         SplitPointError: a split point is unknown, never called, called more than once, out of
             execution order, or leaves the last stage empty.
-        CaptureError: torch.fx cannot capture the forward (the message says what to try).
+        CaptureError: torch.fx or torch.export cannot capture the forward (the message says
+            what to try).
+        PartitionError: ``leaf_modules`` given together with ``example_inputs``.
     """
     points = _normalise_split_points(split_points)
     canonical = {id(m): name for name, m in model.named_modules()}
     point_modules = [_resolve_split_point(model, path) for path in points]
-    leaf_ids, leaf_types, leaf_paths = _resolve_leaves(model, leaf_modules or ())
-    captured = _fx.capture(
-        model,
-        leaf_ids=frozenset(id(m) for m in point_modules) | leaf_ids,
-        leaf_types=leaf_types,
-        concrete_args=concrete_args,
-    )
-    try:
-        split_nodes = _locate(
-            model, captured.graph, points, [canonical[id(m)] for m in point_modules], leaf_paths
+    targets = [canonical[id(m)] for m in point_modules]
+    if example_inputs is not None:
+        if leaf_modules:
+            raise PartitionError(
+                "leaf_modules steers the torch.fx capture; with example_inputs the forward is "
+                "captured with torch.export, which has no leaf modules. Drop one of them."
+            )
+        captured = _export.capture(model, example_inputs, concrete_args or {})
+    else:
+        leaf_ids, leaf_types, leaf_paths = _resolve_leaves(model, leaf_modules or ())
+        captured = _fx.capture(
+            model,
+            leaf_ids=frozenset(id(m) for m in point_modules) | leaf_ids,
+            leaf_types=leaf_types,
+            concrete_args=concrete_args,
         )
+    try:
+        if example_inputs is not None:
+            split_nodes = _export.locate(captured.graph, points, targets)
+        else:
+            split_nodes = _locate(model, captured.graph, points, targets, leaf_paths)
         stage_of = _fx.assign_stages(captured.graph, split_nodes)
         num_stages = len(points) + 1
         if points and not any(s == num_stages - 1 for s in stage_of.values()):

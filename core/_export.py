@@ -1,0 +1,445 @@
+"""torch.export capture behind ``partition(..., example_inputs=...)``.
+
+[Note: export capture]
+torch.fx traces symbolically: a value that reaches Python control flow (``if mask.ndim < 4``,
+``if batch_size != ids.shape[0]``) stops it, and so does a ``functools.wraps`` decorator on
+the root forward whose inner function takes ``**kwargs``. transformers 5 models are written
+that way throughout (their masks are built by free functions, which ``leaf_modules`` cannot
+reach), and transformers 5 no longer ships its own fx tracer. ``torch.export`` in non-strict
+mode runs the forward as ordinary Python on fake tensors: shape control flow is decided on the
+example inputs, decorators and context variables just run, and data-dependent control flow is
+an error rather than a silent guess. transformers tests its models against it.
+
+The exported program is turned into the same flat ``fx.Graph`` the fx capture produces, so the
+splitter, liveness and tie analysis are shared ([Note: own splitter] in ``_fx``):
+
+- every use of a parameter or buffer becomes a ``get_attr`` of the original model, named as
+  the module that uses it holds it (a weight tied between ``transformer.wte`` and ``lm_head``
+  is ``transformer.wte.weight`` in the embedding's stage and ``lm_head.weight`` in the head's),
+  so stages share the model's Parameter objects and a tie is found by identity;
+- tensor constants and subgraph modules are set on the model under fresh names until the
+  stages hold them, like the constants fx's tracer adds;
+- the example inputs become placeholders named after forward's parameters, in signature order;
+  the fixed arguments (``concrete_args``) disappear;
+- the asserts export adds on input metadata are dropped (they pin the capture's device); in
+  their place the first stage checks each input's shape and dtype against the example, since
+  the graph is specialised to them;
+- in-place updates of buffers (BatchNorm's running statistics, ``self.buf = ...``) stay
+  in-place ops on the model's buffers, as export's training IR records them;
+- the output keeps the model's structure when it is made of tuples, lists, dicts and None.
+
+A split point's computation is the run of nodes whose ``nn_module_stack`` names its module;
+the stage boundary follows the last of them.
+
+What export fixes at capture time: tensor shapes (micro-batches must have the example inputs'
+shapes), dtypes, and the train/eval mode (dropout is recorded as it ran, so the captured graph
+applies it in ``eval_batch`` too). Devices it also writes into the graph; those are made to
+follow the stage's tensors again, so a plan captured on the CPU runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.export.graph_signature import (
+    ConstantArgument,
+    InputKind,
+    OutputKind,
+    TensorArgument,
+)
+
+from ._fx import Captured, remove_attrs
+from .errors import CaptureError, SplitPointError, StructureChangedError
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+# Checks export adds on tensor metadata; none has users.
+_DROPPED = frozenset(
+    {
+        torch.ops.aten._assert_tensor_metadata.default,
+        torch.ops.aten._assert_scalar.default,
+        torch.ops.aten.sym_constrain_range_for_size.default,
+    }
+)
+
+_OUTPUT_CONTAINERS = (tuple, list, dict)
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Mapping[str, Any],
+    fixed: Mapping[str, Any],
+) -> Captured:
+    """Capture ``model`` with torch.export on ``example_inputs``; ``fixed`` are constant args."""
+    kwargs = _call_kwargs(model, _unaliased(example_inputs), fixed)
+    try:
+        program = torch.export.export(model, (), kwargs, strict=False)
+    except Exception as exc:
+        raise CaptureError(_export_message(model, exc)) from exc
+    _, in_spec = pytree.tree_flatten(((), kwargs))
+    if program.call_spec.in_spec != in_spec:
+        raise CaptureError(
+            f"torch.export reordered the inputs of {type(model).__name__}.forward "
+            f"({program.call_spec.in_spec}); pass example_inputs and concrete_args by name"
+        )
+    added: list[str] = []
+    try:
+        graph = _to_fx_graph(model, program, list(kwargs), added)
+    except CaptureError:
+        remove_attrs(model, added)
+        raise
+    dropouts = [
+        n
+        for n in graph.nodes
+        if n.target is torch.ops.aten.dropout.default and n.args[1] > 0 and n.args[2] is True
+    ]
+    if dropouts:
+        logger.warning(
+            "%s was captured in training mode with %d active dropout op(s); the stages apply "
+            "them in eval_batch too. Partition a copy in eval mode for evaluation without them.",
+            type(model).__name__,
+            len(dropouts),
+        )
+    logger.debug("torch.export captured %s: %d nodes", type(model).__name__, len(graph.nodes))
+    return Captured(graph, added)
+
+
+def _call_kwargs(
+    model: nn.Module, example_inputs: Mapping[str, Any], fixed: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The keyword arguments of the capture call: inputs and fixed values, signature order."""
+    name = type(model).__name__
+    params = inspect.signature(model.forward).parameters
+    named = [
+        p.name
+        for p in params.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if not example_inputs:
+        raise CaptureError(
+            f"example_inputs is empty: name at least one input of {name}.forward "
+            f"(its parameters: {named})"
+        )
+    for key, value in example_inputs.items():
+        if key not in named:
+            raise CaptureError(
+                f"example_inputs names {key!r}, which is not a parameter of {name}.forward "
+                f"(its parameters: {named})"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise CaptureError(
+                f"example input {key!r} is a {type(value).__name__}, not a tensor; a plan input "
+                f"is one tensor. Fix a non-tensor argument with concrete_args={{{key!r}: ...}}"
+            )
+    for key, value in fixed.items():
+        if key in example_inputs:
+            raise CaptureError(
+                f"{key!r} is both an example input and a concrete argument; name it in one of them"
+            )
+        if key not in named and not takes_kwargs:
+            raise CaptureError(
+                f"concrete_args names {key!r}, which {name}.forward does not take "
+                f"(its parameters: {named})"
+            )
+        leaves = pytree.tree_leaves(value)
+        if any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            raise CaptureError(
+                f"concrete argument {key!r} holds a tensor; with example_inputs, tensors are "
+                f"inputs: move {key!r} to example_inputs"
+            )
+    given = {**example_inputs, **fixed}
+    ordered = {k: given[k] for k in named if k in given}
+    ordered.update((k, v) for k, v in fixed.items() if k not in ordered)
+    return ordered
+
+
+def _unaliased(example_inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Copy example inputs that share memory with an earlier one.
+
+    torch.export gives inputs that alias one placeholder, so the graph could not tell them apart
+    on later micro-batches (``decoder_input_ids=input_ids`` would read ``input_ids`` forever).
+    """
+    seen: set[int] = set()
+    unaliased: dict[str, Any] = {}
+    for key, value in example_inputs.items():
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            ptr = value.untyped_storage().data_ptr()
+            if ptr in seen:
+                value = value.clone()
+            seen.add(ptr)
+        unaliased[key] = value
+    return unaliased
+
+
+def _export_message(model: nn.Module, exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return (
+        f"torch.export could not capture {type(model).__name__}.forward: "
+        f"{type(exc).__name__}: {first}. "
+        "Fix flags and optional arguments with concrete_args (for transformers models: "
+        "{'return_dict': False, 'use_cache': False}), give every tensor the forward needs in "
+        "example_inputs, and choose an attention implementation without data-dependent "
+        "control flow (attn_implementation='eager' in the config)."
+    )
+
+
+def _to_fx_graph(
+    model: nn.Module, program: torch.export.ExportedProgram, names: Sequence[str], added: list[str]
+) -> fx.Graph:
+    """Rebuild the exported graph on the original model's attributes ([Note: export capture])."""
+    signature = program.graph_signature
+    old_nodes = list(program.graph.nodes)
+    placeholders = [n for n in old_nodes if n.op == "placeholder"]
+    aliases = _parameter_aliases(model)
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    # State placeholder -> name of the tensor in the model (parameters, buffers) or a fresh one.
+    state: dict[fx.Node, str] = {}
+    user_inputs = iter(names)
+    inputs: list[tuple[str, fx.Node]] = []
+    for node, spec in zip(placeholders, signature.input_specs, strict=True):
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            state[node] = str(spec.target)
+        elif spec.kind is InputKind.CONSTANT_TENSOR:
+            state[node] = _attach(model, program.constants[str(spec.target)], added)
+        elif spec.kind is InputKind.USER_INPUT:
+            name = next(user_inputs)
+            if isinstance(spec.arg, TensorArgument):
+                inputs.append((name, node))
+            elif node.users:
+                raise CaptureError(f"the fixed argument {name!r} is used as a graph value")
+        else:
+            raise CaptureError(
+                f"torch.export captured {type(model).__name__}.forward with a {spec.kind.name} "
+                f"input ({spec.target!r}), which pipeline stages cannot hold"
+            )
+    for name, node in inputs:
+        ph = graph.placeholder(name)
+        ph.meta = dict(node.meta)
+        env[node] = ph
+    for name, node in inputs:
+        example = node.meta["val"]
+        graph.call_function(check_input, (env[node], name, tuple(example.shape), example.dtype))
+
+    attrs: dict[str, fx.Node] = {}
+
+    def get_attr(target: str) -> fx.Node:
+        if target not in attrs:
+            attrs[target] = graph.get_attr(target)
+        return attrs[target]
+
+    for node in old_nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target in _DROPPED and not node.users:
+            continue
+        if node.op == "get_attr":  # a subgraph of a higher-order op
+            env[node] = get_attr(_attach(model, getattr(program.graph_module, node.target), added))
+            continue
+        # A parameter is fetched under the name the module using it here gives it.
+        local = {
+            src: get_attr(_name_in_module(state[src], aliases, _module_paths(node)))
+            for src in node.all_input_nodes
+            if src in state
+        }
+
+        def arg(n: fx.Node, local: Mapping[fx.Node, fx.Node] = local) -> Any:
+            return local[n] if n in local else env[n]
+
+        env[node] = graph.node_copy(node, arg)
+    output = next(n for n in old_nodes if n.op == "output")
+    graph.output(_output_structure(model, program, output, env))
+    baked = {node.meta["val"].device for _, node in inputs}
+    baked.update(p.device for p in model.parameters())
+    _follow_devices(graph, baked)
+    graph.lint()
+    return graph
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _follow_devices(graph: fx.Graph, baked: set[torch.device]) -> None:
+    """Make the devices export wrote into the graph follow the tensors at run time.
+
+    export records ``torch.arange(n, device=x.device)`` as ``arange(n, device=cpu)`` when it ran
+    on the CPU, so stages moved to a GPU afterwards would create CPU tensors. Every device
+    constant equal to a capture device becomes the device of a tensor the op takes, or else of
+    the nearest tensor computed before it (never a parameter: that would tie it to this stage):
+    a stage runs on one device, so both are the stage's device.
+    """
+    latest: fx.Node | None = None
+    for node in list(graph.nodes):
+        if node.op == "call_function" and _mentions_device(node, baked):
+            own = [n for n in node.all_input_nodes if _is_tensor(n)]
+            ref = own[0] if own else latest
+            if ref is not None:
+                with graph.inserting_before(node):
+                    device = graph.call_function(getattr, (ref, "device"))
+
+                def swap(value: Any, device: fx.Node = device) -> Any:
+                    return device if isinstance(value, torch.device) and value in baked else value
+
+                node.args = tuple(swap(a) for a in node.args)
+                node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+        if node.op in ("placeholder", "call_function") and _is_tensor(node):
+            latest = node
+
+
+def _mentions_device(node: fx.Node, baked: set[torch.device]) -> bool:
+    values = [*node.args, *node.kwargs.values()]
+    return any(isinstance(v, torch.device) and v in baked for v in values)
+
+
+def check_input(value: Any, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Refuse an input whose shape or dtype differs from the example the stages were built on.
+
+    torch.export specialises the graph to the example inputs' shapes; another shape would fail
+    deep inside a stage with an unrelated message, or, where a reshape happens to fit, compute
+    something else.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise StructureChangedError(
+            f"[Stage 0] input {name!r} is a {type(value).__name__}; the plan was captured with a "
+            f"tensor of shape {list(shape)} and dtype {dtype}"
+        )
+    if tuple(value.shape) != shape or value.dtype != dtype:
+        raise StructureChangedError(
+            f"[Stage 0] input {name!r} has shape {list(value.shape)} and dtype {value.dtype}; the "
+            f"plan was captured with example_inputs of shape {list(shape)} and dtype {dtype}, and "
+            "torch.export specialised the stages to them. Feed micro-batches of that shape, or "
+            "partition with example inputs shaped like the micro-batches."
+        )
+
+
+def _attach(model: nn.Module, value: Any, added: list[str]) -> str:
+    """Set ``value`` on ``model`` under a fresh name; remember it for removal."""
+    i = 0
+    while hasattr(model, f"_export_constant{i}"):
+        i += 1
+    name = f"_export_constant{i}"
+    if isinstance(value, nn.Module):
+        model.add_module(name, value)
+    elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        model.register_buffer(name, value, persistent=False)
+    else:
+        setattr(model, name, value)
+    added.append(name)
+    return name
+
+
+def _parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """For every parameter and buffer name, all names the same tensor has in ``model``."""
+    by_id: dict[int, list[str]] = {}
+    tensors = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, tensor in tensors:
+        by_id.setdefault(id(tensor), []).append(name)
+    return {name: by_id[id(tensor)] for name, tensor in tensors}
+
+
+def _module_paths(node: fx.Node) -> list[str]:
+    """The modules whose forward ran ``node``, innermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [str(path) for path, _ in reversed(list(stack.values()))]
+
+
+def _name_in_module(target: str, aliases: Mapping[str, Sequence[str]], paths: Sequence[str]) -> str:
+    """The name of ``target`` as the innermost module using it holds it (ties: its own name)."""
+    names = aliases.get(target, [target])
+    for path in paths:
+        prefix = f"{path}." if path else ""
+        own = [n for n in names if n.startswith(prefix)]
+        if own:
+            return min(own, key=lambda n: (n.count("."), n))
+    return target
+
+
+def _output_structure(
+    model: nn.Module,
+    program: torch.export.ExportedProgram,
+    output: fx.Node,
+    env: Mapping[fx.Node, Any],
+) -> Any:
+    """The model's output as tuples/lists/dicts of the new graph's nodes."""
+    values: list[Any] = []
+    returned = list(output.args[0])  # type: ignore[arg-type]
+    for spec, node in zip(program.graph_signature.output_specs, returned, strict=True):
+        if spec.kind is not OutputKind.USER_OUTPUT:
+            # export's training IR keeps buffer updates as in-place ops (BatchNorm's running
+            # statistics included); an update returned as an output would be lost.
+            raise CaptureError(
+                f"torch.export returned {type(model).__name__}.forward's {spec.kind.name} of "
+                f"{spec.target!r} as an output, which pipeline stages cannot apply"
+            )
+        if isinstance(spec.arg, ConstantArgument):
+            values.append(spec.arg.value)
+        else:
+            values.append(env[node])
+    out_spec = program.call_spec.out_spec
+    _check_output_spec(model, out_spec)
+    return pytree.tree_unflatten(values, out_spec)
+
+
+def _check_output_spec(model: nn.Module, spec: pytree.TreeSpec) -> None:
+    if spec.is_leaf():
+        return
+    if spec.type not in _OUTPUT_CONTAINERS:
+        kind = spec.context if isinstance(spec.context, type) else spec.type  # a namedtuple
+        raise CaptureError(
+            f"{type(model).__name__}.forward returns a {kind.__name__}; the last stage "
+            "can return tuples, lists, dicts, tensors and None. For transformers models pass "
+            "concrete_args={'return_dict': False} to get a tuple."
+        )
+    for child in spec.children():
+        _check_output_spec(model, child)
+
+
+def locate(graph: fx.Graph, points: Sequence[str], targets: Sequence[str]) -> list[fx.Node]:
+    """For every split point, the last node its module computed; check call count and order."""
+    last: dict[str, fx.Node] = {}
+    calls: dict[str, set[str]] = {t: set() for t in targets}
+    position: dict[fx.Node, int] = {}
+    for i, node in enumerate(graph.nodes):
+        position[node] = i
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            if path in calls:
+                calls[path].add(key)
+                last[path] = node
+    found: list[fx.Node] = []
+    for path, target in zip(points, targets, strict=True):
+        if target not in last:
+            raise SplitPointError(
+                f"split point {path!r} computes nothing in the exported graph (forward never "
+                "calls it, or its forward has no tensor operation); choose a module forward "
+                "calls and that computes something"
+            )
+        if len(calls[target]) > 1:
+            raise SplitPointError(
+                f"split point {path!r} is called {len(calls[target])} times in forward; a stage "
+                "boundary must follow exactly one call. Choose a module forward calls once."
+            )
+        found.append(last[target])
+    order = sorted(range(len(points)), key=lambda i: position[found[i]])
+    if order != list(range(len(points))):
+        first_bad = next(i for i, j in enumerate(order) if i != j)
+        raise SplitPointError(
+            f"split points are out of execution order at {points[first_bad]!r}: forward "
+            f"finishes them in the order {[points[i] for i in order]}; list them in that order"
+        )
+    return found

@@ -1,0 +1,337 @@
+"""Unmodified transformers models for the HF tests, and what each rank runs in the DeepSpeed ones.
+
+Every model is built from a small config with random weights (no download: the hub is switched
+off before transformers is imported), dropout 0 and the eager attention implementation. Weights
+come from the global RNG seeded inside ``fork_rng``, so every process that builds a model gets
+identical weights without disturbing the caller's RNG. A case knows its plan inputs, the
+arguments it fixes, its split points and a deterministic micro-batch generator yielding
+``(inputs, labels)`` with ``inputs`` in the plan's input order.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pipedialect
+from pipedialect import PipelinePlan, partition
+
+try:
+    import transformers
+except ImportError as exc:  # a missing extra is an error here, never a silent skip
+    raise ImportError(
+        "the Hugging Face tests need transformers: pip install -e '.[hf]' (pins the tested version)"
+    ) from exc
+
+transformers.logging.set_verbosity_error()
+
+VOCAB = 64
+SEQ = 8
+DATA_SEED = 100
+EXAMPLE_SEED = 7  # the example inputs the capture sees are not a training micro-batch
+
+Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+
+
+def token_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the first output (the logits) against token labels; -100 is ignored."""
+    logits = outputs[0]
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _padding_mask(gen: torch.Generator, batch: int, seq: int) -> torch.Tensor:
+    """Ones with a random run of trailing zeros (right padding) in every other row."""
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for row in range(1, batch, 2):
+        keep = int(torch.randint(seq // 2, seq, (1,), generator=gen))
+        mask[row, keep:] = 0
+    return mask
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=4,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _gpt2_batch(gen: torch.Generator, batch: int) -> Batch:
+    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
+    mask = _padding_mask(gen, batch, SEQ)
+    labels = torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
+    return (ids, mask), labels
+
+
+def _bert() -> nn.Module:
+    config = transformers.BertConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=16,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+def _bert_batch(gen: torch.Generator, batch: int) -> Batch:
+    ids = torch.randint(1, VOCAB, (batch, SEQ), generator=gen)
+    mask = _padding_mask(gen, batch, SEQ)
+    types = (torch.arange(SEQ) >= SEQ // 2).long().expand(batch, SEQ).clone()
+    labels = torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
+    masked = torch.rand(batch, SEQ, generator=gen) < 0.4
+    labels[~masked] = -100
+    labels[0, 0] = 7  # every micro-batch has at least one label
+    return (ids, mask, types), labels
+
+
+def _t5() -> nn.Module:
+    config = transformers.T5Config(
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=32,
+        d_kv=16,
+        num_heads=2,
+        d_ff=64,
+        vocab_size=VOCAB,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _t5_batch(gen: torch.Generator, batch: int) -> Batch:
+    ids = torch.randint(2, VOCAB, (batch, SEQ), generator=gen)
+    mask = _padding_mask(gen, batch, SEQ)
+    decoder_ids = torch.randint(2, VOCAB, (batch, SEQ - 2), generator=gen)
+    labels = torch.randint(2, VOCAB, (batch, SEQ - 2), generator=gen)
+    return (ids, mask, decoder_ids), labels
+
+
+@dataclass(frozen=True)
+class HFCase:
+    """One transformers model, how to partition it and what to feed it."""
+
+    name: str
+    factory: Callable[[], nn.Module]
+    input_names: tuple[str, ...]
+    split_points: dict[int, tuple[str, ...]]
+    make_batch: Callable[[torch.Generator, int], Batch]
+    #: forward arguments fixed for the capture and for the reference call alike
+    fixed: dict[str, Any] = field(default_factory=dict)
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = token_loss
+
+    def build(self, seed: int = 0) -> nn.Module:
+        """The model with weights drawn from ``seed``; the caller's RNG is left alone."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = self.factory()
+        return model.train()
+
+    def micro_batches(
+        self, count: int, *, batch_size: int = 2, seed: int = DATA_SEED
+    ) -> Iterator[Batch]:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(count):
+            yield self.make_batch(gen, batch_size)
+
+    def example_inputs(self, batch_size: int = 2) -> dict[str, torch.Tensor]:
+        inputs, _ = next(self.micro_batches(1, batch_size=batch_size, seed=EXAMPLE_SEED))
+        return dict(zip(self.input_names, inputs, strict=True))
+
+    def partition(self, model: nn.Module, num_stages: int, batch_size: int = 2) -> PipelinePlan:
+        """What a user writes: split points, one example micro-batch, the fixed flags."""
+        return partition(
+            model,
+            split_points=self.split_points[num_stages],
+            example_inputs=self.example_inputs(batch_size),
+            concrete_args=self.fixed,
+        )
+
+    def reference_forward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
+        """The unsplit model, called as transformers users call it."""
+        return model(**dict(zip(self.input_names, inputs, strict=True)), **self.fixed)
+
+
+CASES = {
+    "gpt2": HFCase(
+        name="gpt2",
+        factory=_gpt2,
+        input_names=("input_ids", "attention_mask"),
+        split_points={
+            2: ("transformer.h.1",),
+            4: ("transformer.h.0", "transformer.h.1", "transformer.h.2"),
+        },
+        make_batch=_gpt2_batch,
+        fixed={"return_dict": False, "use_cache": False},
+    ),
+    "bert": HFCase(
+        name="bert",
+        factory=_bert,
+        input_names=("input_ids", "attention_mask", "token_type_ids"),
+        split_points={
+            2: ("bert.encoder.layer.1",),
+            4: ("bert.encoder.layer.0", "bert.encoder.layer.1", "bert.encoder.layer.2"),
+        },
+        make_batch=_bert_batch,
+        fixed={"return_dict": False},
+    ),
+    "t5": HFCase(
+        name="t5",
+        factory=_t5,
+        input_names=("input_ids", "attention_mask", "decoder_input_ids"),
+        split_points={
+            2: ("decoder.block.0",),
+            4: ("encoder.block.0", "decoder.block.0", "decoder.block.1"),
+        },
+        make_batch=_t5_batch,
+        fixed={"return_dict": False, "use_cache": False},
+    ),
+}
+
+
+# -- DeepSpeed ranks --------------------------------------------------------------------------
+
+
+#: The optimizers the tests use: DeepSpeed's config entry and the torch optimizer it builds.
+#: The in-process tests use Adam, whose per-element normalisation would amplify float noise:
+#: there the pipeline runs the reference's operations in the reference's order. The multi-process
+#: runs sum gradients in other orders (across boundaries, across ranks), and transformer
+#: gradients are ill-conditioned in fp32: T5's own fp32 gradients differ from fp64 ones by up to
+#: 2e-6 relative per tensor, and an attention key bias has a gradient that is zero in exact
+#: arithmetic (softmax ignores a shift shared by all scores), so autograd returns noise of about
+#: 1e-11 for it, which Adam turns into steps of 1e-3 * lr. SGD with momentum is linear in the
+#: gradients and keeps two correct runs within float noise (measured: at most 1.2e-7 relative
+#: per parameter tensor, T5 on DeepSpeed).
+OPTIMIZERS: dict[str, tuple[dict[str, Any], Callable[[Any], torch.optim.Optimizer]]] = {
+    "adam": (
+        {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "adam_w_mode": False}},
+        lambda params: torch.optim.Adam(params, lr=1e-2),
+    ),
+    "sgd": (
+        {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    ),
+}
+
+
+def ds_config(gas: int, micro: int, optimizer: str) -> dict[str, Any]:
+    """A DeepSpeed (and local dialect) config with one of :data:`OPTIMIZERS`, no clipping."""
+    return {
+        "train_batch_size": micro * gas,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "optimizer": OPTIMIZERS[optimizer][0],
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }
+
+
+def train_deepspeed(
+    names: list[str], num_stages: int, optimizer: str, steps: int, gas: int, micro: int
+) -> dict[str, Any]:
+    """Train every named model on this rank's stage; losses and that stage's parameters."""
+    dialect = pipedialect.get_dialect("deepspeed")
+    dialect.init_distributed()
+    config = ds_config(gas, micro, optimizer)
+    results: dict[str, Any] = {}
+    for name in names:
+        case = CASES[name]
+        plan = case.partition(case.build(0), num_stages, batch_size=micro)
+        topology = dialect.make_topology(num_stages, 1)
+        module = dialect.pipe_engine(plan, config=config, loss_fn=case.loss_fn, topology=topology)
+        engine = dialect.runtime_engine(module, config=config)
+        data = case.micro_batches(steps * gas, batch_size=micro)
+        losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+        eval_loss = float(engine.eval_batch(case.micro_batches(gas, batch_size=micro)))
+        (stage,) = dialect.local_stages(engine)
+        results[name] = {
+            "losses": losses,
+            "eval_loss": eval_loss,
+            "stage": stage,
+            "params": {
+                n: p.detach().cpu().clone()
+                for n, p in plan.stages[stage].named_parameters(remove_duplicate=False)
+            },
+            "replicated": sorted(
+                n
+                for n, p in plan.stages[stage].named_parameters(remove_duplicate=False)
+                if getattr(p, "ds_pipe_replicated", False)
+            ),
+        }
+    return results
+
+
+# -- torch.distributed.pipelining ranks -------------------------------------------------------
+
+
+def train_torch(
+    names: list[str],
+    layouts: list[tuple[int, str]],
+    optimizer: str,
+    steps: int,
+    gas: int,
+    micro: int,
+) -> dict[str, Any]:
+    """For every ``(num_stages, schedule)`` and model, train with the torch dialect on this
+    rank; results by ``"<num_stages>-<schedule>/<model>"``."""
+    import torch.distributed as dist
+
+    dialect = pipedialect.get_dialect("torch")
+    dialect.init_distributed()
+    config = ds_config(gas, micro, optimizer)
+    results: dict[str, Any] = {}
+    for num_stages, schedule in layouts:
+        for name in names:
+            case = CASES[name]
+            plan = case.partition(case.build(0), num_stages, batch_size=micro)
+            module = dialect.pipe_engine(
+                plan, config=config, loss_fn=case.loss_fn, schedule=schedule
+            )
+            engine = dialect.runtime_engine(module, config=config)
+            data = case.micro_batches(steps * gas, batch_size=micro)
+            losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+            eval_loss = float(engine.eval_batch(case.micro_batches(gas, batch_size=micro)))
+            stages = list(dialect.local_stages(engine))
+            results[f"{num_stages}-{schedule}/{name}"] = {
+                "losses": losses,
+                "eval_loss": eval_loss,
+                "stages": stages,
+                "params": {
+                    n: p.detach().cpu().clone()
+                    for k in stages
+                    for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
+                },
+            }
+            dist.barrier()
+    return results
