@@ -8,14 +8,14 @@ module (SQLAlchemy's dialect suite and fsspec's abstract tests work the same way
 
 and run ``pytest --dialect NAME``. Each class covers one contract area:
 
-=====================  ==================================================================
-:class:`TestRegistration`  entry point, declared capabilities, components, topology
-:class:`TestCodec`     lossless round trips through the dialect's codec (Hypothesis)
-:class:`TestStages`    stage wrappers chained in one process equal the unsplit forward
-:class:`TestTies`      tie analysis; tied weights trained like the unsplit model
-:class:`TestTraining`  ``pipe_engine`` + ``runtime_engine`` equal the unsplit model
-:class:`TestErrors`    mistakes get a named :class:`~pipedialect.PipeDialectError`
-=====================  ==================================================================
+==========================  ================================================================
+:class:`TestRegistration`   entry point, declared capabilities, components, topology
+:class:`TestCodec`          lossless round trips through the dialect's codec (Hypothesis)
+:class:`TestStages`         stage wrappers chained in one process equal the unsplit forward
+:class:`TestTies`           tie analysis; tied weights trained like the unsplit model
+:class:`TestTraining`       ``pipe_engine`` + ``runtime_engine`` equal the unsplit model
+:class:`TestErrors`         mistakes get a named :class:`~pipedialect.PipeDialectError`
+==========================  ================================================================
 
 Tests of what the dialect does not declare (:class:`~pipedialect.Capability`) are skipped and
 reported as such. Subclass a class to pin the dialect or the engine options with fixtures (see

@@ -152,16 +152,13 @@ def _coverage_failures(result: CaseResult, head: str) -> list[str]:
             f"{case.stages} stages must be trained by exactly {per_stage} rank(s)"
         )
     ref_names = set(reference(case.id).initial)
-    seen = (
-        {
-            name
-            for rec in result.records.values()
-            for named in rec["params"][0].values()
-            for name in named
-        }
-        if all(rec["params"] for rec in result.records.values())
-        else set()
-    )
+    seen = {
+        name
+        for rec in result.records.values()
+        if rec["params"]
+        for named in rec["params"][0].values()
+        for name in named
+    }
     unseen = sorted(ref_names - seen)
     if unseen and not wrong:
         failures.append(

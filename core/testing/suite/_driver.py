@@ -153,6 +153,17 @@ class DialectRun:
         for case in cases:
             self.results[case.id] = CaseResult(case, 1, _read(out, case.id, 1))
 
+    def _rank_env(self) -> dict[str, str]:
+        """Hide GPUs from the ranks unless the dialect is cuda-only.
+
+        The reference trains on the CPU, and the tolerance is the CPU's: fp32 kernels on a GPU
+        sum in other orders. Hidden GPUs also keep a dialect from putting two NCCL ranks on one
+        device; ``init_distributed()`` then picks gloo.
+        """
+        if Capability.CUDA_ONLY in self.dialect.capabilities:
+            return {}
+        return {"CUDA_VISIBLE_DEVICES": ""}
+
     def _run_launches(self, world: int, cases: Sequence[Case]) -> None:
         remaining = list(cases)
         while remaining:
@@ -169,6 +180,7 @@ class DialectRun:
                     str(out),
                     self.options,
                     timeout=self.case_timeout * (len(remaining) + 2),
+                    env=self._rank_env(),
                     on_poll=watchdog.poll,
                     log_dir=str(out),
                 )
