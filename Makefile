@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet --no-build-isolation deepspeed==$(DEEPSPEED_VERSION)
-	$(BIN)/python -m pip install --quiet $(STRICT) -e '.[deepspeed,demo,dev,docs]'
+	$(BIN)/python -m pip install --quiet $(STRICT) -e '.[deepspeed,demo,dev,docs,hf,testing]'
 	touch $(STAMP)
 
 # The strict editable install links files one by one: relink after adding a module.

@@ -38,10 +38,14 @@ def sleep_forever() -> None:
 
 
 def chatter_then_fail() -> None:
-    import os
     import sys
+
+    import torch.distributed as dist
 
     print(f"chatter from rank {os.environ['RANK']}", flush=True)
     os.write(2, b"low-level stderr line\n")  # bypasses Python's sys.stderr
+    dist.init_process_group("gloo")
+    dist.barrier()  # both ranks have written their lines before rank 1 fails
     if os.environ["RANK"] == "1":
         sys.exit("rank 1 gives up")
+    dist.barrier()  # rank 0 waits here until the launcher stops it
