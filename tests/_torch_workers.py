@@ -186,3 +186,33 @@ def new_shape_mid_run() -> None:
     ids, labels = batches[2]
     batches[2] = (ids[:, :6].contiguous(), labels[:, :6].contiguous())
     engine.train_batch(iter(batches))
+
+
+class ScheduleVariants:
+    """A plugin registering the torch dialect once per schedule, as ``torch-<schedule>``.
+
+    For running the conformance suite on each schedule in one ``pipedialect check`` process
+    (registered in-process: the suite's ranks receive the dialect object itself). The suite
+    launches one rank per stage, so each variant runs one stage per rank.
+    """
+
+    def __init__(self, schedules: list[str]) -> None:
+        self.schedules = schedules
+
+    @pipedialect.hookimpl
+    def register_dialects(self, register: Any) -> None:
+        from pipedialect.dialects.torch import TorchDialect
+
+        for schedule in self.schedules:
+            dialect = TorchDialect(schedule=schedule, stages_per_rank=1)
+            dialect.name = f"torch-{schedule}"  # type: ignore[misc]
+            register(dialect)
+
+
+def check_schedules(schedules: list[str], select: str) -> int:
+    """``pipedialect check torch-<schedule>...`` for ``schedules``, in this process."""
+    from pipedialect.cli import main
+    from pipedialect.plugins import register_plugin
+
+    register_plugin(ScheduleVariants(schedules), name="torch-schedule-variants")
+    return main(["check", *(f"torch-{s}" for s in schedules), "-k", select])
