@@ -102,8 +102,10 @@ class TorchDialect(Dialect):
             )
         dynamic = bool(kwargs.get("dynamic_shapes", False) or kwargs.get("dynamic_shape", False))
         stages_per_rank = kwargs.get("stages_per_rank")
-        schedule = kwargs.get("schedule") or self.schedule
-        if stages_per_rank is None and schedule == self.schedule:
+        schedule = kwargs.get("schedule")
+        if schedule is None:
+            schedule = self.schedule
+        if stages_per_rank is None and resolve_schedule(schedule).name == self.schedule:
             stages_per_rank = self.stages_per_rank
         return build_pipeline(
             plan,
@@ -163,10 +165,6 @@ class TorchDialect(Dialect):
                 "stages"
             )
         return GridTopology(pipe=ranks)
-
-    def init_distributed(self, backend: str | None = None) -> None:
-        """Join the process group: NCCL with CUDA (on ``LOCAL_RANK``'s device), else gloo."""
-        super().init_distributed(backend)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.version} schedule={self.schedule!r}>"
