@@ -98,7 +98,7 @@ def test_placement_matches_torch_for_looped_and_v_schedules() -> None:
     ("schedule", "stages", "ranks", "message"),
     [
         ("1f1b", 4, 2, "runs one stage per rank"),
-        ("gpipe", 1, 2, "has 1 stages"),
+        ("gpipe", 1, 2, "has 1 stage;"),
         ("interleaved_1f1b", 3, 2, "has 3 stages"),
         ("zbv_zero_bubble", 6, 2, "exactly 2 stages per rank"),
         ("dualpipev", 2, 2, "exactly 2 stages per rank"),

@@ -119,6 +119,10 @@ def _ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
+def _stages(n: int) -> str:
+    return f"{n} stage" if n == 1 else f"{n} stages"
+
+
 def stage_to_rank(spec: ScheduleSpec, num_stages: int, num_ranks: int) -> dict[int, int]:
     """Map every stage id to its pipeline rank ([Note: stage placement]).
 
@@ -131,16 +135,16 @@ def stage_to_rank(spec: ScheduleSpec, num_stages: int, num_ranks: int) -> dict[i
     if rest or per_rank < 1:
         raise TopologyError(
             f"schedule {spec.name!r} places the same number of stages on each of the "
-            f"{num_ranks} pipeline ranks, but the plan has {num_stages} stages; partition the "
+            f"{num_ranks} pipeline ranks, but the plan has {_stages(num_stages)}; partition the "
             f"model into a multiple of {num_ranks} stages, or launch a number of ranks that "
             f"divides {num_stages}"
         )
     if spec.placement == "single":
         if per_rank != 1:
             raise TopologyError(
-                f"schedule {spec.name!r} runs one stage per rank, but the plan has {num_stages} "
-                f"stages for {num_ranks} ranks; launch {_ranks(num_stages)}, or use a looped "
-                "schedule such as 'interleaved_1f1b' for several stages per rank"
+                f"schedule {spec.name!r} runs one stage per rank, but the plan has "
+                f"{_stages(num_stages)} for {_ranks(num_ranks)}; launch {_ranks(num_stages)}, "
+                "or use a looped schedule such as 'interleaved_1f1b' for several stages per rank"
             )
         return {k: k for k in range(num_stages)}
     if spec.placement == "loop":
@@ -148,7 +152,7 @@ def stage_to_rank(spec: ScheduleSpec, num_stages: int, num_ranks: int) -> dict[i
     if per_rank != 2:
         raise TopologyError(
             f"schedule {spec.name!r} is V-shaped: exactly 2 stages per rank, but the plan has "
-            f"{num_stages} stages for {num_ranks} ranks; partition the model into "
+            f"{_stages(num_stages)} for {_ranks(num_ranks)}; partition the model into "
             f"{2 * num_ranks} stages, or launch {_ranks(num_stages // 2 or 1)}"
         )
     return {k: k if k < num_ranks else 2 * num_ranks - 1 - k for k in range(num_stages)}
