@@ -63,6 +63,7 @@ def test_wheel_contains_every_module_and_entry_point(wheel: Path) -> None:
     assert "[pipedialect.dialects]" in entry_points
     assert "deepspeed = pipedialect.dialects.deepspeed" in entry_points
     assert "local = pipedialect.dialects.local" in entry_points
+    assert "torch = pipedialect.dialects.torch" in entry_points
     assert "pipedialect = pipedialect.cli:main" in entry_points
     assert "[pytest11]" in entry_points
 
@@ -84,7 +85,7 @@ def test_wheel_works_in_a_fresh_venv(wheel: Path, tmp_path: Path) -> None:
     proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True)
     location, listing = proc.stdout.splitlines()
     assert location.startswith(str(venv)), location
-    assert listing == "['deepspeed', 'local'] False"
+    assert listing == "['deepspeed', 'local', 'torch'] False"
     cli = subprocess.run(
         [str(venv / "bin" / "pipedialect"), "list"], capture_output=True, text=True, check=True
     )
