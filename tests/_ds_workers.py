@@ -147,8 +147,25 @@ ARGMAX = ModelSpec(
 )
 
 
+def _varlen_batch(gen: torch.Generator, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    length = int(torch.randint(4, 9, (1,), generator=gen))
+    ids = torch.randint(0, 32, (batch_size, length + 1), generator=gen)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+GPT_VARLEN = ModelSpec(
+    name="gptvarlen",
+    description="the gpt model on micro-batches of different sequence lengths",
+    factory=get_model("gpt").factory,
+    loss_fn=cross_entropy_loss,
+    split_points=dict(get_model("gpt").split_points),
+    input_names=("input_ids",),
+    _make_batch=_varlen_batch,
+)
+
+
 def spec_for(name: str) -> ModelSpec:
-    extra = {"skiptied": SKIPTIED, "pooltrap": POOLTRAP, "argmax": ARGMAX}
+    extra = {"skiptied": SKIPTIED, "pooltrap": POOLTRAP, "argmax": ARGMAX, "gptvarlen": GPT_VARLEN}
     return extra.get(name) or get_model(name)
 
 
@@ -202,7 +219,13 @@ def build(
                 name0, stage0 = next(iter(group))
                 plan.stages[stage0].get_parameter(name0).add_(1.0)
     topology = dialect.make_topology(num_stages, dp)
-    module = dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn, topology=topology)
+    module = dialect.pipe_engine(
+        plan,
+        config=config,
+        loss_fn=spec.loss_fn,
+        topology=topology,
+        dynamic_shapes=name == "gptvarlen",
+    )
     engine = dialect.runtime_engine(module, config=config)
     return plan, engine, dialect, spec
 

@@ -150,6 +150,11 @@ def test_received_value_used_without_gradient_path_gets_a_zero_gradient() -> Non
     assert_matches_reference(results, reference("argmax", 1, "sgd", 3), 2, "argmax")
 
 
+def test_dynamic_shapes_let_sequence_lengths_change_between_micro_batches() -> None:
+    results = launch(workers.train, 2, "gptvarlen", 2, 1, "adam", 3, timeout=600)
+    assert_matches_reference(results, reference("gptvarlen", 1, "adam", 3), 2, "gptvarlen")
+
+
 def test_gradient_clipping_uses_the_global_norm() -> None:
     clip = 0.05  # small enough that every step clips
     results = launch(workers.train, 2, "gpt", 2, 1, "sgd", 3, 4, 2, clip, timeout=600)

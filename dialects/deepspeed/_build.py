@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 __all__ = ["build_pipeline_module"]
 
-_KNOWN_KWARGS = frozenset({"config", "loss_fn", "topology", "fp16", "bf16", "dynamic_shape"})
+_KNOWN_KWARGS = frozenset(
+    {"config", "loss_fn", "topology", "fp16", "bf16", "dynamic_shapes", "dynamic_shape"}
+)
 
 
 def build_pipeline_module(
@@ -58,8 +60,16 @@ def build_pipeline_module(
         topology=topology,
         loss_fn=loss_fn,
         ties=ties,
-        dynamic_shape=bool(kwargs.get("dynamic_shape", False)),
+        dynamic_shape=dynamic_shapes_of(kwargs),
     )
+
+
+def dynamic_shapes_of(kwargs: Mapping[str, Any]) -> bool:
+    """``dynamic_shapes`` (every dialect's name) or ``dynamic_shape`` (DeepSpeed's own)."""
+    given = {k: bool(kwargs[k]) for k in ("dynamic_shapes", "dynamic_shape") if k in kwargs}
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"dynamic_shapes and dynamic_shape disagree: {given}; pass one of them")
+    return any(given.values())
 
 
 def _check_precision(config: Any, kwargs: Mapping[str, Any]) -> None:

@@ -41,6 +41,7 @@ class DeepSpeedDialect(Dialect):
             Capability.MULTI_PROCESS,
             Capability.DATA_PARALLEL,
             Capability.CHECKPOINTS,
+            Capability.DYNAMIC_SHAPES,
         }
     )
 
@@ -55,15 +56,14 @@ class DeepSpeedDialect(Dialect):
         """Wrap the plan's stages (unless given) and build the ``PipelineModule``.
 
         Keyword arguments: ``config``, ``loss_fn`` and ``topology`` (required), ``fp16`` /
-        ``bf16`` (must agree with the config), ``dynamic_shape`` (boundary shapes may change
-        between micro-batches; DeepSpeed then re-sends tensor metadata every time).
+        ``bf16`` (must agree with the config), ``dynamic_shapes`` (boundary shapes may change
+        between micro-batches; DeepSpeed then re-sends tensor metadata every time; DeepSpeed's
+        own spelling ``dynamic_shape`` is accepted too).
         """
-        from ._build import build_pipeline_module
+        from ._build import build_pipeline_module, dynamic_shapes_of
 
         if stage_modules is None:
-            stage_modules = plan.wrap(
-                self.stage_wrapper, dynamic_shapes=bool(kwargs.get("dynamic_shape", False))
-            )
+            stage_modules = plan.wrap(self.stage_wrapper, dynamic_shapes=dynamic_shapes_of(kwargs))
         return build_pipeline_module(plan, stage_modules, **kwargs)
 
     def runtime_engine(self, module: nn.Module, **kwargs: Any) -> RuntimeEngine:

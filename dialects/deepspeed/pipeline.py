@@ -110,7 +110,8 @@ def deepspeed_pipe_engine(
         **kwargs: ``config`` (the DeepSpeed config), ``loss_fn(outputs, labels)`` and
             ``topology`` (a DeepSpeed ``ProcessTopology`` whose pipe axis has one entry per
             stage) are required; ``fp16`` / ``bf16`` must agree with the config;
-            ``dynamic_shape`` lets boundary shapes change between micro-batches.
+            ``dynamic_shapes`` (or DeepSpeed's ``dynamic_shape``) lets boundary shapes change
+            between micro-batches.
 
     Returns:
         The ``deepspeed.pipe.PipelineModule`` (a subclass registering the plan's ties).

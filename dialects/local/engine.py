@@ -25,7 +25,7 @@ from pipedialect.partition import PipelinePlan
 
 from .config import TrainingConfig, build_optimizer, clip_gradients, parse_config
 
-__all__ = ["LocalEngine", "LocalPipeline"]
+__all__ = ["DeepSpeedStyleEngine", "LocalEngine", "LocalPipeline"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,19 +65,19 @@ class LocalPipeline(nn.Module):
         return value
 
 
-class LocalEngine:
-    """Trains a :class:`LocalPipeline` with DeepSpeed ``PipelineEngine`` semantics."""
+class DeepSpeedStyleEngine:
+    """What every engine shares with DeepSpeed's ``PipelineEngine``: config, optimizer,
+    accessors and the data iterator (the torch dialect's engine builds on it too)."""
 
-    def __init__(self, module: LocalPipeline, config: TrainingConfig) -> None:
+    def __init__(self, module: nn.Module, config: TrainingConfig) -> None:
         self.module = module
         self.config = config
-        # parameters() yields a tied parameter once: it is stepped, and clipped, once.
+        # parameters() yields a parameter shared by several local stages once: it is stepped,
+        # and clipped, once.
         self.optimizer = build_optimizer(config, module.parameters())
         self.global_steps = 0
         self.micro_batches = config.gradient_accumulation_steps
         self._data_iterator: Iterator[Any] | None = None
-
-    # -- DeepSpeed-style accessors ---------------------------------------------------------
 
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step."""
@@ -91,21 +91,13 @@ class LocalEngine:
         """Samples per micro-batch."""
         return self.config.micro_batch_size
 
-    def is_first_stage(self) -> bool:
-        """True: this process runs the first stage (and every other)."""
-        return True
-
-    def is_last_stage(self) -> bool:
-        """True: this process runs the last stage (and every other)."""
-        return True
-
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """Set the iterator ``train_batch()`` uses when called without one."""
         self._data_iterator = iterator
 
-    # -- training ----------------------------------------------------------------------------
-
-    def _next(self, data_iter: Iterator[Any]) -> tuple[Any, Any]:
+    @staticmethod
+    def next_pair(data_iter: Iterator[Any]) -> tuple[Any, Any]:
+        """Pull one ``(inputs, labels)`` micro-batch, refusing anything else by name."""
         batch = next(data_iter)
         if not isinstance(batch, tuple | list) or len(batch) != 2:
             raise ConfigError(
@@ -114,6 +106,25 @@ class LocalEngine:
                 + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
             )
         return batch[0], batch[1]
+
+
+class LocalEngine(DeepSpeedStyleEngine):
+    """Trains a :class:`LocalPipeline` with DeepSpeed ``PipelineEngine`` semantics."""
+
+    module: LocalPipeline
+
+    def __init__(self, module: LocalPipeline, config: TrainingConfig) -> None:
+        super().__init__(module, config)
+
+    def is_first_stage(self) -> bool:
+        """True: this process runs the first stage (and every other)."""
+        return True
+
+    def is_last_stage(self) -> bool:
+        """True: this process runs the last stage (and every other)."""
+        return True
+
+    # -- training ----------------------------------------------------------------------------
 
     def _loss(self, inputs: Any, labels: Any) -> tuple[torch.Tensor, Any]:
         outputs = self.module(*inputs) if isinstance(inputs, tuple | list) else self.module(inputs)
@@ -132,7 +143,7 @@ class LocalEngine:
         gas = self.config.gradient_accumulation_steps
         losses: list[torch.Tensor] = []
         for _ in range(gas):
-            loss, _ = self._loss(*self._next(data_iter))
+            loss, _ = self._loss(*self.next_pair(data_iter))
             torch.autograd.backward(loss / gas)
             losses.append(loss.detach().reshape(()))
         params = list(self.module.parameters())
@@ -162,7 +173,7 @@ class LocalEngine:
         outputs: Any = None
         with torch.no_grad():
             for _ in range(count):
-                loss, outputs = self._loss(*self._next(data_iter))
+                loss, outputs = self._loss(*self.next_pair(data_iter))
                 losses.append(loss.detach().reshape(()))
         mean = _mean(losses)
         return (mean, outputs) if return_logits else mean

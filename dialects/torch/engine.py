@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import CheckpointError, ConfigError, PipeDialectError
-from pipedialect.dialects.local.config import TrainingConfig, build_optimizer, parse_config
+from pipedialect.dialects.local.config import TrainingConfig, parse_config
+from pipedialect.dialects.local.engine import DeepSpeedStyleEngine
 from pipedialect.partition import PipelinePlan
 
 from ._schedules import ScheduleSpec
@@ -225,36 +226,18 @@ def _pipedialect_cause(exc: BaseException) -> PipeDialectError | None:
     return None
 
 
-class TorchEngine:
+class TorchEngine(DeepSpeedStyleEngine):
     """Trains a :class:`TorchPipeline` with DeepSpeed ``PipelineEngine`` semantics."""
 
-    def __init__(self, module: TorchPipeline, config: TrainingConfig) -> None:
-        self.module = module
-        self.config = config
-        # parameters() yields a parameter shared by two local stages once.
-        self.optimizer = build_optimizer(config, module.parameters())
-        self.global_steps = 0
-        self.micro_batches = config.gradient_accumulation_steps
-        self._data_iterator: Iterator[Any] | None = None
+    module: TorchPipeline
 
-    # -- DeepSpeed-style accessors ---------------------------------------------------------
+    def __init__(self, module: TorchPipeline, config: TrainingConfig) -> None:
+        super().__init__(module, config)
 
     @property
     def stage_ids(self) -> tuple[int, ...]:
         """The stages this rank runs."""
         return self.module.stage_ids
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step."""
-        return self.config.gradient_accumulation_steps
-
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step."""
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples per micro-batch."""
-        return self.config.micro_batch_size
 
     def is_first_stage(self) -> bool:
         """Whether this rank runs stage 0."""
@@ -263,10 +246,6 @@ class TorchEngine:
     def is_last_stage(self) -> bool:
         """Whether this rank runs the last stage."""
         return self.module.holds_last
-
-    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
-        """Set the iterator ``train_batch()`` uses when called without one."""
-        self._data_iterator = iterator
 
     # -- training ----------------------------------------------------------------------------
 
@@ -280,17 +259,7 @@ class TorchEngine:
                 f"rank {self.module.rank} runs stage(s) {list(self.stage_ids)}, which read the "
                 "data: pass a data_iter (or call set_dataiterator first)"
             )
-        batches = []
-        for _ in range(count):
-            batch = next(data_iter)
-            if not isinstance(batch, tuple | list) or len(batch) != 2:
-                raise ConfigError(
-                    "data_iter must yield (inputs, labels) pairs, one per micro-batch; got "
-                    f"{type(batch).__name__}"
-                    + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
-                )
-            batches.append((batch[0], batch[1]))
-        return batches
+        return [self.next_pair(data_iter) for _ in range(count)]
 
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
         loss = loss.detach().reshape(()).to(self.module.device, torch.float32).clone()
