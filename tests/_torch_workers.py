@@ -192,8 +192,8 @@ class ScheduleVariants:
     """A plugin registering the torch dialect once per schedule, as ``torch-<schedule>``.
 
     For running the conformance suite on each schedule in one ``pipedialect check`` process
-    (registered in-process: the suite's ranks receive the dialect object itself). The suite
-    launches one rank per stage, so each variant runs one stage per rank.
+    (registered in-process: the suite's ranks receive the dialect object itself). The looped
+    variants run one stage per rank, the V-shaped ones their two stages per rank.
     """
 
     def __init__(self, schedules: list[str]) -> None:
@@ -204,7 +204,8 @@ class ScheduleVariants:
         from pipedialect.dialects.torch import TorchDialect
 
         for schedule in self.schedules:
-            dialect = TorchDialect(schedule=schedule, stages_per_rank=1)
+            v_shaped = schedule in ("zbv_zero_bubble", "dualpipev")  # two stages per rank
+            dialect = TorchDialect(schedule=schedule, stages_per_rank=None if v_shaped else 1)
             dialect.name = f"torch-{schedule}"  # type: ignore[misc]
             register(dialect)
 

@@ -3,10 +3,10 @@
 - ``pipedialect check torch`` (the default schedule, 1F1B) passes the whole suite.
 - Every other schedule passes the suite's comparisons with the unsplit model (what a schedule
   changes): the 2-stage training cases and the tied GPT, with the boundary probes. The variants
-  are registered in-process as ``torch-<schedule>`` and checked in one run. The suite launches
-  one rank per stage, so the looped schedules run one stage per rank here (their multi-stage runs
-  are in test_torch_dialect.py), and the V-shaped ones, which need two stages per rank, cannot
-  run under it.
+  are registered in-process as ``torch-<schedule>`` and checked in one run; the suite launches
+  as many ranks as each variant's topology asks for. The looped schedules run one stage per
+  rank here (their multi-stage runs are in test_torch_dialect.py); the V-shaped ones run two
+  stages on one rank.
 """
 
 from __future__ import annotations
@@ -27,8 +27,15 @@ VARIANTS = (
     "import sys; sys.path.insert(0, sys.argv[1]); import _torch_workers as w; "
     "sys.exit(w.check_schedules(sys.argv[3].split(','), sys.argv[2]))"
 )
-#: The schedules other than the default that the suite's one-stage-per-rank launches can run.
-SCHEDULES = ("gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+#: The schedules other than the default.
+SCHEDULES = (
+    "gpipe",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
 
 
 def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -2,9 +2,9 @@
 
 A case is one engine built and driven on the suite's data: a training run compared with the
 unsplit model, a checkpoint round trip, or a mistake the dialect must refuse with a named error.
-Cases are grouped by world size and run together (one launch of ``stages * data_parallel`` ranks
-per group for a multi-process dialect; in the test process for a single-process one), so the
-tests that read them cost one launch, not one each.
+Cases are grouped by world size and run together (for a multi-process dialect, one launch per
+group of as many ranks as ``dialect.make_topology(stages, data_parallel)`` has; in the test
+process for a single-process one), so the tests that read them cost one launch, not one each.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Case:
 
     @property
     def world_size(self) -> int:
-        """Ranks a multi-process dialect needs: ``stages * data_parallel``."""
+        """Ranks a multi-process dialect with one stage per rank needs: ``stages * dp``."""
         return self.stages * self.data_parallel
 
     @property

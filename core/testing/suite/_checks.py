@@ -311,7 +311,7 @@ def checkpoint_failures(result: CaseResult) -> list[str]:
 _BUILD_HINTS = {
     "no-loss-fn": ("pipe_engine() without loss_fn", ["loss_fn"]),
     "no-config": ("pipe_engine() without config", ["config"]),
-    "topology": ("pipe_engine() with a topology of one stage more than the plan", []),
+    "topology": ("pipe_engine() with a topology of twice the plan's stages", []),
     "stage-count": ("pipe_engine() with one stage module fewer than the plan has stages", []),
     "unknown-kwarg": ("pipe_engine(no_such_option=1)", ["no_such_option"]),
     "untied": (

@@ -3,7 +3,7 @@
 A :class:`DialectRun` belongs to one dialect (with one set of engine options) for one pytest
 session. The first test that asks for a case's result runs every case the session's selected
 tests need and the dialect's capabilities admit, grouped by world size: in this process for a
-single-process dialect, else one launch of ``stages * data_parallel`` ranks per group
+single-process dialect, else one launch per group of the ranks the dialect's topology asks for
 (:func:`pipedialect.testing.launcher.launch`). When a launch ends early (a rank raised, or a case
 made no progress for ``case_timeout`` seconds) the case it was in takes the launcher's message
 and the cases after it run in a new launch, so one broken contract costs one test, not all.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...errors import LaunchError
+from ...errors import LaunchError, PipeDialectError
 from ...interfaces import Capability, Dialect
 from .._options import EngineOptions
 from ..launcher import launch
@@ -133,10 +133,23 @@ class DialectRun:
             return
         groups: dict[int, list[Case]] = {}
         for case in cases:
-            groups.setdefault(case.world_size, []).append(case)
+            groups.setdefault(self._world_size(case), []).append(case)
         for world in sorted(groups):
             ordered = sorted(groups[world], key=lambda c: _KIND_ORDER[c.kind])
             self._run_launches(world, ordered)
+
+    def _world_size(self, case: Case) -> int:
+        """Ranks the dialect needs for ``case``: what its own topology says.
+
+        One stage per rank gives ``stages * data_parallel``; a dialect that places several
+        stages on a rank (an interleaved or V-shaped schedule) asks for fewer. A case the
+        dialect cannot place at all runs on ``stages * data_parallel`` ranks, where building
+        its engine reports why.
+        """
+        try:
+            return int(self.dialect.make_topology(case.stages, case.data_parallel).world_size())
+        except PipeDialectError:
+            return case.world_size
 
     def _new_dir(self) -> Path:
         self._launches += 1

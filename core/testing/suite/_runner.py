@@ -205,7 +205,7 @@ class _Built:
         elif mistake == "no-config":
             del kwargs["config"]
         elif mistake == "topology":
-            kwargs["topology"] = dialect.make_topology(case.stages + 1, 1)
+            kwargs["topology"] = dialect.make_topology(case.stages * 2, 1)
         elif mistake == "stage-count":
             every: list[nn.Module] = list(dialect.wrap_stages(self.plan))
             stage_modules = every[:-1]
