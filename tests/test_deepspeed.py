@@ -17,13 +17,11 @@ from typing import Any
 import _ds_workers as workers
 import pytest
 import torch
+from _compare import ATOL, RTOL, assert_tensor_close
 
 from pipedialect.testing.launcher import free_port, launch
 
 pytestmark = pytest.mark.distributed
-
-RTOL = 1e-6
-ATOL = 1e-7
 
 
 def reference(
@@ -63,19 +61,6 @@ def reference(
                 evals.append(spec.loss_fn(out, labels).item())
     named = dict(model.named_parameters(remove_duplicate=False))
     return losses, named, sum(evals) / len(evals)
-
-
-def assert_tensor_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal within 1e-6 relative, measured on the whole tensor.
-
-    Adam divides each gradient by its own running magnitude, so an element whose gradient is
-    float noise in both runs can differ by more than 1e-6 of itself after a few steps even when
-    every gradient agrees to 1e-7; the tensor-wide relative error is the meaningful measure.
-    """
-    assert actual.shape == expected.shape, what
-    err = (actual.double() - expected.double()).norm().item()
-    scale = expected.double().norm().item()
-    assert err <= RTOL * max(scale, 1.0), f"{what}: relative error {err / max(scale, 1.0):.2e}"
 
 
 def assert_matches_reference(

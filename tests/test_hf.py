@@ -9,30 +9,20 @@ original name, must agree within 1e-6 relative (tensor-wide norm, as in test_dee
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import _hf_workers as hf
 import pytest
 import torch
+from _compare import ATOL, RTOL, assert_tensor_close
 from torch import nn
 
 import pipedialect
 from pipedialect.testing.launcher import launch
 
-RTOL = 1e-6
-ATOL = 1e-7
 STEPS = 3
 GAS = 2
 MICRO = 2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def reference_run(
@@ -63,14 +53,6 @@ def reference_run(
             for inputs, labels in case.micro_batches(gas, batch_size=micro)
         ]
     return losses, sum(evals) / len(evals)
-
-
-def assert_tensor_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal within 1e-6 relative, measured on the whole tensor (see test_deepspeed)."""
-    assert actual.shape == expected.shape, what
-    err = (actual.double() - expected.double()).norm().item()
-    scale = expected.double().norm().item()
-    assert err <= RTOL * max(scale, 1.0), f"{what}: relative error {err / max(scale, 1.0):.2e}"
 
 
 def assert_every_parameter_staged(model: nn.Module, staged_names: set[str], what: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 from collections import namedtuple
-from collections.abc import Iterator
 from typing import Any
 
 import _hf_workers as hf
@@ -25,14 +24,6 @@ from pipedialect import (
     StructureChangedError,
     partition,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model_state(model: nn.Module) -> tuple[Any, ...]:

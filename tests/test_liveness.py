@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -20,15 +20,6 @@ from torch import nn
 from pipedialect import PartitionError, TensorCodec, partition
 from pipedialect.liveness import compute_liveness, stage_sends
 from pipedialect.testing.models import MODELS
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 HF_INPUTS = [
     "input_ids",

@@ -7,7 +7,7 @@ with an explicitly constructed torch optimizer on the same micro-batches.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +36,6 @@ RTOL = 1e-6
 ATOL = 1e-8
 
 OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _config(optimizer: dict[str, Any], **extra: Any) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,14 +30,6 @@ from pipedialect import (
 from pipedialect.testing.models import MODELS, GPTBlock, ModelSpec
 
 CASES = [(name, stages) for name in MODELS for stages in (2, 4)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _args(inputs: Any) -> tuple[Any, ...]:

@@ -14,14 +14,13 @@ from typing import Any
 import _torch_workers as workers
 import pytest
 import torch
+from _compare import ATOL, RTOL, assert_tensor_close
 
 from pipedialect import LaunchError
 from pipedialect.testing.launcher import launch
 
 pytestmark = pytest.mark.distributed
 
-RTOL = 1e-6
-ATOL = 1e-7
 TIMEOUT = 600.0  # two cores shared with other test runs: generous
 
 
@@ -64,14 +63,6 @@ def reference(
             evals.append(spec.loss_fn(out, labels).item())
     named = dict(model.named_parameters(remove_duplicate=False))
     return losses, named, sum(evals) / len(evals), evals
-
-
-def assert_tensor_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal within 1e-6 relative, measured on the whole tensor (Adam: see test_deepspeed)."""
-    assert actual.shape == expected.shape, what
-    err = (actual.double() - expected.double()).norm().item()
-    scale = expected.double().norm().item()
-    assert err <= RTOL * max(scale, 1.0), f"{what}: relative error {err / max(scale, 1.0):.2e}"
 
 
 _REFERENCES: dict[tuple[Any, ...], Any] = {}
