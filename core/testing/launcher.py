@@ -72,14 +72,23 @@ def _rank_main(
         result = ("error", f"rank {rank} returned an unpicklable result: {exc}")
         payload = pickle.dumps(result)
     Path(out).write_bytes(payload)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     if result[0] == "error":
         # Leave at once: tearing down a process group whose peers are gone can block.
         os._exit(1)
+    # [Note: rank exit] The result is safe on disk. Wait until every rank is done with the
+    # process group, then leave without interpreter teardown: destroying gloo groups and
+    # DeepSpeed's communication state while a peer is still shutting down has aborted a rank
+    # ("terminate called without an active exception") after a successful run. A peer that
+    # failed never reaches the barrier; the launcher then stops this rank.
     with contextlib.suppress(Exception):
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            dist.barrier()
+    os._exit(0)
 
 
 @contextlib.contextmanager
