@@ -19,13 +19,12 @@ the engine:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import fx, nn
 
-from pipedialect import StageWrapper, TensorCodec, WireError
+from pipedialect import StageWrapper, WireError
 from pipedialect._wire import leaf_paths
 
 __all__ = ["DeepSpeedPipeStageWrapper"]
@@ -88,32 +87,13 @@ class DeepSpeedPipeStageWrapper(StageWrapper):
         liveness: for every stage id, the names of the values it receives.
         stage_id_2_arg_names: for every stage id, its argument names; ``-1`` maps to the
             model's inputs in data-loader order.
+        codec, dynamic_shapes: as for :class:`~pipedialect.StageWrapper`.
     """
 
-    def __init__(
-        self,
-        mod: fx.GraphModule | nn.Module,
-        stage_id: int,
-        name: str,
-        total_stages: int,
-        liveness: Mapping[int, Sequence[str]],
-        stage_id_2_arg_names: Mapping[int, Sequence[str]],
-        *,
-        codec: TensorCodec | None = None,
-        dynamic_shapes: bool = False,
-    ) -> None:
-        super().__init__(
-            mod,
-            stage_id,
-            name,
-            total_stages,
-            liveness,
-            stage_id_2_arg_names,
-            codec=codec,
-            dynamic_shapes=dynamic_shapes,
-        )
-        self._wire_checked = False
-        self._unreached: tuple[int, ...] | None = None
+    #: Whether the DeepSpeed-specific wire checks have run (once, unless shapes are dynamic).
+    _wire_checked: bool = False
+    #: Received gradient tensors no output reaches, found at the first training micro-batch.
+    _unreached: tuple[int, ...] | None = None
 
     def send(self, received: Sequence[Any], out: Any) -> tuple[torch.Tensor, ...]:
         """Encode as the generic wire does, check DeepSpeed's rules, anchor unused gradients."""
