@@ -16,9 +16,19 @@ The receiver restores the bit-cast views and the leaf order and decodes. The lay
 boundary is decided by its first training micro-batch and then frozen: a later micro-batch whose
 layout would differ (a value that needed no gradient now needs one, a new structure, a new shape
 when shapes are static) is refused with an error naming the value's path. Under ``no_grad``
-(evaluation) the frozen layout is reused, so evaluation sends what training sent. The receiver
-reads the metadata tensor once while the layout is frozen: no device-to-host copy per
-micro-batch.
+(evaluation) the frozen layout is reused, so evaluation sends what training sent.
+
+[Note: wire state]
+The metadata tensor always describes the layout it travels with: it is cached per layout (and
+device), never per codec metadata alone, because under ``no_grad`` every float looks alike and
+the same structure gets another order and other kinds. A layout says whether it is *final* (the
+sender froze it and sends nothing else until :meth:`WireEncoder.reset`); the receiver keeps
+only a final layout and then stops reading the metadata tensor (no device-to-host copy per
+micro-batch). Any other layout (dynamic shapes, or a layout worked out under ``no_grad`` before
+the first training micro-batch) is read from every micro-batch. So the receiver never decodes
+with a layout other than the sender's, whatever the order of training and evaluation. A reset
+must reach both ends of a boundary at once (an engine's ``reset_activation_shape`` resets
+every stage it runs; every rank calls it).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from .interfaces import TensorCodec
 __all__: list[str] = []
 
 _BITCAST = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_WIRE_VERSION = 1
+_WIRE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,8 @@ class WireLayout:
     kinds: str
     #: ``casts[p]`` is the original dtype of a bit-cast leaf, else None.
     casts: tuple[torch.dtype | None, ...]
+    #: Whether the sender froze this layout: it sends no other until reset ([Note: wire state]).
+    final: bool = False
 
     @property
     def num_grad(self) -> int:
@@ -66,6 +78,7 @@ class WireLayout:
                 "o": list(self.order),
                 "k": self.kinds,
                 "d": [None if d is None else str(d).removeprefix("torch.") for d in self.casts],
+                "f": self.final,
             },
             separators=(",", ":"),
         )
@@ -81,13 +94,16 @@ class WireLayout:
             kinds = str(raw["k"])
             casts = tuple(None if d is None else _dtype(d) for d in raw["d"])
             codec_md = str(raw["c"])
+            final = raw["f"]
+            if not isinstance(final, bool):
+                raise MetadataError(f"wire layout field 'f' must be a bool, got {final!r}")
         except MetadataError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise MetadataError(f"malformed wire layout {text[:80]!r}: {exc}") from exc
         if not (len(order) == len(kinds) == len(casts)) or sorted(order) != list(range(len(order))):
             raise MetadataError(f"inconsistent wire layout {text[:80]!r}")
-        return cls(codec_md, order, kinds, casts)
+        return cls(codec_md, order, kinds, casts, final)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -120,21 +136,32 @@ class WireEncoder:
         self.prefix = prefix
         self.frozen = frozen
         self.static_shapes = static_shapes
+        #: The frozen layout (set by the first training micro-batch when ``frozen``).
         self.layout: WireLayout | None = None
+        #: The layout of the latest :meth:`encode`, frozen or not.
+        self.last_layout: WireLayout | None = None
         self.shapes: tuple[torch.Size, ...] | None = None
-        self._md_key: tuple[str, torch.device] | None = None
+        self._md_key: tuple[WireLayout, torch.device] | None = None
         self._md_tensor: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        """Forget the frozen layout and shapes: the next training micro-batch sets them anew."""
+        self.layout = None
+        self.last_layout = None
+        self.shapes = None
 
     def encode(self, value: Any, device: torch.device | None) -> tuple[torch.Tensor, ...]:
         """Encode ``value`` into wire tensors (the metadata tensor last)."""
         leaves, md = self.codec.encode(value, device)
         layout = self.layout
         if layout is None or not self.frozen:
-            layout = self._new_layout(leaves, md)
-            if self.frozen and torch.is_grad_enabled():
+            freeze = self.frozen and torch.is_grad_enabled()
+            layout = self._new_layout(leaves, md, final=freeze)
+            if freeze:
                 self.layout = layout
         else:
             self._check(layout, leaves, md)
+        self.last_layout = layout
         wire = [self._disguise(leaves[i], layout.casts[p]) for p, i in enumerate(layout.order)]
         if self.static_shapes and self.frozen and self.layout is not None:
             shapes = tuple(t.shape for t in wire)
@@ -151,7 +178,7 @@ class WireEncoder:
             return t
         return t.detach().view(_BITCAST[t.element_size()])
 
-    def _new_layout(self, leaves: Sequence[torch.Tensor], md: str) -> WireLayout:
+    def _new_layout(self, leaves: Sequence[torch.Tensor], md: str, *, final: bool) -> WireLayout:
         grads: list[int] = []
         floats: list[int] = []
         others: list[int] = []
@@ -177,7 +204,7 @@ class WireEncoder:
         casts = tuple(
             leaves[i].dtype if k == "f" else None for i, k in zip(order, kinds, strict=True)
         )
-        return WireLayout(md, order, kinds, casts)
+        return WireLayout(md, order, kinds, casts, final)
 
     def _check(self, layout: WireLayout, leaves: Sequence[torch.Tensor], md: str) -> None:
         if md != layout.codec_metadata:
@@ -212,42 +239,63 @@ class WireEncoder:
                 raise StructureChangedError(
                     f"{self.prefix} tensor at {paths[layout.order[p]]} changed shape from "
                     f"{tuple(old)} to {tuple(t.shape)}; the runtime fixes boundary shapes at the "
-                    "first micro-batch. Pad to a constant shape, or enable dynamic shapes."
+                    "first micro-batch. Pad to a constant shape, enable dynamic shapes, or call "
+                    "the engine's reset_activation_shape() (on every rank) before the change."
                 )
 
     def _metadata_tensor(self, layout: WireLayout, device: torch.device) -> torch.Tensor:
-        key = (layout.codec_metadata, device)
-        if self._md_key != key or self._md_tensor is None:
+        # Keyed by the whole layout ([Note: wire state]); a frozen layout is the same object
+        # every time, so the comparison is an identity check on the hot path.
+        key = self._md_key
+        if (
+            self._md_tensor is None
+            or key is None
+            or key[1] != device
+            or (key[0] is not layout and key[0] != layout)
+        ):
             data = layout.dumps().encode()
             self._md_tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-            self._md_key = key
+            self._md_key = (layout, device)
         return self._md_tensor
 
 
 class WireDecoder:
-    """Receiver side of one boundary: wire tensors -> values."""
+    """Receiver side of one boundary: wire tensors -> values.
+
+    With ``frozen``, a layout the sender marked final is kept and the metadata tensor is not read
+    again until :meth:`reset`; any other layout is read from every micro-batch
+    ([Note: wire state]).
+    """
 
     def __init__(self, codec: TensorCodec, *, prefix: str, frozen: bool = True) -> None:
         self.codec = codec
         self.prefix = prefix
         self.frozen = frozen
+        #: The kept (final) layout, or None while every micro-batch's metadata is read.
         self.layout: WireLayout | None = None
         #: The tensors of the last decode that carry a gradient (kind ``g``), in wire order.
         self.grad_leaves: list[torch.Tensor] = []
+
+    def reset(self) -> None:
+        """Forget the kept layout: the next micro-batch's metadata is read again."""
+        self.layout = None
+        self.grad_leaves = []
 
     def decode(self, wire: Sequence[torch.Tensor]) -> Any:
         """Rebuild the value from ``wire`` (as :meth:`WireEncoder.encode` produced it)."""
         if not wire:
             raise MetadataError(f"{self.prefix} received no tensors; expected at least metadata")
         layout = self.layout
-        if layout is None or not self.frozen:
+        if layout is None:
             layout = WireLayout.loads(_read_text(wire[-1], self.prefix))
-            self.layout = layout
+            if self.frozen and layout.final:
+                self.layout = layout
         body = wire[:-1]
         if len(body) != len(layout.order):
             raise MetadataError(
                 f"{self.prefix} received {len(body)} tensors but the layout describes "
-                f"{len(layout.order)}; sender and receiver disagree about the boundary"
+                f"{len(layout.order)}; sender and receiver disagree about the boundary (was "
+                "reset_activation_shape() called on some ranks only? Every rank must call it)"
             )
         leaves: list[torch.Tensor] = list(body)
         grads: list[torch.Tensor] = []

@@ -96,6 +96,16 @@ class StageWrapper(nn.Module):
         self._decoder = WireDecoder(codec, prefix=self.log_prefix, frozen=frozen)
         self._encoder = WireEncoder(codec, prefix=self.log_prefix, frozen=frozen)
 
+    def reset_wire_state(self) -> None:
+        """Forget the frozen wire layout and shapes of both boundaries of this stage.
+
+        The next training micro-batch fixes them anew, so a new sequence length (or structure)
+        is accepted once. Both ends of a boundary must be reset together: engines do it for
+        every stage in ``reset_activation_shape()``, which every rank calls.
+        """
+        self._encoder.reset()
+        self._decoder.reset()
+
     def _lookup(self, table: Mapping[int, Sequence[str]], key: int) -> Sequence[str]:
         try:
             return table[key]

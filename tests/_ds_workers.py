@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import pipedialect
@@ -344,3 +345,304 @@ def build_errors(case: str) -> str:
         dist.barrier()  # every rank got here: nothing hung half-way through a collective
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+# -- wire state: evaluation and training in any order, reset_activation_shape ----------------
+
+
+class Emit(nn.Module):
+    """A float that needs no gradient first, then the activation, then a bool mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scale = torch.sigmoid(x.mean(-1, keepdim=True))
+        return scale, self.lin(x), x.sum(-1) > 0
+
+
+class NoGradFloatFirst(nn.Module):
+    """Split after ``emit``, stage 1 receives ``(scale, h, mask)``: the float that needs no
+    gradient comes before the activation, and no reordering of the two goes unnoticed."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.emit = Emit()
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+        seeded_init(self, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale, h, mask = self.emit(x)
+        h = torch.tanh(self.mid(h)) - 3.0 * scale
+        out: torch.Tensor = self.head(h).masked_fill(~mask.unsqueeze(-1), 0.0)
+        return out
+
+
+def float_batches(count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(2, 3, 8, generator=gen), torch.randn(2, 3, 4, generator=gen))
+        for _ in range(count)
+    ]
+
+
+def token_batches(count: int, length: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, 32, (2, length + 1), generator=gen)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def gpt16(seed: int = 0) -> nn.Module:
+    """The gpt test model with room for 16 positions."""
+    from pipedialect.testing.models import TinyGPT
+
+    return TinyGPT(max_len=16, seed=seed)
+
+
+#: What :func:`wire_state_run` runs: (name, model, split, dynamic, phases); a phase is
+#: (steps, batches seed, sequence length or None, reset first). "t" trains, "e" evaluates.
+WIRE_STATE_CASES: list[tuple[str, str, str, bool, list[tuple[str, int, int | None, bool]]]] = [
+    ("dynamic", "nograd", "emit", True, [("etet", 1, None, False)]),
+    ("static", "nograd", "emit", False, [("tete", 2, None, False)]),
+    ("reset", "gpt16", "blocks.1", False, [("tte", 3, 16, False), ("ette", 4, 8, True)]),
+]
+
+
+def wire_state_model(name: str) -> tuple[nn.Module, Any]:
+    if name == "nograd":
+        return NoGradFloatFirst(), mse_loss
+    return gpt16(), cross_entropy_loss
+
+
+def wire_state_batches(seed: int, length: int | None, count: int) -> list[Any]:
+    if length is None:
+        return float_batches(count, seed)
+    return token_batches(count, length, seed)
+
+
+def wire_state_reference(model_name: str, phases: list[Any], gas: int = 2) -> tuple[Any, Any]:
+    """Run the phases of a case on the unsplit model in this process (the reference)."""
+    model, loss_fn = wire_state_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for steps, seed, length, _reset in phases:
+        batches = wire_state_batches(seed, length, gas * len(steps))
+        for i, step in enumerate(steps):
+            chunk = batches[i * gas : (i + 1) * gas]
+            model.train(step == "t")
+            with torch.set_grad_enabled(step == "t"):
+                total = 0.0
+                for x, y in chunk:
+                    loss = loss_fn(model(x), y)
+                    if step == "t":
+                        (loss / gas).backward()
+                    total += loss.item() / gas
+            if step == "t":
+                opt.step()
+                opt.zero_grad()
+            losses.append(total)
+    return losses, dict(model.named_parameters(remove_duplicate=False))
+
+
+def wire_state_run(
+    dialect_name: str, only: tuple[str, ...] | None = None, gas: int = 2
+) -> list[dict[str, Any]]:
+    """The cases of :data:`WIRE_STATE_CASES` (or those named in ``only``) on a real engine,
+    one after the other."""
+    dialect = pipedialect.get_dialect(dialect_name)
+    dialect.init_distributed()
+    results = []
+    for name, model_name, split, dynamic, phases in WIRE_STATE_CASES:
+        if only is not None and name not in only:
+            continue
+        model, loss_fn = wire_state_model(model_name)
+        plan = partition(model, [split])
+        config = ds_config("sgd", gas=gas, micro=2, dp=1)
+        extra: dict[str, Any] = {"dynamic_shapes": True} if dynamic else {}
+        if dialect_name == "deepspeed":
+            extra["topology"] = dialect.make_topology(2, 1)
+        module = dialect.pipe_engine(plan, config=config, loss_fn=loss_fn, **extra)
+        engine = dialect.runtime_engine(module, config=config)
+        losses: list[float] = []
+        for steps, seed, length, reset in phases:
+            if reset:
+                engine.reset_activation_shape()
+            batches = wire_state_batches(seed, length, gas * len(steps))
+            for i, step in enumerate(steps):
+                chunk = iter(batches[i * gas : (i + 1) * gas])
+                run = engine.train_batch if step == "t" else engine.eval_batch
+                losses.append(float(run(chunk)))
+        (stage,) = dialect.local_stages(engine)
+        results.append(
+            {"case": name, "stage": stage, "losses": losses, "params": local_params(plan, stage)}
+        )
+    return results
+
+
+def shape_change_without_reset() -> None:
+    """Train at sequence length 16, then at 8 without ``reset_activation_shape``."""
+    dialect = pipedialect.get_dialect("deepspeed")
+    dialect.init_distributed()
+    plan = partition(gpt16(), ["blocks.1"])
+    config = ds_config("sgd", gas=2, micro=2, dp=1)
+    module = dialect.pipe_engine(
+        plan, config=config, loss_fn=cross_entropy_loss, topology=dialect.make_topology(2, 1)
+    )
+    engine = dialect.runtime_engine(module, config=config)
+    engine.train_batch(iter(token_batches(2, 16, 3)))
+    engine.train_batch(iter(token_batches(2, 8, 4)))
+
+
+# -- activation checkpointing ------------------------------------------------------------------
+
+
+class DropNet(nn.Module):
+    """Token ids into stage 0; dropout on both stages (split after ``block0``)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.drop0 = nn.Dropout(0.25)
+        self.block0 = ResidualMLP(16)
+        self.drop1 = nn.Dropout(0.25)
+        self.head = nn.Linear(16, 32)
+        seeded_init(self, seed)
+
+    def stage0(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.block0(self.drop0(self.embed(ids)))
+        return out
+
+    def stage1(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.drop1(torch.tanh(h)))
+        return out
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.stage1(self.stage0(ids))
+
+
+DROPNET = ModelSpec(
+    name="dropnet",
+    description="token ids into stage 0 and dropout on both stages",
+    factory=DropNet,
+    loss_fn=cross_entropy_loss,
+    split_points={2: ("block0",)},
+    input_names=("ids",),
+    _make_batch=lambda gen, b: _skiptied_batch(gen, b),
+)
+
+#: Each rank seeds its RNG with this plus its stage right before training (dropout streams).
+DROPOUT_SEED = 1000
+
+#: (name, model, config "pipeline" section or None, pipe_engine activation_checkpoint_interval
+#: or None); every case trains 3 SGD steps of 2 micro-batches on 2 stages.
+CHECKPOINT_CASES: list[tuple[str, str, dict[str, Any] | None, int | None]] = [
+    ("token ids, reentrant default", "gpt", {"activation_checkpoint_interval": 1}, None),
+    (
+        "bool, int, no-grad float boundary, use_reentrant false",
+        "mixed",
+        {"activation_checkpoint_interval": 3, "use_reentrant": False},
+        None,
+    ),
+    ("dropout, argument", "dropnet", None, 2),
+    ("dropout, no checkpointing", "dropnet", None, 0),
+]
+
+
+def _record_grads_before_each_step(engine: Any, stage: nn.Module) -> list[dict[str, Any]]:
+    """The gradients the optimizer steps with (tied ones already all-reduced), per step."""
+    params = dict(stage.named_parameters(remove_duplicate=False))
+    grads: list[dict[str, Any]] = []
+
+    def snapshot(*_: Any) -> None:
+        grads.append({n: p.grad.detach().clone() for n, p in params.items()})
+
+    engine.optimizer.register_step_pre_hook(snapshot)
+    return grads
+
+
+def _count_calls(stage: nn.Module) -> list[int]:
+    calls = [0]
+
+    def count(*_: Any) -> None:
+        calls[0] += 1
+
+    stage.register_forward_pre_hook(count)
+    return calls
+
+
+def checkpointing_run(steps: int = 3, gas: int = 2) -> list[dict[str, Any]]:
+    """Train every case of :data:`CHECKPOINT_CASES`; record losses, gradients, forward calls."""
+    dialect = pipedialect.get_dialect("deepspeed")
+    dialect.init_distributed()
+    results = []
+    for name, model_name, pipeline, interval in CHECKPOINT_CASES:
+        spec = spec_for(model_name) if model_name != "dropnet" else DROPNET
+        plan = partition(spec.build(0), spec.split_points_for(2))
+        config = ds_config("sgd", gas=gas, micro=2, dp=1)
+        if pipeline is not None:
+            config["pipeline"] = pipeline
+        kwargs = {} if interval is None else {"activation_checkpoint_interval": interval}
+        module = dialect.pipe_engine(
+            plan,
+            config=config,
+            loss_fn=spec.loss_fn,
+            topology=dialect.make_topology(2, 1),
+            **kwargs,
+        )
+        engine = dialect.runtime_engine(module, config=config)
+        (stage,) = dialect.local_stages(engine)
+        grads = _record_grads_before_each_step(engine, plan.stages[stage])
+        calls = _count_calls(plan.stages[stage])
+        torch.manual_seed(DROPOUT_SEED + stage)
+        data = data_stream(spec, steps * gas, 2, 0)
+        losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+        results.append(
+            {
+                "case": name,
+                "stage": stage,
+                "interval": engine.module.activation_checkpoint_interval,
+                "losses": losses,
+                "grads": grads,
+                "forward_calls": calls[0],
+                "params": local_params(plan, stage),
+            }
+        )
+    from pipedialect.dialects.deepspeed._module import checkpoint_stage
+
+    refused = "no error"
+    try:
+        engine.module.activation_checkpoint_func = torch.utils.checkpoint.checkpoint
+    except pipedialect.ConfigError as exc:
+        refused = str(exc)
+    still = engine.module.activation_checkpoint_func is checkpoint_stage
+    # A plain PipelineModule of stage wrappers would use DeepSpeed's checkpoint: refused.
+    from deepspeed.pipe import PipelineModule
+
+    spec = spec_for("gpt")
+    plan = partition(spec.build(0), spec.split_points_for(2))
+    plain = PipelineModule(
+        layers=plan.wrap(dialect.stage_wrapper),
+        topology=dialect.make_topology(2, 1),
+        loss_fn=spec.loss_fn,
+        partition_method="uniform",
+        activation_checkpoint_interval=1,
+    )
+    plain_refused = "no error"
+    try:
+        dialect.runtime_engine(plain, config=ds_config("sgd", gas=gas, micro=2, dp=1))
+    except pipedialect.ConfigError as exc:
+        plain_refused = str(exc)
+    results.append(
+        {
+            "case": "refusals",
+            "refused": refused,
+            "still": still,
+            "plain_refused": plain_refused,
+        }
+    )
+    return results

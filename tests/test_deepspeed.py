@@ -19,6 +19,7 @@ import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
 
+from pipedialect import LaunchError
 from pipedialect.testing.launcher import free_port, launch
 
 pytestmark = pytest.mark.distributed
@@ -225,3 +226,104 @@ def test_mistakes_are_named_errors_raised_before_any_collective(case: str) -> No
     else:
         assert messages[0].startswith("ConfigError:")
         assert "loss_fn" in messages[0] and "topology" in messages[0]
+
+
+def test_eval_and_train_in_any_order_and_reset_activation_shape() -> None:
+    """Dynamic shapes: eval before training, then alternating; static: the same the other way
+    round; static gpt: length 16, ``reset_activation_shape()``, length 8 (eval first)."""
+    results = launch(workers.wire_state_run, 2, "deepspeed", timeout=600)
+    cases = {c[0]: c for c in workers.WIRE_STATE_CASES}
+    seen = set()
+    for rank_results in results:
+        for r in rank_results:
+            _, model_name, _, _, phases = cases[r["case"]]
+            ref_losses, ref_params = workers.wire_state_reference(model_name, phases)
+            assert r["losses"] == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), r["case"]
+            for name, value in r["params"].items():
+                assert_tensor_close(value, ref_params[name].detach(), f"{r['case']} {name}")
+            seen.add((r["case"], r["stage"]))
+    assert seen == {(c, s) for c in cases for s in (0, 1)}
+
+
+def test_a_new_shape_without_reset_activation_shape_is_the_named_error() -> None:
+    with pytest.raises(LaunchError) as info:
+        launch(workers.shape_change_without_reset, 2, timeout=300)
+    message = str(info.value)
+    assert "StructureChangedError: [Stage 0]" in message, message
+    assert "changed shape from (2, 16, 16) to (2, 8, 16)" in message
+    assert "reset_activation_shape()" in message
+
+
+def _checkpoint_reference(model_name: str, steps: int = 3, gas: int = 2) -> dict[str, Any]:
+    """The unsplit model on the cases' micro-batches: losses and the gradients of each step.
+
+    On ``dropnet`` each stage's part of the model draws its dropout masks from its own RNG
+    stream, seeded as each rank seeds its own, in micro-batch order (the order every rank runs
+    its forwards in): then the unsplit model sees the masks the pipeline drew.
+    """
+    spec = workers.DROPNET if model_name == "dropnet" else workers.spec_for(model_name)
+    model = spec.build(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rng = []
+    for stage in range(2):
+        torch.manual_seed(workers.DROPOUT_SEED + stage)
+        rng.append(torch.get_rng_state())
+    saved = torch.get_rng_state()
+
+    def on_stream(stage: int, fn: Any, *args: Any) -> Any:
+        torch.set_rng_state(rng[stage])
+        out = fn(*args)
+        rng[stage] = torch.get_rng_state()
+        return out
+
+    data = workers.data_stream(spec, steps * gas, 2, 0)
+    losses, grads = [], []
+    for _ in range(steps):
+        total = 0.0
+        for inputs, labels in (next(data) for _ in range(gas)):
+            if model_name == "dropnet":
+                out = on_stream(1, model.stage1, on_stream(0, model.stage0, inputs))
+            else:
+                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            loss = spec.loss_fn(out, labels)
+            (loss / gas).backward()
+            total += loss.item() / gas
+        losses.append(total)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
+        opt.step()
+        opt.zero_grad()
+    torch.set_rng_state(saved)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def test_activation_checkpoint_interval_trains_exactly_like_the_unsplit_model() -> None:
+    """Every way to set it (the config, with either use_reentrant, or pipe_engine's argument)
+    checkpoints each whole stage: the same losses and gradients, and each stage really ran
+    twice per training micro-batch (forward, then recomputation in backward)."""
+    results = launch(workers.checkpointing_run, 2, timeout=600)
+    cases = {c[0]: c for c in workers.CHECKPOINT_CASES}
+    seen = set()
+    for rank_results in results:
+        *trained, refusals = rank_results
+        assert refusals["still"], refusals
+        assert refusals["refused"].startswith("activation_checkpoint_func="), refusals
+        assert "plain deepspeed.pipe.PipelineModule" in refusals["plain_refused"], refusals
+        for r in trained:
+            name, model_name, pipeline, interval = cases[r["case"]]
+            ref = _checkpoint_reference(model_name)
+            assert r["losses"] == pytest.approx(ref["losses"], rel=RTOL, abs=ATOL), name
+            assert len(r["grads"]) == len(ref["grads"]) == 3
+            for step, (ours, theirs) in enumerate(zip(r["grads"], ref["grads"], strict=True)):
+                assert ours.keys() <= theirs.keys()
+                for n, g in ours.items():
+                    assert_tensor_close(g, theirs[n], f"{name}: stage {r['stage']} step {step} {n}")
+            for n, value in r["params"].items():
+                assert_tensor_close(value, ref["params"][n].detach(), f"{name}: {n}")
+            checkpointed = max(
+                (pipeline or {}).get("activation_checkpoint_interval", 0), interval or 0
+            )
+            assert r["interval"] == checkpointed
+            assert r["forward_calls"] == (2 if checkpointed else 1) * 3 * 2, name
+            seen.add((name, r["stage"]))
+    assert seen == {(c, s) for c in cases for s in (0, 1)}

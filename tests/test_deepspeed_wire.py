@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipedialect import StructureChangedError, WireError
+from pipedialect import ConfigError, StructureChangedError, WireError
 from pipedialect.dialects.deepspeed.pipeline import DeepSpeedPipeStageWrapper
 from pipedialect.partition import partition
 
@@ -153,3 +153,58 @@ def test_wire_puts_gradient_floats_first_and_disguises_the_rest() -> None:
     assert extra.keys() == ref_extra.keys()
     assert torch.equal(extra["nograd"], torch.tensor([1.5, -2.0]))
     assert extra["nograd"].dtype == torch.float32 and extra["grad"] is None
+
+
+def test_reset_wire_state_accepts_a_new_shape_and_checks_deepspeeds_rules_again() -> None:
+    stage = first_stage(ManyValues(60), "fan")  # 2-D tensors: 248 entries of tensor meta
+    stage(torch.randn(3, 4))
+    with pytest.raises(StructureChangedError, match="reset_activation_shape"):
+        stage(torch.randn(2, 3, 4))
+    stage.reset_wire_state()
+    # The new shape is accepted, and checked again: 3-D tensors overflow DeepSpeed's buffer.
+    with pytest.raises(WireError, match=r"\[Stage 0\].*256"):
+        stage(torch.randn(2, 3, 4))
+
+
+def _pipe_engine_error(**kwargs: object) -> str:
+    from pipedialect.dialects.deepspeed._build import build_pipeline_module
+
+    plan = partition(Carry(), ["emit"])
+    config: dict[str, object] = {"train_batch_size": 2, **kwargs.pop("config_extra", {})}  # type: ignore[dict-item]
+    with pytest.raises(ConfigError) as info:
+        build_pipeline_module(
+            plan,
+            plan.wrap(DeepSpeedPipeStageWrapper),
+            config=config,
+            loss_fn=lambda out, labels: out[0].sum(),
+            topology=object(),
+            **kwargs,
+        )
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"activation_checkpoint_func": print}, "activation_checkpoint_func cannot be passed"),
+        ({"checkpointable_layers": ["GPTBlock"]}, "checkpointable_layers cannot be passed"),
+        ({"activation_checkpoint_interval": -1}, "activation_checkpoint_interval must be"),
+        ({"activation_checkpoint_interval": True}, "activation_checkpoint_interval must be"),
+        (
+            {"config_extra": {"pipeline": {"activation_checkpoint_interval": 1.5}}},
+            "pipeline.activation_checkpoint_interval must be",
+        ),
+        (
+            {
+                "activation_checkpoint_interval": 0,
+                "config_extra": {"pipeline": {"activation_checkpoint_interval": 2}},
+            },
+            "set one of them",
+        ),
+    ],
+    ids=["func", "layers", "negative", "bool", "config-float", "disagree"],
+)
+def test_activation_checkpoint_settings_that_cannot_be_honoured_are_refused_by_name(
+    kwargs: dict[str, object], expected: str
+) -> None:
+    assert expected in _pipe_engine_error(**kwargs)

@@ -23,14 +23,32 @@ if TYPE_CHECKING:
 __all__ = ["build_pipeline_module"]
 
 _KNOWN_KWARGS = frozenset(
-    {"config", "loss_fn", "topology", "fp16", "bf16", "dynamic_shapes", "dynamic_shape"}
+    {
+        "config",
+        "loss_fn",
+        "topology",
+        "fp16",
+        "bf16",
+        "dynamic_shapes",
+        "dynamic_shape",
+        "activation_checkpoint_interval",
+    }
 )
+#: PipelineModule arguments about checkpointing that a whole-stage checkpoint cannot honour.
+_REFUSED_CHECKPOINT_KWARGS = frozenset({"activation_checkpoint_func", "checkpointable_layers"})
 
 
 def build_pipeline_module(
     sch_metadata: Any, stage_modules: Sequence[nn.Module], **kwargs: Any
 ) -> PipeDialectPipelineModule:
     """Validate everything, then build the ``PipelineModule`` (see ``deepspeed_pipe_engine``)."""
+    refused = sorted(set(kwargs) & _REFUSED_CHECKPOINT_KWARGS)
+    if refused:
+        raise ConfigError(
+            f"{', '.join(refused)} cannot be passed: each stage is one DeepSpeed layer and is "
+            "checkpointed whole with torch's non-reentrant checkpoint; pass only "
+            "activation_checkpoint_interval (any value >= 1 means the same)"
+        )
     unknown = set(kwargs) - _KNOWN_KWARGS
     if unknown:
         raise ConfigError(
@@ -48,6 +66,7 @@ def build_pipeline_module(
     if not callable(loss_fn):
         raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
     _check_precision(config, kwargs)
+    interval = checkpoint_interval_of(config, kwargs)
     stages = list(stage_modules)
     _check_topology(topology, len(stages))
     _check_process_group(topology)
@@ -61,7 +80,36 @@ def build_pipeline_module(
         loss_fn=loss_fn,
         ties=ties,
         dynamic_shape=dynamic_shapes_of(kwargs),
+        activation_checkpoint_interval=interval,
     )
+
+
+def checkpoint_interval_of(config: Any, kwargs: Mapping[str, Any]) -> int:
+    """The ``activation_checkpoint_interval`` argument, checked against the config's.
+
+    DeepSpeed's engine lets a positive ``pipeline.activation_checkpoint_interval`` in the config
+    override the module's; both must be ints >= 0 and must not disagree.
+    """
+    given = kwargs.get("activation_checkpoint_interval", 0)
+    _check_interval("activation_checkpoint_interval", given)
+    section = config.get("pipeline", {}) if isinstance(config, Mapping) else {}
+    if isinstance(section, Mapping) and "activation_checkpoint_interval" in section:
+        configured = section["activation_checkpoint_interval"]
+        _check_interval("the config's pipeline.activation_checkpoint_interval", configured)
+        if "activation_checkpoint_interval" in kwargs and configured != given:
+            raise ConfigError(
+                f"activation_checkpoint_interval={given} was passed but the DeepSpeed config has "
+                f"pipeline.activation_checkpoint_interval={configured}; set one of them"
+            )
+    return int(given)
+
+
+def _check_interval(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(
+            f"{name} must be an int >= 0 (0: no activation checkpointing; any positive value "
+            f"checkpoints each whole stage, which is one DeepSpeed layer), got {value!r}"
+        )
 
 
 def dynamic_shapes_of(kwargs: Mapping[str, Any]) -> bool:

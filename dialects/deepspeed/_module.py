@@ -6,6 +6,16 @@ tied weight once in gradient norms) is driven by ``tied_comms``, ``tied_modules`
 ``tied_weight_attrs``. This subclass fills those from the plan's tie groups instead
 (``_index_tied_modules``), so no fork is needed.
 
+[Note: stage checkpointing]
+DeepSpeed checkpoints activations every ``activation_checkpoint_interval`` layers, and each layer
+here is one whole stage (one per rank), so every positive interval means the same: each stage's
+forward runs under torch's non-reentrant ``torch.utils.checkpoint`` and is run again during its
+backward. Whatever ``activation_checkpoint_func`` DeepSpeed picks (its reentrant default, or its
+own non-reentrant one for ``pipeline.use_reentrant: false``) is replaced by that: the reentrant
+one gives no gradient to a stage whose inputs are integer token ids, and torch's handles any
+input. The recomputation replays the RNG state of the first run, so dropout masks are the same.
+A function other than DeepSpeed's two is refused, and so is a negative interval.
+
 It also makes gradient clipping use the global norm: DeepSpeed 0.19's fp32 ``clip_grad_norm_``
 counts only the gradients of model-parallel rank 0 of a pipeline replica (stage 0) unless a
 parameter is marked ``model_parallel``; every parameter of the other stages is marked, except the
@@ -25,15 +35,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from torch import nn
 
-from pipedialect import Topology
+from pipedialect import ConfigError, Topology
 from pipedialect.errors import CheckpointError
 
-__all__ = ["PipeDialectPipelineModule", "TieSpec"]
+__all__ = ["PipeDialectPipelineModule", "TieSpec", "checkpoint_stage"]
 
 logger = logging.getLogger(__name__)
+
+
+def checkpoint_stage(function: Callable[..., Any], *args: Any) -> Any:
+    """Run ``function(*args)`` (one whole stage) under torch's non-reentrant checkpoint.
+
+    See [Note: stage checkpointing]; the RNG state is preserved for the recomputation.
+    """
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+
+#: The checkpoint functions DeepSpeed itself assigns; each stands for :func:`checkpoint_stage`.
+_DEEPSPEED_CHECKPOINT_FUNCS = (
+    ds_checkpointing.checkpoint,
+    ds_checkpointing.non_reentrant_checkpoint,
+    checkpoint_stage,
+)
 
 
 @dataclass(frozen=True)
@@ -59,6 +87,7 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
         loss_fn: Callable[..., Any],
         ties: Sequence[TieSpec],
         dynamic_shape: bool = False,
+        activation_checkpoint_interval: int = 0,
     ) -> None:
         # _index_tied_modules runs inside PipelineModule.__init__, so the ties go in first.
         object.__setattr__(self, "_pipedialect_ties", tuple(sorted(ties, key=lambda t: t.key)))
@@ -68,8 +97,45 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
             loss_fn=loss_fn,
             partition_method="uniform",
             dynamic_shape=dynamic_shape,
+            activation_checkpoint_interval=activation_checkpoint_interval,
         )
         self._mark_parameters_for_grad_norm()
+
+    # -- activation checkpointing ([Note: stage checkpointing]) -----------------------------
+
+    @property
+    def activation_checkpoint_func(self) -> Callable[..., Any]:
+        """Always :func:`checkpoint_stage`, whatever DeepSpeed assigned."""
+        return checkpoint_stage
+
+    @activation_checkpoint_func.setter
+    def activation_checkpoint_func(self, func: Callable[..., Any]) -> None:
+        if not any(func is known for known in _DEEPSPEED_CHECKPOINT_FUNCS):
+            raise ConfigError(
+                f"activation_checkpoint_func={getattr(func, '__qualname__', func)!r} is not "
+                "supported: the DeepSpeed dialect checkpoints each whole stage with torch's "
+                "non-reentrant checkpoint (pipedialect.dialects.deepspeed._module."
+                "checkpoint_stage). Set only activation_checkpoint_interval, or checkpoint "
+                "inside your blocks."
+            )
+
+    def _is_checkpointable(self, funcs: Sequence[Any]) -> bool:
+        # Every layer is a whole stage; checkpointing one without parameters is still exact.
+        del funcs
+        return True
+
+    def forward(self, forward_input: Any) -> Any:
+        """Run the local stage, checkpointed when ``activation_checkpoint_interval > 0``."""
+        interval = self.activation_checkpoint_interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+            raise ConfigError(
+                f"[Stage {self.stage_id}] activation_checkpoint_interval={interval!r}; it must "
+                "be an int >= 0 (0: no checkpointing; any positive value checkpoints each whole "
+                "stage)"
+            )
+        # Upstream runs no layer at all if the interval changed without set_checkpoint_interval.
+        self._precompute_checkpointable_values()
+        return super().forward(forward_input)
 
     # -- ties ----------------------------------------------------------------------------
 

@@ -95,6 +95,12 @@ class DeepSpeedPipeStageWrapper(StageWrapper):
     #: Received gradient tensors no output reaches, found at the first training micro-batch.
     _unreached: tuple[int, ...] | None = None
 
+    def reset_wire_state(self) -> None:
+        """Forget the frozen wire state, and the DeepSpeed checks made on it, too."""
+        super().reset_wire_state()
+        self._wire_checked = False
+        self._unreached = None
+
     def send(self, received: Sequence[Any], out: Any) -> tuple[torch.Tensor, ...]:
         """Encode as the generic wire does, check DeepSpeed's rules, anchor unused gradients."""
         # Point-to-point sends need contiguous memory; a no-op for most tensors.
@@ -166,7 +172,7 @@ class DeepSpeedPipeStageWrapper(StageWrapper):
         return tuple(missing)
 
     def _check_wire(self, wire: Sequence[torch.Tensor]) -> None:
-        layout = self._encoder.layout
+        layout = self._encoder.last_layout
         metadata = layout.codec_metadata if layout is not None else ""
         order = layout.order if layout is not None else tuple(range(len(wire) - 1))
         paths = leaf_paths(self.codec, metadata, len(order))

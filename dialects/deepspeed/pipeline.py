@@ -111,7 +111,8 @@ def deepspeed_pipe_engine(
             ``topology`` (a DeepSpeed ``ProcessTopology`` whose pipe axis has one entry per
             stage) are required; ``fp16`` / ``bf16`` must agree with the config;
             ``dynamic_shapes`` (or DeepSpeed's ``dynamic_shape``) lets boundary shapes change
-            between micro-batches.
+            between micro-batches; ``activation_checkpoint_interval`` (any value >= 1)
+            checkpoints each whole stage with torch's non-reentrant checkpoint.
 
     Returns:
         The ``deepspeed.pipe.PipelineModule`` (a subclass registering the plan's ties).

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipedialect import CheckpointError, ConfigError
+from pipedialect import CheckpointError, ConfigError, StageWrapper
 from pipedialect.partition import PipelinePlan
 
 from .config import TrainingConfig, build_optimizer, clip_gradients, parse_config
@@ -177,6 +177,15 @@ class LocalEngine(DeepSpeedStyleEngine):
                 losses.append(loss.detach().reshape(()))
         mean = _mean(losses)
         return (mean, outputs) if return_logits else mean
+
+    def reset_activation_shape(self) -> None:
+        """Accept new boundary shapes from the next batch on, as DeepSpeed's method does.
+
+        Every stage wrapper forgets its frozen wire layout and shapes.
+        """
+        for stage in self.module.stages:
+            if isinstance(stage, StageWrapper):
+                stage.reset_wire_state()
 
     def _resolve_iter(self, data_iter: Iterator[Any] | None) -> Iterator[Any]:
         if data_iter is not None:

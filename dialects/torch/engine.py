@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedialect import CheckpointError, ConfigError, PipeDialectError
+from pipedialect import CheckpointError, ConfigError, PipeDialectError, StageWrapper
 from pipedialect.dialects.local.config import TrainingConfig, parse_config
 from pipedialect.dialects.local.engine import DeepSpeedStyleEngine
 from pipedialect.partition import PipelinePlan
@@ -137,6 +137,18 @@ class TorchPipeline(nn.Module):
 
     def _runners(self) -> list[StageRunner]:
         return [r for r in self.runners if isinstance(r, StageRunner)]
+
+    def reset_shapes(self) -> None:
+        """Drop the torch stages and schedules and every local wrapper's frozen wire state.
+
+        The next batch builds them again from its first micro-batch, with its shapes.
+        """
+        self._stages = []
+        self._schedules = {}
+        self._examples = None
+        for runner in self._runners():
+            if isinstance(runner.stage, StageWrapper):
+                runner.stage.reset_wire_state()
 
     def schedule(self, num_micro_batches: int) -> Any:
         """The schedule for ``num_micro_batches`` (one per count, built on first use)."""
@@ -308,6 +320,14 @@ class TorchEngine(DeepSpeedStyleEngine):
         if return_logits:
             return mean, self.module.context.last_output if self.module.holds_last else None
         return mean
+
+    def reset_activation_shape(self) -> None:
+        """Accept new boundary shapes from the next batch on, as DeepSpeed's method does.
+
+        Every rank must call it at once: the next batch works out the boundary examples again
+        ([Note: boundary examples] in ``_setup``), which takes all ranks.
+        """
+        self.module.reset_shapes()
 
     # -- checkpoints ---------------------------------------------------------------------------
 
