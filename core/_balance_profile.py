@@ -1,0 +1,665 @@
+"""Measuring a model for :mod:`pipedialect.balance`: module calls, and what runs between them.
+
+[Note: balance trace]
+A *trace* is one forward (and, where costs need it, one backward) of the model with a hook on
+every module. Each module call's entry and exit is an *event*, numbered in execution order;
+an operation that runs after ``g`` events sits in *gap* ``g``. A split point after module ``M``
+puts everything up to ``M``'s exit event ``x`` in the earlier stage, so with the chosen split
+points' exit events ``x_0 < x_1 < ...``, gap ``g`` belongs to stage ``bisect_left(xs, g)``, the
+same cut the fx and export splitters make (graph order is execution order). Everything is
+recorded per gap, so one trace serves every choice of split points.
+
+Three ways to take a trace:
+
+- on fake tensors (``torch._subclasses.fake_tensor``) given example inputs: the model's own
+  parameters are never read or written (each is replaced by a fake tensor of its shape for the
+  run through ``torch.func.functional_call``), so a model built on the meta device works too.
+  A dispatch mode counts each aten operation, its FLOPs (``torch.utils.flop_counter``'s
+  formulas), which parameters it reads, and which tensors it consumes (for the bytes that cross
+  each cut); a saved-tensor hook counts the bytes kept for backward;
+- with torch.fx, without example inputs: the same events from the tracer's module calls, graph
+  nodes as operations; parameters only (no shapes, so no FLOPs or bytes);
+- for time, on the real tensors: timestamps at every event, repeated, the median per gap. The
+  model's buffers are cloned for the run and the RNG state restored, so nothing changes.
+
+Backward work is attributed by tagging autograd nodes: at each module's exit, the not yet
+tagged nodes its outputs depend on get that exit's gap, and a pre-hook on each node tells the
+recorder whose backward is running. A node computed in one gap but first used by a module
+exiting later is charged to that later gap: a side value's backward can land one stage late.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import CaptureError, PartitionError
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModuleCalls:
+    """How forward called one module: how often, and its first call's entry and exit events."""
+
+    path: str
+    calls: int = 0
+    enter: int = -1
+    exit: int = -1
+    #: Why the module cannot be a split point whatever it computes (inside a leaf), or None.
+    hidden: str | None = None
+
+
+@dataclass
+class StateItem:
+    """A parameter or buffer: its size and whether the optimizer keeps state for it."""
+
+    numel: int
+    nbytes: int
+    trainable: bool
+    is_parameter: bool
+
+
+@dataclass
+class Trace:
+    """What one traced forward recorded ([Note: balance trace]); lists are indexed by gap."""
+
+    num_events: int
+    #: Event paths in order (``+path`` entry, ``-path`` exit): the time run must match them.
+    events: list[str]
+    modules: dict[str, ModuleCalls]
+    #: Forward operations per gap (aten ops, or fx compute nodes).
+    ops: list[int]
+    #: Parameters and buffers (canonical names) read per gap.
+    state_used: list[set[str]]
+    state: dict[str, StateItem]
+    #: Forward and backward FLOPs per gap (None for an fx trace).
+    forward_flops: list[float] | None = None
+    backward_flops: list[float] | None = None
+    #: Bytes saved for backward per gap: {storage key: bytes} (None for an fx trace).
+    saved: list[dict[int, int]] | None = None
+    #: crossing[x]: bytes of the tensors a cut right after event x carries (None for fx).
+    crossing: list[int] | None = None
+    #: Measured forward and backward seconds per gap (None until timed).
+    forward_time: list[float] | None = None
+    backward_time: list[float] | None = None
+
+
+def _gaps(num_events: int) -> int:
+    # Gaps 0..E, plus E + 1 for "used by the model's output".
+    return num_events + 2
+
+
+def _canonical_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return list(model.named_modules())
+
+
+def _state_items(model: nn.Module) -> tuple[dict[int, str], dict[str, StateItem]]:
+    names: dict[int, str] = {}
+    items: dict[str, StateItem] = {}
+    for name, p in model.named_parameters():
+        names[id(p)] = name
+        items[name] = StateItem(p.numel(), p.numel() * p.element_size(), p.requires_grad, True)
+    for name, b in model.named_buffers():
+        if id(b) not in names:
+            names[id(b)] = name
+            items[name] = StateItem(b.numel(), b.numel() * b.element_size(), False, False)
+    return names, items
+
+
+def _hidden_modules(
+    model: nn.Module, leaf_ids: frozenset[int], leaf_types: tuple[type[nn.Module], ...]
+) -> dict[str, str]:
+    """Modules inside a module that runs as one call (an fx leaf): never a split point."""
+    default = fx.Tracer()
+    hidden: dict[str, str] = {}
+
+    def walk(module: nn.Module, prefix: str, inside: str | None) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if inside is not None:
+                hidden.setdefault(path, inside)
+            # Containers are never called, so fx never treats them as leaves.
+            is_leaf = not isinstance(child, nn.ModuleList | nn.ModuleDict) and (
+                id(child) in leaf_ids
+                or (bool(leaf_types) and isinstance(child, leaf_types))
+                or default.is_leaf_module(child, path)
+            )
+            walk(child, path, inside if inside is not None else (path if is_leaf else None))
+
+    walk(model, "", None)
+    return {path: f"it is inside {leaf!r}, which runs as one call" for path, leaf in hidden.items()}
+
+
+class _Events:
+    """Module entry/exit hooks that number events and keep per-module call records."""
+
+    def __init__(self, model: nn.Module, hidden: Mapping[str, str]) -> None:
+        self.count = 0
+        self.paths: list[str] = []
+        self.modules: dict[str, ModuleCalls] = {}
+        self._model = model
+        self._hidden = hidden
+        self._handles: list[Any] = []
+        self.on_exit: Callable[[int, Any], None] | None = None
+        self.on_event: Callable[[int], None] | None = None
+
+    def _enter(self, path: str) -> None:
+        if self.on_event is not None:
+            self.on_event(self.count)
+        record = self.modules.setdefault(path, ModuleCalls(path, hidden=self._hidden.get(path)))
+        record.calls += 1
+        if record.calls == 1:
+            record.enter = self.count
+        self.paths.append("+" + path)
+        self.count += 1
+
+    def _exit(self, path: str, output: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(self.count)
+        record = self.modules[path]
+        if record.calls == 1:
+            record.exit = self.count
+        if self.on_exit is not None:
+            self.on_exit(self.count, output)
+        self.paths.append("-" + path)
+        self.count += 1
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        try:
+            for path, module in _canonical_modules(self._model):
+                self._handles.append(
+                    module.register_forward_pre_hook(lambda _m, _a, p=path: self._enter(p))
+                )
+                self._handles.append(
+                    module.register_forward_hook(lambda _m, _a, out, p=path: self._exit(p, out))
+                )
+            yield
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+
+
+class _Tagger:
+    """Tags autograd nodes with the gap whose backward they belong to ([Note: balance trace])."""
+
+    def __init__(self) -> None:
+        self.tags: dict[Any, int] = {}
+        self.current = -1
+        self.on_switch: Callable[[int], None] | None = None
+
+    def tag(self, gap: int, output: Any) -> None:
+        stack: list[Any] = [
+            t.grad_fn
+            for t in pytree.tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]
+        while stack:
+            node = stack.pop()
+            if node is None or node in self.tags:
+                continue
+            self.tags[node] = gap
+            node.register_prehook(self._prehook(gap))
+            stack.extend(next_node for next_node, _ in node.next_functions)
+
+    def _prehook(self, gap: int) -> Callable[[Any], None]:
+        def hook(_grad_outputs: Any) -> None:
+            if self.on_switch is not None:
+                self.on_switch(gap)
+            self.current = gap
+
+        return hook
+
+
+def _float_outputs(output: Any) -> list[torch.Tensor]:
+    return [
+        t
+        for t in pytree.tree_leaves(output)
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    ]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts operations, FLOPs, state reads and tensor uses per gap (fake trace)."""
+
+    def __init__(self, events: _Events, tagger: _Tagger, state_ids: Mapping[int, str]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        from torch.utils.flop_counter import flop_registry
+
+        self._flops = flop_registry
+        self._events = events
+        self._tagger = tagger
+        self._state_ids = state_ids
+        self.backward = False
+        self.ops: dict[int, int] = {}
+        self.forward_flops: dict[int, float] = {}
+        self.backward_flops: dict[int, float] = {}
+        self.state_used: dict[int, set[str]] = {}
+        #: id(tensor) -> [gap produced, last gap used, bytes]
+        self.tensors: dict[int, list[int]] = {}
+        self._alive: list[torch.Tensor] = []
+
+    def produced(self, t: torch.Tensor, gap: int) -> None:
+        if id(t) not in self.tensors and id(t) not in self._state_ids:
+            self.tensors[id(t)] = [gap, gap, t.numel() * t.element_size()]
+            self._alive.append(t)
+
+    def used(self, t: torch.Tensor, gap: int) -> None:
+        entry = self.tensors.get(id(t))
+        if entry is not None:
+            entry[1] = max(entry[1], gap)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace != "aten":
+            return out
+        packet = func._overloadpacket
+        flops = (
+            float(self._flops[packet](*args, **kwargs, out_val=out))
+            if packet in self._flops
+            else 0.0
+        )
+        if self.backward:
+            gap = self._tagger.current
+            self.backward_flops[gap] = self.backward_flops.get(gap, 0.0) + flops
+            return out
+        gap = self._events.count
+        self.ops[gap] = self.ops.get(gap, 0) + 1
+        if flops:
+            self.forward_flops[gap] = self.forward_flops.get(gap, 0.0) + flops
+        for a in pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor):
+                name = self._state_ids.get(id(a))
+                if name is not None:
+                    self.state_used.setdefault(gap, set()).add(name)
+                else:
+                    self.used(a, gap)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.produced(t, gap)
+        return out
+
+
+def _fake_state(
+    model: nn.Module, mode: Any, device: torch.device
+) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
+    """One fake tensor per parameter and buffer (shared ones stay shared), on ``device``."""
+    by_object: dict[int, torch.Tensor] = {}
+    swapped: dict[str, torch.Tensor] = {}
+    ids: dict[int, str] = {}
+    canonical, _ = _state_items(model)
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    with mode:
+        for name, t in named:
+            if id(t) not in by_object:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                if isinstance(t, nn.Parameter) and t.requires_grad:
+                    fake.requires_grad_(True)
+                by_object[id(t)] = fake
+                ids[id(fake)] = canonical[id(t)]
+            swapped[name] = by_object[id(t)]
+    return swapped, ids
+
+
+def _device_of(example_inputs: Mapping[str, Any]) -> torch.device:
+    for t in pytree.tree_leaves(dict(example_inputs)):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def trace_fake(
+    model: nn.Module,
+    example_inputs: Mapping[str, Any],
+    fixed: Mapping[str, Any],
+    hidden: Mapping[str, str],
+) -> Trace:
+    """Trace forward and backward on fake tensors ([Note: balance trace])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    events = _Events(model, hidden)
+    tagger = _Tagger()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    swapped, state_ids = _fake_state(model, mode, _device_of(example_inputs))
+    _, items = _state_items(model)
+    recorder = _Recorder(events, tagger, state_ids)
+    state_storages = {_storage_key(t) for t in swapped.values()}
+    saved: dict[int, dict[int, int]] = {}
+
+    # Storages are numbered in the order forward first saves them (not by address), so the
+    # trace is the same in every process.
+    numbers: dict[int, int] = {}
+    keep: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in state_storages and not recorder.backward:
+            if key not in numbers:
+                numbers[key] = len(numbers)
+                keep.append(t)  # keeps the storage, and so its address, alive
+            saved.setdefault(events.count, {})[numbers[key]] = int(t.untyped_storage().nbytes())
+        return t
+
+    events.on_exit = tagger.tag
+    with mode:
+        kwargs = pytree.tree_map(
+            lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,
+            {**dict(example_inputs), **dict(fixed)},
+        )
+    for t in pytree.tree_leaves(kwargs):
+        if isinstance(t, torch.Tensor):
+            recorder.produced(t, 0)
+    try:
+        with mode, recorder, events.installed():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                output = torch.func.functional_call(
+                    model, swapped, (), kwargs, tie_weights=False, strict=False
+                )
+            end = events.count
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor):
+                    recorder.used(t, end + 1)
+            tagger.tag(end, output)
+            tagger.current = end
+            outs = _float_outputs(output)
+            inputs = [t for t in dict.fromkeys(swapped.values()) if t.requires_grad]
+            if outs and inputs:
+                recorder.backward = True
+                torch.autograd.grad(
+                    [o.sum() for o in outs], inputs, allow_unused=True, materialize_grads=False
+                )
+    except PartitionError:
+        raise
+    except Exception as exc:
+        raise CaptureError(
+            f"could not run {type(model).__name__}.forward on fake tensors of the example inputs "
+            f"to measure it: {type(exc).__name__}: {exc}. The forward must run without reading "
+            "tensor values (no .item(), no data-dependent branches); balance='parameters' "
+            "without example_inputs needs only a torch.fx trace."
+        ) from exc
+    num_events = events.count
+    gaps = _gaps(num_events)
+    crossing_diff = [0] * (gaps + 1)
+    for produced_at, last_used, nbytes in recorder.tensors.values():
+        if last_used > produced_at:
+            crossing_diff[produced_at] += nbytes
+            crossing_diff[last_used] -= nbytes
+    crossing: list[int] = []
+    running = 0
+    for g in range(gaps):
+        running += crossing_diff[g]
+        crossing.append(running)
+    return Trace(
+        num_events=num_events,
+        events=events.paths,
+        modules=events.modules,
+        ops=[recorder.ops.get(g, 0) for g in range(gaps)],
+        state_used=[recorder.state_used.get(g, set()) for g in range(gaps)],
+        state=items,
+        forward_flops=[recorder.forward_flops.get(g, 0.0) for g in range(gaps)],
+        backward_flops=[recorder.backward_flops.get(g, 0.0) for g in range(gaps)],
+        saved=[saved.get(g, {}) for g in range(gaps)],
+        crossing=crossing,
+    )
+
+
+class _RecordingTracer(fx.Tracer):
+    """An fx tracer that records module entry/exit events and the graph size at each."""
+
+    def __init__(
+        self,
+        leaf_ids: frozenset[int],
+        leaf_types: tuple[type[nn.Module], ...],
+        hidden: Mapping[str, str],
+    ) -> None:
+        super().__init__()
+        self._leaf_ids = leaf_ids
+        self._leaf_types = leaf_types
+        self._hidden = hidden
+        self.marks: list[int] = []
+        self.paths: list[str] = []
+        self.modules: dict[str, ModuleCalls] = {}
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """User leaves and fx's default leaves, as :func:`pipedialect.partition` traces."""
+        if id(m) in self._leaf_ids or (self._leaf_types and isinstance(m, self._leaf_types)):
+            return True
+        return bool(super().is_leaf_module(m, module_qualified_name))
+
+    def _event(self, sign: str, path: str) -> None:
+        record = self.modules.setdefault(path, ModuleCalls(path, hidden=self._hidden.get(path)))
+        count = len(self.marks)
+        if sign == "+":
+            record.calls += 1
+            if record.calls == 1:
+                record.enter = count
+        elif record.calls == 1:
+            record.exit = count
+        self.marks.append(len(self.graph.nodes))
+        self.paths.append(sign + path)
+
+    def call_module(
+        self,
+        m: nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Record the call's entry and exit around fx's own handling of it."""
+        try:
+            path = self.path_of_module(m)
+        except NameError:
+            return super().call_module(m, forward, args, kwargs)
+        self._event("+", path)
+        out = super().call_module(m, forward, args, kwargs)
+        self._event("-", path)
+        return out
+
+
+def trace_fx(
+    model: nn.Module,
+    concrete_args: Mapping[str, Any] | None,
+    leaf_ids: frozenset[int],
+    leaf_types: tuple[type[nn.Module], ...],
+    hidden: Mapping[str, str],
+) -> Trace:
+    """Trace with torch.fx: events, operations and parameter reads, no shapes."""
+    tracer = _RecordingTracer(leaf_ids, leaf_types, hidden)
+    before = set(model.__dict__)
+    try:
+        graph = tracer.trace(model, dict(concrete_args) if concrete_args else None)
+    except Exception as exc:
+        raise CaptureError(
+            f"torch.fx could not trace {type(model).__name__}.forward to find its module calls: "
+            f"{type(exc).__name__}: {exc}. Pass example_inputs to measure it on fake tensors "
+            "instead, or leaf_modules=[...] naming the module fx cannot trace."
+        ) from exc
+    finally:
+        for name in set(model.__dict__) - before:
+            delattr(model, name)
+    ids, items = _state_items(model)
+    by_path: dict[str, str] = {}
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        by_path[name] = ids[id(t)]
+    num_events = len(tracer.marks)
+    gaps = _gaps(num_events)
+    ops = [0] * gaps
+    used: list[set[str]] = [set() for _ in range(gaps)]
+    for index, node in enumerate(graph.nodes):
+        if node.op not in ("call_module", "call_function", "call_method"):
+            continue
+        gap = bisect.bisect_right(tracer.marks, index)
+        ops[gap] += 1
+        for src in node.all_input_nodes:
+            if src.op == "get_attr" and str(src.target) in by_path:
+                used[gap].add(by_path[str(src.target)])
+        if node.op == "call_module":
+            leaf = model.get_submodule(str(node.target))
+            for t in [*leaf.parameters(), *leaf.buffers()]:
+                used[gap].add(ids[id(t)])
+    return Trace(
+        num_events=num_events,
+        events=tracer.paths,
+        modules=tracer.modules,
+        ops=ops,
+        state_used=used,
+        state=items,
+    )
+
+
+class _Stopwatch:
+    """Charges the time between consecutive events to gaps, forward and backward."""
+
+    def __init__(self, gaps: int, sync: Callable[[], None] | None) -> None:
+        self.forward = [0.0] * gaps
+        self.backward = [0.0] * gaps
+        self._sync = sync
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        """Start the next interval now (leaving out the recorder's own work)."""
+        if self._sync is not None:
+            self._sync()
+        self._last = time.perf_counter()
+
+    def charge(self, into: list[float], gap: int) -> None:
+        """Add the time since the last stamp to ``into[gap]``."""
+        if self._sync is not None:
+            self._sync()
+        now = time.perf_counter()
+        into[gap] += now - self._last
+        self._last = now
+
+
+def _timed_run(
+    model: nn.Module,
+    kwargs: Mapping[str, Any],
+    trace: Trace,
+    trainable: Sequence[nn.Parameter],
+    device: torch.device,
+) -> _Stopwatch:
+    gaps = _gaps(trace.num_events)
+    watch = _Stopwatch(gaps, torch.cuda.synchronize if device.type == "cuda" else None)
+    events = _Events(model, {})
+    tagger = _Tagger()
+
+    def on_exit(gap: int, output: Any) -> None:
+        tagger.tag(gap, output)
+        watch.restart()
+
+    events.on_event = lambda gap: watch.charge(watch.forward, gap)
+    events.on_exit = on_exit
+    tagger.on_switch = lambda _gap: watch.charge(watch.backward, tagger.current)
+    buffers = {name: b.clone() for name, b in model.named_buffers(remove_duplicate=False)}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with events.installed():
+            watch.restart()
+            output = torch.func.functional_call(model, buffers, (), dict(kwargs), strict=False)
+            watch.charge(watch.forward, events.count)
+        if events.paths != trace.events:
+            raise PartitionError(
+                "the module calls of a real forward differ from those of the fake-tensor trace "
+                "(forward's control flow depends on tensor values), so times cannot be "
+                "attributed to split points; use balance='flops' instead"
+            )
+        tagger.tag(events.count, output)
+        tagger.current = events.count
+        outs = _float_outputs(output)
+        if outs and trainable:
+            watch.restart()
+            torch.autograd.grad(
+                [o.sum() for o in outs], list(trainable), allow_unused=True, materialize_grads=False
+            )
+            watch.charge(watch.backward, tagger.current)
+    return watch
+
+
+def measure_time(
+    model: nn.Module,
+    example_inputs: Mapping[str, Any],
+    fixed: Mapping[str, Any],
+    trace: Trace,
+    repeats: int,
+) -> None:
+    """Time forward and backward per gap on the real tensors; fill ``trace``'s time lists.
+
+    One warm-up run, then ``repeats`` runs; the median per gap.
+    """
+    device = _device_of(example_inputs)
+    kwargs = {**dict(example_inputs), **dict(fixed)}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    runs = [_timed_run(model, kwargs, trace, trainable, device) for _ in range(repeats + 1)][1:]
+    gaps = range(_gaps(trace.num_events))
+    trace.forward_time = [statistics.median(r.forward[g] for r in runs) for g in gaps]
+    trace.backward_time = [statistics.median(r.backward[g] for r in runs) for g in gaps]
+
+
+def agree_across_ranks(trace: Trace) -> None:
+    """Replace the measured times with rank 0's, so that every rank chooses the same cuts."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    payload: list[Any] = [(trace.num_events, trace.forward_time, trace.backward_time)]
+    dist.broadcast_object_list(payload, src=0)
+    num_events, forward, backward = payload[0]
+    if num_events != trace.num_events:
+        raise PartitionError(
+            f"rank 0 traced {num_events} module events, rank {dist.get_rank()} traced "
+            f"{trace.num_events}: the ranks do not run the same model"
+        )
+    trace.forward_time, trace.backward_time = forward, backward
+
+
+@dataclass(frozen=True)
+class Atoms:
+    """A trace folded onto a list of candidate cuts (exit events ``xs``): per-atom sums."""
+
+    xs: tuple[int, ...]
+    ops: tuple[int, ...]
+    state: tuple[frozenset[str], ...]
+    gaps: tuple[range, ...] = field(repr=False)
+
+
+def fold(trace: Trace, xs: Sequence[int]) -> Atoms:
+    """Group the trace's gaps into atoms separated by the cuts after events ``xs``."""
+    bounds = [-1, *xs, _gaps(trace.num_events) - 1]
+    gap_ranges = tuple(range(bounds[a] + 1, bounds[a + 1] + 1) for a in range(len(bounds) - 1))
+    return Atoms(
+        xs=tuple(xs),
+        ops=tuple(sum(trace.ops[g] for g in r) for r in gap_ranges),
+        state=tuple(frozenset().union(*(trace.state_used[g] for g in r)) for r in gap_ranges),
+        gaps=gap_ranges,
+    )

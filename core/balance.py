@@ -1,0 +1,639 @@
+"""Choosing split points automatically: cost models, an exact solver, and per-stage costs.
+
+``choose_split_points(model, 4, "flops", example_inputs=batch)`` returns split points that
+:func:`pipedialect.partition` accepts and that make the four stages' costs as even as the model
+allows. The candidates are every module forward calls exactly once, at any depth, that computes
+something and is not inside a module that runs as one call (an fx leaf such as
+``nn.TransformerEncoderLayer``, or a ``leaf_modules`` entry); the model is measured once
+([Note: balance trace] in ``_balance_profile``) and the contiguous-partition problem solved
+exactly ([Note: balance solver] in ``_balance_solver``).
+
+Cost models (``balance=``), each a stage's cost per micro-batch:
+
+- ``"parameters"``: trainable parameter elements the stage reads (DeepSpeed's default method
+  counts the same thing); needs no example inputs;
+- ``"flops"``: forward + backward FLOPs, counted on fake tensors with
+  ``torch.utils.flop_counter``'s formulas (matrix products and convolutions);
+- ``"memory"``: parameter, gradient and optimizer-state bytes, plus the activation bytes 1F1B
+  keeps in flight: stage ``k`` of ``p`` holds up to ``min(p - k, m)`` micro-batches;
+- ``"time"``: forward + backward seconds measured on the example inputs (the median of a few
+  runs); under ``torch.distributed`` every rank takes rank 0's measurement, so all agree.
+
+``boundary_weight`` adds, to both stages beside a cut, that many cost units per byte the cut
+carries (the boundary's activation, and its gradient on the way back).
+
+Every method but ``"time"`` depends on the model and the inputs' shapes alone, so every rank
+chooses the same split points; ``"time"`` is a collective when a process group is initialised.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from torch import nn
+
+from . import _balance_profile as _profile
+from ._balance_solver import solve
+from .errors import ConfigError, PartitionError, SplitPointError
+
+__all__ = [
+    "BalanceMethod",
+    "ModelProfile",
+    "PlanCosts",
+    "StageCosts",
+    "choose_split_points",
+    "plan_costs",
+    "predicted_bubble",
+    "profile_model",
+]
+
+logger = logging.getLogger(__name__)
+
+BalanceMethod = Literal["parameters", "flops", "memory", "time"]
+_METHODS: tuple[str, ...] = get_args(BalanceMethod)
+
+
+def predicted_bubble(num_stages: int, micro_batches: int) -> float:
+    """The idle fraction of a 1F1B (or GPipe) step with equal stages: ``(p - 1) / (m + p - 1)``."""
+    if num_stages < 1 or micro_batches < 1:
+        raise ConfigError(
+            f"the bubble needs at least one stage and one micro-batch, got p={num_stages}, "
+            f"m={micro_batches}"
+        )
+    return (num_stages - 1) / (micro_batches + num_stages - 1)
+
+
+def _in_flight(stage: int, num_stages: int, micro_batches: int | None) -> int:
+    held = num_stages - stage
+    return held if micro_batches is None else max(1, min(held, micro_batches))
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """One stage's predicted costs; per micro-batch unless said otherwise, None if unmeasured."""
+
+    #: The stage's index.
+    stage: int
+    #: The split point the stage ends after (None for the last stage).
+    ends_after: str | None
+    #: Parameter elements the stage holds (a parameter shared with another stage counts in both).
+    parameters: int
+    #: Bytes of those parameters.
+    parameter_bytes: int
+    #: Parameter, gradient, optimizer-state and buffer bytes (per rank, not per micro-batch).
+    state_bytes: int
+    #: Forward + backward FLOPs.
+    flops: float | None
+    #: Bytes the stage's forward saves for backward.
+    activation_bytes: int | None
+    #: Micro-batches 1F1B keeps in flight on this stage: ``min(p - k, m)``.
+    in_flight: int
+    #: ``state_bytes + in_flight * activation_bytes``.
+    memory_bytes: int | None
+    #: Bytes the stage sends to the next one (0 for the last stage).
+    boundary_bytes: int | None
+    #: Measured forward + backward seconds.
+    time: float | None
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """Predicted costs of every stage of a partition, and what they mean for a step."""
+
+    split_points: tuple[str, ...]
+    stages: tuple[StageCosts, ...]
+    #: Micro-batches per step, if known (the bubble and step time need it).
+    micro_batches: int | None
+
+    @property
+    def num_stages(self) -> int:
+        """The number of stages."""
+        return len(self.stages)
+
+    @property
+    def bubble(self) -> float | None:
+        """:func:`predicted_bubble` for this plan, or None without ``micro_batches``."""
+        if self.micro_batches is None:
+            return None
+        return predicted_bubble(self.num_stages, self.micro_batches)
+
+    @property
+    def step_time(self) -> float | None:
+        """``(m + p - 1) * slowest stage time``: a 1F1B step paced by its bottleneck stage."""
+        times = [s.time for s in self.stages]
+        if self.micro_batches is None or any(t is None for t in times):
+            return None
+        return (self.micro_batches + self.num_stages - 1) * max(t for t in times if t is not None)
+
+    def imbalance(self, metric: str) -> float:
+        """``max / mean`` over stages of a :class:`StageCosts` field (1.0: perfectly even)."""
+        values = [getattr(s, metric) for s in self.stages]
+        if any(v is None for v in values):
+            raise ConfigError(f"stage {metric!r} was not measured for this plan")
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean else 1.0
+
+    def describe_lines(self) -> list[str]:
+        """One line per stage, and one for the whole step."""
+        lines = []
+        for s in self.stages:
+            parts = [f"[Stage {s.stage}] {s.parameters:,} parameters"]
+            if s.flops is not None:
+                parts.append(f"{s.flops:,.0f} FLOPs")
+            if s.activation_bytes is not None:
+                parts.append(f"activations {_bytes(s.activation_bytes)} x {s.in_flight} in flight")
+            if s.memory_bytes is not None:
+                parts.append(f"memory {_bytes(s.memory_bytes)}")
+            if s.boundary_bytes is not None and s.ends_after is not None:
+                parts.append(f"sends {_bytes(s.boundary_bytes)}")
+            if s.time is not None:
+                parts.append(f"{s.time * 1e3:.3f} ms")
+            lines.append(", ".join(parts))
+        summary = [f"{self.num_stages} stage(s)"]
+        if self.bubble is not None:
+            summary.append(f"predicted bubble {self.bubble:.1%} (m={self.micro_batches})")
+        if self.step_time is not None:
+            summary.append(f"predicted step {self.step_time * 1e3:.3f} ms")
+        lines.append("Costs: " + ", ".join(summary))
+        return lines
+
+    def describe(self) -> str:
+        """:meth:`describe_lines` joined."""
+        return "\n".join(self.describe_lines())
+
+
+def _bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n:,} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:,.1f} GiB"
+
+
+class ModelProfile:
+    """One measurement of a model: its split-point candidates and their costs.
+
+    Build it with :func:`profile_model`; :meth:`choose` and :meth:`costs` reuse it, so a model
+    is measured once however many stage counts or methods are tried.
+    """
+
+    def __init__(self, model_name: str, trace: _profile.Trace, aliases: Mapping[str, str]):
+        self._name = model_name
+        self._trace = trace
+        self._aliases = dict(aliases)
+        self._why: dict[str, str | None] = {
+            path: self._reason(rec) for path, rec in trace.modules.items()
+        }
+        self.candidates: tuple[str, ...] = tuple(
+            sorted(
+                (p for p, why in self._why.items() if why is None),
+                key=lambda p: trace.modules[p].exit,
+            )
+        )
+        """The modules that can end a stage, in the order forward finishes them."""
+
+    def _reason(self, rec: _profile.ModuleCalls) -> str | None:
+        if rec.path == "":
+            return "it is the whole model"
+        if rec.hidden is not None:
+            return rec.hidden
+        if rec.calls > 1:
+            return (
+                f"forward calls it {rec.calls} times; a stage boundary must follow exactly one call"
+            )
+        if sum(self._trace.ops[rec.enter + 1 : rec.exit + 1]) == 0:
+            return "it computes nothing (no tensor operation)"
+        return None
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The balance methods this measurement supports."""
+        have = ["parameters"]
+        if self._trace.forward_flops is not None:
+            have += ["flops", "memory"]
+        if self._trace.forward_time is not None:
+            have.append("time")
+        return tuple(have)
+
+    def why_not(self, path: str) -> str | None:
+        """Why ``path`` cannot be a split point, or None if it can."""
+        canonical = self._aliases.get(path)
+        if canonical is None:
+            return f"it is not a module of {self._name}"
+        if canonical not in self._trace.modules:
+            return "forward never calls it (as self.<name>(...)) in the measured run"
+        return self._why[canonical]
+
+    def _resolve(self, path: str, what: str) -> str:
+        if not isinstance(path, str):
+            raise SplitPointError(f"{what} {path!r} is not a module path (a str)")
+        why = self.why_not(path)
+        if why is not None:
+            raise SplitPointError(f"{what} {path!r} cannot end a pipeline stage: {why}")
+        return self._aliases[path]
+
+    def _exit(self, path: str) -> int:
+        return self._trace.modules[path].exit
+
+    def _check_nesting(self, points: Sequence[str], what: str) -> None:
+        for a, b in itertools.pairwise(points):
+            if self._trace.modules[b].enter < self._exit(a):
+                raise SplitPointError(
+                    f"{what} {a!r} is inside {b!r}; a split point runs as one call, so it "
+                    f"cannot contain another. Drop one of them."
+                )
+
+    def choose(
+        self,
+        num_stages: int,
+        balance: BalanceMethod,
+        *,
+        split_points: Sequence[str] = (),
+        candidates: Sequence[str] | None = None,
+        micro_batches: int | None = None,
+        boundary_weight: float = 0.0,
+        optimizer_states: int = 2,
+    ) -> list[str]:
+        """Split points for ``num_stages`` stages that minimise the largest stage cost.
+
+        Args:
+            num_stages: how many stages.
+            balance: the cost model (see the module docstring).
+            split_points: split points the answer must contain; the others are chosen between
+                them.
+            candidates: restrict the other split points to these modules (say, the layers of
+                a hand-written pipeline); default: every candidate.
+            micro_batches: ``m``, for the activations 1F1B keeps in flight (``"memory"``);
+                default: at least ``num_stages``.
+            boundary_weight: cost units per byte a cut carries, charged to both its stages.
+            optimizer_states: tensors of optimizer state per trainable parameter (Adam: 2).
+
+        Raises:
+            ConfigError: an unknown method, or one this measurement cannot serve.
+            SplitPointError: a given split point or candidate cannot end a stage.
+            PartitionError: no partition into ``num_stages`` stages exists.
+        """
+        if not isinstance(num_stages, int) or num_stages < 1:
+            raise ConfigError(f"num_stages must be a positive int, got {num_stages!r}")
+        if balance not in _METHODS:
+            raise ConfigError(f"balance must be one of {list(_METHODS)}, got {balance!r}")
+        if balance not in self.methods:
+            need = "measure_time=True" if balance == "time" else "example_inputs"
+            raise ConfigError(f"balance={balance!r} needs a measurement taken with {need}")
+        if micro_batches is not None and micro_batches < 1:
+            raise ConfigError(f"micro_batches must be at least 1, got {micro_batches}")
+        if isinstance(split_points, str):
+            raise SplitPointError(
+                f"split_points must be a list of module paths: [{split_points!r}]"
+            )
+        fixed = sorted({self._resolve(p, "split point") for p in split_points}, key=self._exit)
+        self._check_nesting(fixed, "split point")
+        if len(fixed) > num_stages - 1:
+            raise SplitPointError(
+                f"{len(fixed)} fixed split points make at least {len(fixed) + 1} stages, more "
+                f"than num_stages={num_stages}"
+            )
+        if candidates is None:
+            pool = set(self.candidates)
+        else:
+            if isinstance(candidates, str):
+                raise SplitPointError(
+                    f"candidates must be a list of module paths: [{candidates!r}]"
+                )
+            pool = {self._resolve(p, "candidate") for p in candidates}
+        ordered = sorted(pool | set(fixed), key=self._exit)
+        if num_stages == 1:
+            return []
+        xs = [self._exit(p) for p in ordered]
+        channels, scales, overlaps = self._channels(
+            balance, xs, num_stages, micro_batches, optimizer_states
+        )
+        boundary = None
+        if boundary_weight:
+            if self._trace.crossing is None:
+                raise ConfigError("boundary_weight needs a measurement taken with example_inputs")
+            boundary = [boundary_weight * self._trace.crossing[x] for x in xs]
+        enters = [self._trace.modules[p].enter for p in ordered]
+        nested_from = [bisect.bisect_right(xs, enters[j]) for j in range(len(ordered))]
+        last_op = max((g for g, n in enumerate(self._trace.ops) if n), default=0)
+        solution = solve(
+            channels,
+            num_stages,
+            scales=scales,
+            boundary=boundary,
+            nested_from=nested_from,
+            fixed=[ordered.index(p) for p in fixed],
+            last_cut_below=bisect.bisect_left(xs, last_op),
+            overlaps=overlaps,
+        )
+        if solution is None:
+            raise PartitionError(
+                f"{self._name} cannot be cut into {num_stages} stages"
+                + (f" around the split points {fixed}" if fixed else "")
+                + f": only {len(ordered)} module(s) can end a stage and the last stage must "
+                "compute something. Use fewer stages, or more candidates (module calls that "
+                "are not nested in each other)."
+            )
+        points = [ordered[c] for c in solution.cuts]
+        logger.info(
+            "balance=%r chose %s for %d stages (largest stage cost %.6g)",
+            balance,
+            points,
+            num_stages,
+            solution.bottleneck,
+        )
+        return points
+
+    def _channels(
+        self,
+        balance: str,
+        xs: Sequence[int],
+        num_stages: int,
+        micro_batches: int | None,
+        optimizer_states: int,
+    ) -> tuple[list[list[float]], list[list[float]] | None, list[tuple[int, int, int, float]]]:
+        """The solver's cost channels, stage scales and overlaps for cuts after events ``xs``."""
+        trace = self._trace
+        atoms = _profile.fold(trace, xs)
+        if balance == "parameters":
+            params, overlaps = _union_channel(
+                [self._trainable_numel(names) for names in atoms.state], 0
+            )
+            return [params], None, overlaps
+        if balance == "memory":
+            state, state_overlaps = _union_channel(
+                [self._state_bytes(names, optimizer_states) for names in atoms.state], 0
+            )
+            activation, act_overlaps = _union_channel([self._saved_bytes(r) for r in atoms.gaps], 1)
+            scales = [
+                [1.0, float(_in_flight(k, num_stages, micro_batches))] for k in range(num_stages)
+            ]
+            return [state, activation], scales, state_overlaps + act_overlaps
+        if balance == "flops":
+            fwd, bwd = trace.forward_flops or [], trace.backward_flops or []
+        else:
+            fwd, bwd = trace.forward_time or [], trace.backward_time or []
+        return [[sum(fwd[g] + bwd[g] for g in r) for r in atoms.gaps]], None, []
+
+    def _trainable_numel(self, names: frozenset[str]) -> dict[str, float]:
+        state = self._trace.state
+        return {
+            n: float(state[n].numel)
+            for n in sorted(names)
+            if state[n].is_parameter and state[n].trainable
+        }
+
+    def _state_bytes(self, names: frozenset[str], optimizer_states: int) -> dict[str, float]:
+        """Bytes per parameter or buffer: weights, gradients and optimizer states if trainable."""
+        out = {}
+        for name in sorted(names):
+            item = self._trace.state[name]
+            out[name] = float(item.nbytes * (2 + optimizer_states if item.trainable else 1))
+        return out
+
+    def _saved_bytes(self, gaps: range) -> dict[int, float]:
+        """Bytes of every storage forward saves for backward in ``gaps``, once each."""
+        merged: dict[int, float] = {}
+        for g in gaps:
+            for key, nbytes in (self._trace.saved or [])[g].items():
+                merged[key] = float(nbytes)
+        return merged
+
+    def costs(
+        self,
+        split_points: Sequence[str],
+        *,
+        micro_batches: int | None = None,
+        optimizer_states: int = 2,
+    ) -> PlanCosts:
+        """Every stage's predicted costs for ``split_points`` (in execution order)."""
+        if isinstance(split_points, str):
+            raise SplitPointError(
+                f"split_points must be a list of module paths: [{split_points!r}]"
+            )
+        points = [self._resolve(p, "split point") for p in split_points]
+        xs = [self._exit(p) for p in points]
+        if xs != sorted(xs):
+            order = sorted(points, key=self._exit)
+            raise SplitPointError(
+                f"split points are out of execution order: forward finishes them in the order "
+                f"{order}; list them in that order"
+            )
+        self._check_nesting(points, "split point")
+        trace = self._trace
+        atoms = _profile.fold(trace, xs)
+        p = len(points) + 1
+        if points and atoms.ops[-1] == 0:
+            raise SplitPointError(
+                f"split point {points[-1]!r} is the last computation in forward: the stage "
+                "after it would compute nothing"
+            )
+        stages = []
+        for k in range(p):
+            names = atoms.state[k]
+            params = [trace.state[n] for n in names if trace.state[n].is_parameter]
+            gaps = atoms.gaps[k]
+            flops = None
+            if trace.forward_flops is not None and trace.backward_flops is not None:
+                flops = sum(trace.forward_flops[g] + trace.backward_flops[g] for g in gaps)
+            seconds = None
+            if trace.forward_time is not None and trace.backward_time is not None:
+                seconds = sum(trace.forward_time[g] + trace.backward_time[g] for g in gaps)
+            activation = None
+            if trace.saved is not None:
+                activation = int(sum(self._saved_bytes(gaps).values()))
+            state = int(sum(self._state_bytes(names, optimizer_states).values()))
+            in_flight = _in_flight(k, p, micro_batches)
+            boundary = None
+            if trace.crossing is not None:
+                boundary = trace.crossing[xs[k]] if k < p - 1 else 0
+            stages.append(
+                StageCosts(
+                    stage=k,
+                    ends_after=points[k] if k < p - 1 else None,
+                    parameters=sum(i.numel for i in params),
+                    parameter_bytes=sum(i.nbytes for i in params),
+                    state_bytes=state,
+                    flops=flops,
+                    activation_bytes=activation,
+                    in_flight=in_flight,
+                    memory_bytes=None if activation is None else state + in_flight * activation,
+                    boundary_bytes=boundary,
+                    time=seconds,
+                )
+            )
+        return PlanCosts(
+            split_points=tuple(points), stages=tuple(stages), micro_batches=micro_batches
+        )
+
+
+def _union_channel(
+    per_atom: Sequence[Mapping[Any, float]], channel: int
+) -> tuple[list[float], list[tuple[int, int, int, float]]]:
+    """Per-atom totals of keyed amounts, and an overlap for each key's consecutive users.
+
+    A stage then costs exactly the union of its atoms' keys ([Note: balance solver]).
+    """
+    values = [sum(amounts.values()) for amounts in per_atom]
+    last_user: dict[Any, int] = {}
+    overlaps = []
+    for atom, amounts in enumerate(per_atom):
+        for key, amount in amounts.items():
+            if key in last_user:
+                overlaps.append((channel, last_user[key], atom, amount))
+            last_user[key] = atom
+    return values, overlaps
+
+
+def _leaves(
+    model: nn.Module, leaf_modules: Sequence[str | type[nn.Module]]
+) -> tuple[frozenset[int], tuple[type[nn.Module], ...]]:
+    ids: set[int] = set()
+    types: list[type[nn.Module]] = []
+    for entry in leaf_modules:
+        if isinstance(entry, str):
+            try:
+                ids.add(id(model.get_submodule(entry)))
+            except AttributeError:
+                raise PartitionError(
+                    f"leaf module {entry!r} is not a module of {type(model).__name__}"
+                ) from None
+        elif isinstance(entry, type) and issubclass(entry, nn.Module):
+            types.append(entry)
+        else:
+            raise PartitionError(
+                f"leaf_modules entry {entry!r} is neither a module path nor an nn.Module class"
+            )
+    return frozenset(ids), tuple(types)
+
+
+def profile_model(
+    model: nn.Module,
+    *,
+    example_inputs: Mapping[str, Any] | None = None,
+    concrete_args: Mapping[str, Any] | None = None,
+    leaf_modules: Sequence[str | type[nn.Module]] | None = None,
+    measure_time: bool = False,
+    repeats: int = 3,
+) -> ModelProfile:
+    """Measure ``model`` once for :meth:`ModelProfile.choose` and :meth:`ModelProfile.costs`.
+
+    Args:
+        model: the model, unchanged by the measurement (it may live on the meta device unless
+            ``measure_time``).
+        example_inputs: ``{parameter name: tensor}``, one micro-batch, as for
+            :func:`pipedialect.partition`. Given, forward and backward run on fake tensors of
+            these shapes (FLOPs, activation and boundary bytes); without, the forward is traced
+            with torch.fx and only parameters are counted.
+        concrete_args: values for forward's other parameters, as for ``partition``.
+        leaf_modules: modules that run as one call, as for ``partition``: nothing inside them
+            is a candidate.
+        measure_time: also time forward and backward on the real example inputs (``repeats``
+            runs after a warm-up, the median per module); under ``torch.distributed`` every
+            rank must call this, and all take rank 0's times.
+        repeats: timed runs.
+    """
+    leaf_ids, leaf_types = _leaves(model, leaf_modules or ())
+    hidden = _profile._hidden_modules(model, leaf_ids, leaf_types)
+    if example_inputs is None:
+        if measure_time:
+            raise ConfigError("measure_time needs example_inputs to run the model on")
+        trace = _profile.trace_fx(model, concrete_args, leaf_ids, leaf_types, hidden)
+    else:
+        if not isinstance(example_inputs, Mapping):
+            raise ConfigError(
+                "example_inputs must map forward's parameter names to tensors, got "
+                f"{type(example_inputs).__name__}"
+            )
+        trace = _profile.trace_fake(model, example_inputs, concrete_args or {}, hidden)
+        if measure_time:
+            if repeats < 1:
+                raise ConfigError(f"repeats must be at least 1, got {repeats}")
+            if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+                raise ConfigError(
+                    "measure_time runs the real model; this one has parameters on the meta "
+                    "device. Use balance='flops' or 'memory', which need only shapes."
+                )
+            _profile.measure_time(model, example_inputs, concrete_args or {}, trace, repeats)
+            _profile.agree_across_ranks(trace)
+    canonical = {id(m): name for name, m in model.named_modules()}
+    aliases = {name: canonical[id(m)] for name, m in model.named_modules(remove_duplicate=False)}
+    return ModelProfile(type(model).__name__, trace, aliases)
+
+
+def choose_split_points(
+    model: nn.Module,
+    num_stages: int,
+    balance: BalanceMethod,
+    *,
+    example_inputs: Mapping[str, Any] | None = None,
+    split_points: Sequence[str] = (),
+    candidates: Sequence[str] | None = None,
+    micro_batches: int | None = None,
+    concrete_args: Mapping[str, Any] | None = None,
+    leaf_modules: Sequence[str | type[nn.Module]] | None = None,
+    boundary_weight: float = 0.0,
+    optimizer_states: int = 2,
+    repeats: int = 3,
+) -> list[str]:
+    """Split points for :func:`pipedialect.partition` that balance ``num_stages`` stages.
+
+    ``balance="parameters"`` works without ``example_inputs``; the others need them. See
+    :func:`profile_model` and :meth:`ModelProfile.choose` for the arguments.
+    """
+    if balance not in _METHODS:
+        raise ConfigError(f"balance must be one of {list(_METHODS)}, got {balance!r}")
+    if balance != "parameters" and example_inputs is None:
+        raise ConfigError(
+            f"balance={balance!r} measures the model on example_inputs ({{parameter name: "
+            "tensor}}, one micro-batch); pass them, or use balance='parameters'"
+        )
+    profile = profile_model(
+        model,
+        example_inputs=example_inputs,
+        concrete_args=concrete_args,
+        leaf_modules=leaf_modules,
+        measure_time=balance == "time",
+        repeats=repeats,
+    )
+    return profile.choose(
+        num_stages,
+        balance,
+        split_points=split_points,
+        candidates=candidates,
+        micro_batches=micro_batches,
+        boundary_weight=boundary_weight,
+        optimizer_states=optimizer_states,
+    )
+
+
+def plan_costs(
+    model: nn.Module,
+    split_points: Sequence[str],
+    *,
+    example_inputs: Mapping[str, Any] | None = None,
+    micro_batches: int | None = None,
+    concrete_args: Mapping[str, Any] | None = None,
+    leaf_modules: Sequence[str | type[nn.Module]] | None = None,
+    measure_time: bool = False,
+    optimizer_states: int = 2,
+) -> PlanCosts:
+    """Predicted per-stage costs of ``partition(model, split_points)`` (see :class:`StageCosts`)."""
+    profile = profile_model(
+        model,
+        example_inputs=example_inputs,
+        concrete_args=concrete_args,
+        leaf_modules=leaf_modules,
+        measure_time=measure_time,
+    )
+    return profile.costs(
+        split_points, micro_batches=micro_batches, optimizer_states=optimizer_states
+    )

@@ -1,0 +1,477 @@
+"""Automatic stage balancing: the exact solver, the cost model, and balanced plans that train.
+
+- The solver is checked against brute force over every contiguous partition (random costs,
+  stage weights, boundary charges, nesting and fixed cuts, via hypothesis), and DeepSpeed's
+  parameter rule against DeepSpeed's own ``partition_balanced``.
+- Costs are checked against values computed by hand for small models.
+- Every candidate split point is one ``partition`` accepts, and balanced plans train on the
+  local dialect to the losses and weights of the unsplit model trained by hand.
+- Two fresh interpreters choose the same split points (``"time"`` too, through rank 0).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import _balance_workers as workers
+import pytest
+import torch
+from _compare import assert_tensor_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import pipedialect
+from pipedialect import ConfigError, PartitionError, SplitPointError, partition
+from pipedialect._balance_solver import solve, spread_partition, uniform_partition
+from pipedialect.balance import (
+    choose_split_points,
+    plan_costs,
+    predicted_bubble,
+    profile_model,
+)
+from pipedialect.testing.launcher import launch
+from pipedialect.testing.models import MODELS, ModelSpec, TinyGPT
+
+# -- the solver against brute force ------------------------------------------------------------
+
+
+@st.composite
+def _problems(draw: st.DrawFn) -> dict[str, Any]:
+    n = draw(st.integers(0, 7))
+    p = draw(st.integers(1, 5))
+    num_channels = draw(st.integers(1, 2))
+    channels = [draw(st.lists(st.integers(0, 20), min_size=n + 1, max_size=n + 1))]
+    channels += [
+        draw(st.lists(st.integers(0, 20), min_size=n + 1, max_size=n + 1))
+        for _ in range(num_channels - 1)
+    ]
+    scales = [[draw(st.integers(1, 4)) for _ in range(num_channels)] for _ in range(p)]
+    boundary = draw(st.none() | st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    # Properly nested calls: cut j may adopt the most recent subtrees as its descendants.
+    roots: list[int] = []
+    nested_from = []
+    for j in range(n):
+        adopt = draw(st.integers(0, len(roots)))
+        start = roots[-adopt] if adopt else j
+        del roots[len(roots) - adopt :]
+        roots.append(start)
+        nested_from.append(start)
+    fixed = draw(st.sets(st.integers(0, n - 1), max_size=2)) if n else set()
+    last_cut_below = draw(st.integers(0, n))
+    overlaps = []
+    if n:
+        for _ in range(draw(st.integers(0, 3))):
+            a = draw(st.integers(0, n - 1))
+            b = draw(st.integers(a + 1, n))
+            channel = draw(st.integers(0, num_channels - 1))
+            overlaps.append((channel, a, b, draw(st.integers(0, 10))))
+    return {
+        "overlaps": overlaps,
+        "channels": channels,
+        "num_stages": p,
+        "scales": scales,
+        "boundary": boundary,
+        "nested_from": nested_from,
+        "fixed": fixed,
+        "last_cut_below": last_cut_below,
+    }
+
+
+def _brute_force(problem: dict[str, Any]) -> list[tuple[float, float, tuple[int, ...]]]:
+    """Every valid partition as (bottleneck, sum of squared stage costs, cuts)."""
+    channels = problem["channels"]
+    n = len(channels[0]) - 1
+    p = problem["num_stages"]
+    boundary = problem["boundary"] or [0] * n
+    nested_from = problem["nested_from"]
+    found = []
+    for cuts in itertools.combinations(range(n), p - 1):
+        if not set(problem["fixed"]) <= set(cuts):
+            continue
+        if cuts and cuts[-1] >= problem["last_cut_below"]:
+            continue
+        # No chosen cut may lie inside the call another chosen cut ends (any pair).
+        if any(nested_from[j] <= i < j for i in cuts for j in cuts):
+            continue
+        bounds = [-1, *cuts, n]
+        costs = []
+        for k in range(p):
+            atoms = range(bounds[k] + 1, bounds[k + 1] + 1)
+            totals = [sum(ch[a] for a in atoms) for ch in channels]
+            for t, a, b, amount in problem["overlaps"]:
+                if a in atoms and b in atoms:
+                    totals[t] -= amount
+            cost = sum(problem["scales"][k][t] * total for t, total in enumerate(totals))
+            if k > 0:
+                cost += boundary[bounds[k]]
+            if k < p - 1:
+                cost += boundary[bounds[k + 1]]
+            costs.append(cost)
+        found.append((max(costs), sum(c * c for c in costs), cuts))
+    return found
+
+
+@settings(max_examples=300, deadline=None)
+@given(_problems())
+def test_solver_matches_brute_force(problem: dict[str, Any]) -> None:
+    """The optimal bottleneck, then the smallest sum of squares among optimal partitions; a
+    partition the solver returns satisfies every constraint brute force checks."""
+    solution = solve(
+        problem["channels"],
+        problem["num_stages"],
+        scales=problem["scales"],
+        boundary=problem["boundary"],
+        nested_from=problem["nested_from"],
+        fixed=problem["fixed"],
+        last_cut_below=problem["last_cut_below"],
+        overlaps=problem["overlaps"],
+    )
+    every = _brute_force(problem)
+    if not every:
+        assert solution is None
+        return
+    assert solution is not None
+    best = min(b for b, _, _ in every)
+    assert solution.bottleneck == best
+    ours = {cuts: (b, sq) for b, sq, cuts in every}
+    assert solution.cuts in ours, "the solver returned a partition that breaks a constraint"
+    assert ours[solution.cuts][0] == best
+    assert ours[solution.cuts][1] == min(sq for b, sq, _ in every if b == best)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 1000), min_size=1, max_size=12),
+    st.integers(1, 6),
+)
+def test_spread_partition_is_deepspeeds_parameter_rule(weights: list[int], parts: int) -> None:
+    """Our rewrite of DeepSpeed's ``partition_balanced`` gives DeepSpeed's own answer."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    assert spread_partition(weights, parts) == list(partition_balanced(weights, parts))
+    assert uniform_partition(len(weights), parts) == list(partition_uniform(len(weights), parts))
+
+
+def test_solver_scales_to_thousands_of_atoms() -> None:
+    """n = 2000 atoms, 8 stages: exact, and the answer is the obvious even split."""
+    costs = [1.0] * 2000
+    solution = solve([costs], 8)
+    assert solution is not None
+    assert solution.bottleneck == 250.0
+    assert solution.cuts == tuple(250 * k - 1 for k in range(1, 8))
+
+
+def test_predicted_bubble() -> None:
+    assert predicted_bubble(4, 8) == pytest.approx(3 / 11)
+    assert predicted_bubble(1, 5) == 0.0
+    with pytest.raises(ConfigError):
+        predicted_bubble(2, 0)
+
+
+# -- costs against hand-computed values --------------------------------------------------------
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_costs_of_a_small_mlp_by_hand() -> None:
+    """Split after ``0`` (Linear 8->16) of Linear -> ReLU -> Linear 16->4, batch 2, fp32."""
+    model = _mlp()
+    costs = plan_costs(model, ["0"], example_inputs={"input": torch.randn(2, 8)}, micro_batches=4)
+    first, second = costs.stages
+    # Parameters: 8*16 + 16 and 16*4 + 4.
+    assert (first.parameters, second.parameters) == (144, 68)
+    assert (first.parameter_bytes, second.parameter_bytes) == (576, 272)
+    # FLOPs, 2*b*in*out per product: fc1's forward, and its weight gradient only (its input
+    # needs no gradient); fc2's forward, its weight gradient and its input gradient.
+    assert first.flops == 2 * 2 * 8 * 16 * 2
+    assert second.flops == 2 * 2 * 16 * 4 * 3
+    # The boundary carries fc1's (2, 16) output.
+    assert first.boundary_bytes == 2 * 16 * 4
+    assert second.boundary_bytes == 0
+    # Saved for backward: the input x for fc1's weight gradient; ReLU's output (which fc2
+    # saves too, the same storage) for ReLU's and fc2's weight gradients.
+    assert first.activation_bytes == 2 * 8 * 4
+    assert second.activation_bytes == 2 * 16 * 4
+    # 1F1B with p = 2, m = 4: stage 0 holds 2 micro-batches, stage 1 one.
+    assert (first.in_flight, second.in_flight) == (2, 1)
+    # Adam: weights, gradients and two states, 4 copies of each parameter byte.
+    assert first.memory_bytes == 4 * 576 + 2 * 64
+    assert second.memory_bytes == 4 * 272 + 1 * 128
+    assert costs.bubble == pytest.approx(1 / 5)
+    assert costs.imbalance("parameters") == pytest.approx(144 / ((144 + 68) / 2))
+    assert "[Stage 0] 144 parameters" in costs.describe()
+
+
+def test_parameters_without_example_inputs_use_an_fx_trace() -> None:
+    profile = profile_model(_mlp())
+    assert profile.candidates == ("0", "1", "2")
+    assert profile.methods == ("parameters",)
+    costs = profile.costs(["1"])
+    assert [s.parameters for s in costs.stages] == [144, 68]
+    assert costs.stages[0].flops is None and costs.stages[0].boundary_bytes is None
+    assert profile.choose(2, "parameters") == ["0"]
+
+
+def test_boundary_weight_moves_the_cut_to_a_narrow_boundary() -> None:
+    """Linear 8->8, 8->64, 64->8, 8->8, batch 2. In units u = 2*2*8*8 FLOPs the four layers
+    cost 2u (no input gradient), 24u, 24u, 3u. Cutting after layer 1 (a 64-wide boundary,
+    512 bytes) balances 26u | 27u; after layer 2 (8 wide, 64 bytes) gives 50u | 3u. At 100
+    units per byte the charge dominates: 27u + 51200 > 50u + 6400, so the narrow cut wins."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 64), nn.Linear(64, 8), nn.Linear(8, 8))
+    inputs = {"input": torch.randn(2, 8)}
+    profile = profile_model(model, example_inputs=inputs)
+    assert profile.choose(2, "flops") == ["1"]
+    assert profile.choose(2, "flops", boundary_weight=100.0) == ["2"]
+    assert [s.boundary_bytes for s in profile.costs(["1"]).stages] == [512, 0]
+    assert [s.boundary_bytes for s in profile.costs(["2"]).stages] == [64, 0]
+
+
+def test_memory_weighs_activations_by_micro_batches_in_flight() -> None:
+    """Eight equal Linear(32, 32) + Tanh pairs, batch 512: each pair holds 16,896 bytes of
+    weights, gradients and Adam states and saves one 65,536-byte activation (Tanh's output, the
+    next Linear's input). Equal parameters put four pairs on each of two stages, but stage 0
+    keeps 2 micro-batches in flight and stage 1 one, so balanced memory moves the cut earlier,
+    and the stage memory the solver minimised is the one the costs report."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(32, 32), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    profile = profile_model(model, example_inputs={"input": torch.randn(512, 32)})
+    by_params = profile.choose(2, "parameters")
+    by_memory = profile.choose(2, "memory", micro_batches=8)
+    order = profile.candidates
+    assert [s.parameters for s in profile.costs(by_params).stages] == [4 * 1056, 4 * 1056]
+    assert order.index(by_memory[0]) < order.index(by_params[0])
+    memory = profile.costs(by_memory, micro_batches=8)
+    assert [s.in_flight for s in memory.stages] == [2, 1]
+    worst = max(s.memory_bytes or 0 for s in memory.stages)
+    for point in order[:-1]:
+        other = profile.costs([point], micro_batches=8)
+        assert worst <= max(s.memory_bytes or 0 for s in other.stages), point
+
+
+# -- candidates and choices --------------------------------------------------------------------
+
+
+class _Shared(nn.Module):
+    """Calls ``shared`` twice and keeps a torch.nn container module with children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.shared = nn.Linear(8, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(self.shared(self.inp(x)))
+        out: torch.Tensor = self.out(self.enc(h))
+        return out
+
+
+def test_candidates_exclude_modules_that_cannot_end_a_stage() -> None:
+    model = _Shared()
+    profile = profile_model(model, example_inputs={"x": torch.randn(2, 3, 4)})
+    assert profile.candidates == ("inp", "enc", "out")
+    assert "calls it 2 times" in str(profile.why_not("shared"))
+    assert "inside 'enc'" in str(profile.why_not("enc.linear1"))
+    assert "whole model" in str(profile.why_not(""))
+    with pytest.raises(SplitPointError, match="'shared' cannot end a pipeline stage"):
+        profile.choose(3, "flops", split_points=["shared"])
+    with pytest.raises(SplitPointError, match="not a module"):
+        profile.choose(3, "flops", split_points=["nope"])
+    with pytest.raises(PartitionError, match="cannot be cut into 4 stages"):
+        profile.choose(4, "flops")  # 'out' is the last computation: only 2 usable cuts
+
+
+def test_bad_requests_are_refused_by_name() -> None:
+    model = TinyGPT()
+    with pytest.raises(ConfigError, match="example_inputs"):
+        choose_split_points(model, 2, "flops")
+    with pytest.raises(ConfigError, match="balance must be one of"):
+        choose_split_points(model, 2, "speed")  # type: ignore[arg-type]
+    profile = profile_model(
+        model, example_inputs={"input_ids": torch.zeros(2, 8, dtype=torch.long)}
+    )
+    with pytest.raises(ConfigError, match="measure_time"):
+        profile.choose(2, "time")
+    with pytest.raises(SplitPointError, match=r"inside 'blocks\.1'"):
+        profile.choose(4, "flops", split_points=["blocks.1.fc1", "blocks.1"])
+    with pytest.raises(SplitPointError, match="more than num_stages"):
+        profile.choose(2, "flops", split_points=["blocks.0", "blocks.2"])
+    with pytest.raises(SplitPointError, match="out of execution order"):
+        profile.costs(["blocks.2", "blocks.0"])
+    meta = copy.deepcopy(model).to("meta")
+    with pytest.raises(ConfigError, match="meta device"):
+        profile_model(
+            meta,
+            example_inputs={"input_ids": torch.zeros(2, 8, dtype=torch.long)},
+            measure_time=True,
+        )
+
+
+def test_fixed_split_points_are_kept_and_the_rest_solved_around_them() -> None:
+    model = TinyGPT()
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    profile = profile_model(model, example_inputs={"input_ids": ids})
+    free = profile.choose(4, "flops")
+    fixed = profile.choose(4, "flops", split_points=["blocks.0"])
+    assert "blocks.0" in fixed and len(fixed) == 3
+    assert "blocks.0" not in free
+    assert fixed == sorted(fixed, key=profile.candidates.index)
+    # Restricting the candidates to whole blocks, as a hand-written LayerSpec pipeline would.
+    layers = ["wte", *(f"blocks.{i}" for i in range(4)), "ln_f"]
+    coarse = profile.choose(3, "flops", candidates=layers)
+    assert set(coarse) <= set(layers)
+    fine_max = max(s.flops or 0 for s in profile.costs(profile.choose(3, "flops")).stages)
+    assert max(s.flops or 0 for s in profile.costs(coarse).stages) >= fine_max
+
+
+def test_measuring_leaves_the_model_as_it_was() -> None:
+    """Fake and timed runs change no parameter, gradient, buffer (BatchNorm statistics) or
+    random state, though the model trains with dropout and batch statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2)
+    ).train()
+    example = {"input": torch.randn(16, 4)}
+    before = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    profile = profile_model(model, example_inputs=example, measure_time=True)
+    assert profile.methods == ("parameters", "flops", "memory", "time")
+    assert all(p.grad is None for p in model.parameters())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert torch.equal(torch.get_rng_state(), rng)
+    times = [s.time for s in profile.costs(["1"]).stages]
+    assert all(t is not None and t > 0 for t in times)
+
+
+def test_a_meta_model_gets_the_same_split_points() -> None:
+    """Fake tensors never read the weights: a model on the meta device chooses alike."""
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    real = TinyGPT()
+    with torch.device("meta"):
+        meta = TinyGPT()
+    for method in ("parameters", "flops", "memory"):
+        assert choose_split_points(meta, 3, method, example_inputs={"input_ids": ids}) == (
+            choose_split_points(real, 3, method, example_inputs={"input_ids": ids})
+        )
+
+
+def _example(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    inputs, _ = next(spec.micro_batches(1))
+    values = inputs if isinstance(inputs, tuple) else (inputs,)
+    return dict(zip(spec.input_names, values, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("name", "capture"),
+    [("gpt", "fx"), ("skip", "fx"), ("skip", "export"), ("mixed", "fx"), ("mixed", "export")],
+)
+def test_every_candidate_is_a_split_point_partition_accepts(name: str, capture: str) -> None:
+    """Each candidate alone, captured with torch.fx or torch.export: the plan computes what
+    the unsplit model computes."""
+    spec = MODELS[name]
+    model = spec.build()
+    example = _example(spec)
+    profile = profile_model(model, example_inputs=example)
+    expected = model(*example.values())
+    usable = []
+    for point in profile.candidates:
+        try:
+            profile.costs([point])
+        except SplitPointError as exc:  # only a module whose call is forward's last work
+            assert "last computation" in str(exc)
+            continue
+        usable.append(point)
+    assert len(usable) >= len(profile.candidates) - 1
+    for point in usable:
+        plan = partition(model, [point], example_inputs=example if capture == "export" else None)
+        torch.testing.assert_close(plan.graph(*example.values()), expected, rtol=0, atol=0)
+
+
+# -- balanced plans train like the unsplit model -----------------------------------------------
+
+GAS = 4
+STEPS = 3
+
+
+def _train_reference(spec: ModelSpec, model: nn.Module, batches: Sequence[Any]) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for inputs, labels in batches[step * GAS : (step + 1) * GAS]:
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+            loss = spec.loss_fn(model(*args), labels)
+            (loss / GAS).backward()
+            total += float(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / GAS)
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("name", "balance", "stages"),
+    [
+        ("gpt", "flops", 4),
+        ("skip", "memory", 3),
+        ("mixed", "flops", 3),
+        ("encdec", "parameters", 3),
+    ],
+)
+def test_balanced_plan_trains_like_the_unsplit_model(name: str, balance: str, stages: int) -> None:
+    spec = MODELS[name]
+    model = spec.build()
+    reference = copy.deepcopy(model)
+    points = choose_split_points(
+        model,
+        stages,
+        balance,
+        example_inputs=_example(spec),
+        micro_batches=GAS,  # type: ignore[arg-type]
+    )
+    assert len(points) == stages - 1
+    plan = partition(model, points)
+    config = {
+        "train_batch_size": 2 * GAS,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+    }
+    dialect = pipedialect.get_dialect("local")
+    engine = dialect.runtime_engine(
+        dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn), config=config
+    )
+    batches = list(spec.micro_batches(GAS * STEPS))
+    data = iter(batches)
+    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+    expected = _train_reference(spec, reference, batches)
+    assert_tensor_close(torch.tensor(losses), torch.tensor(expected), "losses")
+    ours = dict(model.named_parameters())
+    for pname, param in reference.named_parameters():
+        assert_tensor_close(ours[pname].detach(), param.detach(), pname)
+
+
+# -- the same answer in every process ----------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_two_fresh_interpreters_choose_the_same_split_points() -> None:
+    """Two spawned ranks (different hash seeds): the same points for every method, "time"
+    included (measured on both, rank 0's times win), and all accepted by partition."""
+    results = launch(workers.choose_everything, 2, timeout=240)
+    assert results[0] == results[1]
+    assert set(results[0]) == {"parameters", "flops", "memory", "time", "fx-parameters"}
