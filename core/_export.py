@@ -112,6 +112,32 @@ def capture(
     return Captured(graph, added)
 
 
+def named(model: nn.Module, example_inputs: Mapping[str, Any] | Sequence[Any]) -> dict[str, Any]:
+    """``example_inputs`` by parameter name: a tuple or list is matched to forward's
+    parameters in order, as ``torch.export.export(model, args)`` would."""
+    if isinstance(example_inputs, Mapping):
+        return dict(example_inputs)
+    name = type(model).__name__
+    if not isinstance(example_inputs, (tuple, list)):
+        shown = type(example_inputs).__name__
+        raise CaptureError(
+            f"example_inputs is a {shown}; give {{parameter name: tensor}} or a tuple of "
+            f"tensors in {name}.forward's parameter order (one tensor x: (x,))"
+        )
+    positional = [
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(example_inputs) > len(positional):
+        raise CaptureError(
+            f"example_inputs holds {len(example_inputs)} values, but {name}.forward takes "
+            f"{len(positional)} positional parameters ({positional}); name the others in a "
+            "dict {parameter name: tensor}"
+        )
+    return dict(zip(positional, example_inputs, strict=False))
+
+
 def _call_kwargs(
     model: nn.Module, example_inputs: Mapping[str, Any], fixed: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -307,8 +333,11 @@ def check_input(value: Any, name: str, shape: tuple[int, ...], dtype: torch.dtyp
 
     torch.export specialises the graph to the example inputs' shapes; another shape would fail
     deep inside a stage with an unrelated message, or, where a reshape happens to fit, compute
-    something else.
+    something else. Traced again (fx re-traces a GraphModule it unpickles), it records itself.
     """
+    if isinstance(value, fx.Proxy):
+        value.tracer.create_proxy("call_function", check_input, (value, name, shape, dtype), {})
+        return
     if not isinstance(value, torch.Tensor):
         raise StructureChangedError(
             f"[Stage 0] input {name!r} is a {type(value).__name__}; the plan was captured with a "

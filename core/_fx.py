@@ -10,15 +10,39 @@ exactly the original qualified names (``blocks.3.fc1.weight``). ``get_attr`` nod
 into every stage that uses them, so a parameter never crosses a boundary as a value; a parameter
 used by two stages becomes a tie between them. The last stage computes the model's output
 structure itself, so it returns exactly what the unsplit model returns.
+
+[Note: split-point outputs]
+A split point runs as one ``call_module`` node, so plain fx would hand the code after it one
+``Proxy`` for the whole output. Python that inspects that value (``out["aux"] is not None``,
+``isinstance``, ``len``, ``in``, ``.get``, arithmetic on a number in it) would then see a Proxy
+instead of the model's ``None`` or ``0.5``, and the trace would silently follow another branch
+than the model does. So at each split-point call the tracer also traces that module's forward
+by itself (a probe: the call's Proxy arguments become placeholders of a throw-away graph, the
+other arguments keep their values) to learn the output's structure, and hands the caller a
+structure of the same containers whose constants (``None``, numbers, strings) are the real
+values and whose other leaves read the call's result (``getitem`` nodes made where they are
+used, so boundaries carry what they carried before). If the probe fails (the module's own code
+is not fx-traceable), the caller gets an opaque Proxy that refuses ``bool``, ``len``, iteration
+and ``in`` with a :class:`CaptureError`.
+
+Either way the trace assumed something about a value it never saw, so a guard checks it where
+the value is first used, on every micro-batch (a few ``isinstance`` tests): the containers and
+constants equal the recorded ones, and every value the trace held as a Proxy is a tensor, a
+number, or tuples/lists/dicts of those (never ``None``, a string or another object, which the
+trace would have answered ``is None``/``isinstance`` for wrongly). The guard is a node of the
+stage graph, so it runs on every dialect, on the value the stage received.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import re
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,24 +56,42 @@ logger = logging.getLogger(__name__)
 
 _COMPUTE_OPS = frozenset({"call_module", "call_function", "call_method"})
 
+#: Python values a split point's output may hold as recorded constants.
+_CONSTANT_TYPES = (type(None), bool, int, float, str)
+#: What a value the trace held as a Proxy may be at run time (besides containers of them).
+_NUMBER_TYPES = (bool, int, float, complex)
+
+_EXPORT_HINT = (
+    "pass example_inputs={parameter name: tensor, ...} (one micro-batch) to partition() to "
+    "capture the model with torch.export, which runs forward's Python on the real structure"
+)
+
 
 class SplitTracer(fx.Tracer):
     """An ``fx.Tracer`` that keeps split points and user-named modules as single calls.
 
-    It also remembers the innermost module whose forward was being traced when tracing failed,
-    so that the error can suggest making exactly that module a leaf.
+    At a split point it learns the output's structure ([Note: split-point outputs]) and
+    records what the guard has to check. It also remembers the innermost module whose forward
+    was being traced when tracing failed, so that the error can suggest making exactly that
+    module a leaf.
     """
 
     def __init__(
         self,
         leaf_ids: frozenset[int],
         leaf_types: tuple[type[nn.Module], ...],
+        split_ids: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__()
         self._leaf_ids = leaf_ids
         self._leaf_types = leaf_types
+        self._split_ids = split_ids
         self._stack: list[str] = []
         self.failed_in: str | None = None
+        #: One record per split-point call, in call order.
+        self.splits: list[SplitOutput] = []
+        # Nodes whose value comes from a split point whose structure is unknown.
+        self._opaque: dict[fx.Node, SplitOutput] = {}
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """Split points, ``leaf_modules`` and fx's default leaves are called, not traced."""
@@ -71,13 +113,148 @@ class SplitTracer(fx.Tracer):
             path = f"<{type(m).__name__}>"
         self._stack.append(path)
         try:
-            return super().call_module(m, forward, args, kwargs)
+            out = super().call_module(m, forward, args, kwargs)
+            if id(m) in self._split_ids and isinstance(out, fx.Proxy):
+                out = self._split_output(m, path, out, args, kwargs)
+            return out
         except Exception:
             if self.failed_in is None:
                 self.failed_in = path
             raise
         finally:
             self._stack.pop()
+
+    def _split_output(
+        self,
+        m: nn.Module,
+        path: str,
+        call: fx.Proxy,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """What the caller of split point ``path`` sees: its output's structure, or an opaque
+        Proxy ([Note: split-point outputs])."""
+        result, spec, reason = _probe(self, m, call.node, args, kwargs)
+        record = SplitOutput(call.node, path, spec, reason)
+        self.splits.append(record)
+        if spec is None:
+            logger.debug("split point %r: output structure unknown (%s)", path, reason)
+            self._opaque[call.node] = record
+            return _OpaqueProxy(call.node, self)
+        return _build(result, call, ())
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        """Items and attributes of an opaque split-point output are opaque too."""
+        if (
+            node.op == "call_function"
+            and node.target in (operator.getitem, getattr)
+            and isinstance(node.args[0], fx.Node)
+            and node.args[0] in self._opaque
+        ):
+            self._opaque[node] = self._opaque[node.args[0]]
+            return _OpaqueProxy(node, self)
+        return super().proxy(node)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """``bool()`` of an opaque output: a :class:`CaptureError` naming the split point."""
+        if obj.node in self._opaque:
+            raise CaptureError(self._opaque[obj.node].unknown("tests the truth (if/and/or/not) of"))
+        return bool(super().to_bool(obj))
+
+    def iter(self, obj: fx.Proxy) -> Iterator[Any]:
+        """Iterating over an opaque output: a :class:`CaptureError` naming the split point."""
+        if obj.node in self._opaque:
+            raise CaptureError(self._opaque[obj.node].unknown("iterates over"))
+        return iter(super().iter(obj))
+
+
+class _ProbeTracer(SplitTracer):
+    """Traces one split-point module by itself, called exactly as the model calls it."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        leaf_ids: frozenset[int],
+        leaf_types: tuple[type[nn.Module], ...],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        super().__init__(leaf_ids, leaf_types)
+        self._module = module
+        self._call = (args, kwargs)
+        #: The Python value the module returned, with this tracer's Proxies as leaves.
+        self.result: Any = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """The probed module itself is traced through, whatever its kind."""
+        return m is not self._module and super().is_leaf_module(m, module_qualified_name)
+
+    def create_args_for_root(
+        self,
+        root_fn: Callable[..., Any],
+        is_module: bool,
+        concrete_args: dict[str, Any] | tuple[Any, ...] | None = None,
+    ) -> tuple[Any, list[Any]]:
+        """Call the module with the model's arguments, Proxies replaced by placeholders."""
+        counter = itertools.count()
+
+        def swap(value: Any) -> Any:
+            if isinstance(value, fx.Proxy):
+                return self.create_proxy("placeholder", f"arg_{next(counter)}", (), {})
+            if type(value) in (tuple, list):
+                return type(value)(swap(v) for v in value)
+            if isinstance(value, tuple) and hasattr(value, "_fields"):
+                return type(value)(*(swap(v) for v in value))
+            if type(value) is dict:
+                return {k: swap(v) for k, v in value.items()}
+            return value
+
+        args, kwargs = swap(self._call[0]), swap(self._call[1])
+        module = self._module
+
+        def run() -> None:
+            self.result = module(*args, **kwargs)
+
+        return run, []
+
+
+class _OpaqueProxy(fx.Proxy):
+    """The output (or a part of it) of a split point whose structure the capture cannot know."""
+
+    def __len__(self) -> int:
+        raise CaptureError(self._record().unknown("takes the len() of"))
+
+    def __contains__(self, item: Any) -> bool:
+        raise CaptureError(self._record().unknown(f"tests {item!r} in"))
+
+    def _record(self) -> SplitOutput:
+        tracer = self.tracer
+        if not isinstance(tracer, SplitTracer):  # made by SplitTracer.proxy only
+            raise TypeError(f"{self!r} belongs to a {type(tracer).__name__}")
+        return tracer._opaque[self.node]
+
+
+class _LeafProxy(fx.Proxy):
+    """One leaf of a split point's output, read from the call's result where it is used.
+
+    Each use makes its own ``getitem`` chain at the point of use, as the model's own
+    ``out["h"]`` would, so a leaf used by a later stage rides there inside the output.
+    """
+
+    def __init__(self, call: fx.Proxy, path: tuple[Any, ...]) -> None:
+        self.tracer = call.tracer
+        self._call = call
+        self._path = path
+
+    @property
+    def node(self) -> fx.Node:  # type: ignore[override]
+        value: fx.Proxy = self._call
+        for key in self._path:
+            value = self.tracer.create_proxy("call_function", operator.getitem, (value, key), {})
+        return value.node
+
+    def __repr__(self) -> str:
+        return f"Proxy({self._call.node.name}{_path_text(self._path)})"
 
 
 @dataclass
@@ -88,6 +265,8 @@ class Captured:
     #: Attribute names fx's tracer set on the root module (tensor constants); removed again
     #: once the stages hold them.
     added_attrs: list[str]
+    #: The split-point guards in the graph ([Note: split-point outputs]).
+    guards: list[fx.Node] = field(default_factory=list)
 
 
 def _attr_names(model: nn.Module) -> set[str]:
@@ -107,8 +286,13 @@ def capture(
     leaf_ids: frozenset[int],
     leaf_types: tuple[type[nn.Module], ...],
     concrete_args: Mapping[str, Any] | None,
+    split_ids: frozenset[int] = frozenset(),
 ) -> Captured:
-    """Trace ``model`` into one flat graph; failures become :class:`CaptureError`."""
+    """Trace ``model`` into one flat graph; failures become :class:`CaptureError`.
+
+    ``split_ids`` are the split-point modules (also in ``leaf_ids``): their outputs get the
+    treatment of [Note: split-point outputs].
+    """
     accepted = list(inspect.signature(model.forward).parameters)
     unknown = sorted(set(concrete_args or {}) - set(accepted))
     if unknown:
@@ -116,10 +300,13 @@ def capture(
             f"concrete_args names {unknown}, which {type(model).__name__}.forward does not take "
             f"(its parameters: {accepted})"
         )
-    tracer = SplitTracer(leaf_ids, leaf_types)
+    tracer = SplitTracer(leaf_ids, leaf_types, split_ids)
     before = _attr_names(model)
     try:
         graph = tracer.trace(model, dict(concrete_args) if concrete_args else None)
+    except CaptureError:
+        remove_attrs(model, _attr_names(model) - before)
+        raise
     except Exception as exc:
         remove_attrs(model, _attr_names(model) - before)
         raise CaptureError(_capture_message(model, exc, tracer.failed_in)) from exc
@@ -129,7 +316,9 @@ def capture(
     except CaptureError:
         remove_attrs(model, added)
         raise
-    return Captured(graph, added)
+    guards = _insert_guards(graph, tracer.splits)
+    graph.lint()
+    return Captured(graph, added, guards)
 
 
 def _capture_message(model: nn.Module, exc: Exception, failed_in: str | None) -> str:
@@ -144,7 +333,8 @@ def _capture_message(model: nn.Module, exc: Exception, failed_in: str | None) ->
         f"torch.fx could not capture {type(model).__name__}.forward{where}: "
         f"{type(exc).__name__}: {exc}. "
         "Try concrete_args={...} to fix the value of arguments that steer control flow "
-        f"(flags, None defaults), or {leaf_hint}."
+        f"(flags, None defaults), or {leaf_hint}, or {_EXPORT_HINT} (the route for "
+        "transformers models and for control flow on shapes)."
     )
 
 
@@ -201,6 +391,335 @@ def _erase_checks(graph: fx.Graph, placeholder: fx.Node) -> None:
             for u in list(user.users):
                 graph.erase_node(u)
             graph.erase_node(user)
+
+
+# -- split-point outputs: the probe, the structure handed to the caller, the guard -------------
+
+#: The spec of a value the trace held as a Proxy ([Note: split-point outputs]).
+_LEAF = "T"
+
+
+@dataclass
+class SplitOutput:
+    """What the capture knows about one split-point call's output."""
+
+    node: fx.Node
+    path: str
+    #: The structure the guard checks ([Note: split-point outputs]); ``None`` while unknown.
+    spec: Any
+    #: Why the structure is unknown (the probe's failure); empty when known.
+    reason: str = ""
+
+    def unknown(self, what: str) -> str:
+        """The message for Python that inspects an output of unknown structure."""
+        return (
+            f"forward {what} the output of split point {self.path!r}, whose structure the "
+            f"torch.fx capture cannot know: tracing {self.path!r} by itself failed "
+            f"({self.reason}). Make {self.path!r}'s forward fx-traceable, choose another split "
+            f"point, or {_EXPORT_HINT}."
+        )
+
+
+class _Unknown(Exception):
+    """The probe cannot describe a split point's output."""
+
+
+def _probe(
+    outer: SplitTracer,
+    m: nn.Module,
+    call: fx.Node,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, Any, str]:
+    """Trace ``m`` by itself on the call's arguments: ``(result, spec, "")`` or ``(None, None,
+    reason)``. Leaves nothing behind on ``m`` or in the outer graph."""
+    before = _attr_names(m)
+    probe = _ProbeTracer(m, outer._leaf_ids, outer._leaf_types, args, kwargs)
+    result: Any = None
+    spec: Any = None
+    reason = ""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe.trace(m)
+        result = probe.result
+        spec = _spec_of(result, probe)
+    except Exception as exc:
+        # The reason is written into the stage code, which every rank must build identically:
+        # no object addresses, one short line.
+        lines = str(exc).strip().splitlines()
+        first = re.sub(r" (object )?at 0x[0-9a-fA-F]+", "", lines[0] if lines else "")[:200]
+        reason = f"{type(exc).__name__}: {first}".rstrip(": ")
+    finally:
+        remove_attrs(m, _attr_names(m) - before)
+    # Proxies of the outer trace hidden in an argument object would have recorded operations
+    # in the outer graph: those are not the model's, and the structure is not trustworthy.
+    stray: list[fx.Node] = []
+    node = call.next
+    while node.op != "root":
+        stray.append(node)
+        node = node.next
+    if stray:
+        for node in reversed(stray):
+            outer.graph.erase_node(node)
+        return None, None, "its arguments hold traced values inside an object the probe cannot see"
+    if spec is None:
+        return None, None, reason
+    return result, spec, ""
+
+
+def _type_name(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _spec_of(value: Any, probe: fx.Tracer) -> Any:
+    """The guard's spec of the probe's result; :class:`_Unknown` for what it cannot hold."""
+    if isinstance(value, fx.Proxy):
+        if value.tracer is not probe:
+            raise _Unknown("it returns a traced value it did not compute")
+        return _LEAF
+    kind = type(value)
+    if kind in _CONSTANT_TYPES:
+        return ("C", value)
+    if kind in (tuple, list):
+        return (kind.__name__, tuple(_spec_of(v, probe) for v in value))
+    if isinstance(value, tuple) and hasattr(kind, "_fields"):
+        return ("namedtuple", _type_name(kind), tuple(_spec_of(v, probe) for v in value))
+    if kind is dict:
+        keys = tuple(value)
+        if any(type(k) not in (str, int) for k in keys):
+            raise _Unknown("it returns a dict with a key that is neither a str nor an int")
+        return ("dict", keys, tuple(_spec_of(v, probe) for v in value.values()))
+    raise _Unknown(f"it returns a {kind.__qualname__}, which the capture cannot take apart")
+
+
+def _build(value: Any, call: fx.Proxy, path: tuple[Any, ...]) -> Any:
+    """The caller's view of a probed output: same containers, real constants, leaves reading
+    ``call``."""
+    if isinstance(value, fx.Proxy):
+        return _LeafProxy(call, path) if path else call
+    kind = type(value)
+    if kind in (tuple, list):
+        return kind(_build(v, call, (*path, i)) for i, v in enumerate(value))
+    if isinstance(value, tuple):  # a namedtuple: _spec_of admits no other tuple subclass
+        return kind(*(_build(v, call, (*path, i)) for i, v in enumerate(value)))
+    if kind is dict:
+        return {k: _build(v, call, (*path, k)) for k, v in value.items()}
+    return value
+
+
+def _read_step(node: fx.Node, user: fx.Node) -> tuple[Any, ...] | None:
+    """``user`` as one step of reading ``node`` by a constant key, or ``None``."""
+    args = user.args
+    if not args or args[0] is not node:
+        return None
+    if user.op == "call_function" and len(args) == 2 and not user.kwargs:
+        if user.target is operator.getitem and type(args[1]) in (str, int):
+            return ("[]", args[1])
+        if user.target is getattr and type(args[1]) is str:
+            return (".", args[1])
+    if (
+        user.op == "call_method"
+        and user.target == "get"
+        and not user.kwargs
+        and len(args) in (2, 3)
+        and type(args[1]) in (str, int)
+    ):
+        default = args[2] if len(args) == 3 else None
+        if type(default) in _CONSTANT_TYPES:
+            return ("get", args[1], default)
+    return None
+
+
+def _reads(node: fx.Node) -> Any:
+    """The guard's spec of an opaque output: the keys the trace read from it, recursively, and
+    a deep check of every value the trace used without taking it apart."""
+    steps: list[tuple[Any, ...]] = []
+    seen: set[tuple[Any, ...]] = set()
+    whole = False
+    for user in node.users:
+        step = _read_step(node, user)
+        if step is None:
+            whole = whole or user.op in ("call_function", "call_method")
+        elif step not in seen:
+            seen.add(step)
+            steps.append((*step, _reads(user)))
+    if not steps:
+        return _LEAF
+    return ("R", tuple(steps), whole)
+
+
+def _insert_guards(graph: fx.Graph, splits: Sequence[SplitOutput]) -> list[fx.Node]:
+    """Put one :func:`check_split_output` before the first use of every split-point output."""
+    guards: list[fx.Node] = []
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for record in splits:
+        spec = record.spec if record.spec is not None else _reads(record.node)
+        users = sorted(record.node.users, key=position.__getitem__)
+        context = graph.inserting_before(users[0]) if users else graph.inserting_after(record.node)
+        with context:
+            guard = graph.call_function(
+                check_split_output, (record.node, -1, record.path, spec, record.reason)
+            )
+        guards.append(guard)
+    return guards
+
+
+def label_guards(guards: Iterable[fx.Node], stage_of: Mapping[fx.Node, int]) -> None:
+    """Write into each guard the stage it runs in, for its message."""
+    for guard in guards:
+        guard.args = (guard.args[0], stage_of[guard], *guard.args[2:])
+
+
+def is_guard(node: fx.Node) -> bool:
+    """Whether ``node`` is a split-point guard (it computes nothing of the model's)."""
+    return node.op == "call_function" and node.target is check_split_output
+
+
+def check_split_output(value: Any, stage: int, split_point: str, spec: Any, reason: str) -> None:
+    """Refuse a split-point output that differs from what the torch.fx capture assumed.
+
+    Runs where the output is first used, on every micro-batch ([Note: split-point outputs]);
+    a :class:`CaptureError` names the split point and the value's path. Traced again (fx
+    re-traces a GraphModule it unpickles), it records itself instead.
+    """
+    if isinstance(value, fx.Proxy):
+        value.tracer.create_proxy(
+            "call_function", check_split_output, (value, stage, split_point, spec, reason), {}
+        )
+        return
+    problem = _mismatch(value, spec, ())
+    if problem is None:
+        return
+    where, what = problem
+    value_text = f"the output of split point {split_point!r}" + (f" at {where}" if where else "")
+    unknown = (
+        f" (its structure was unknown: tracing {split_point!r} by itself failed: {reason})"
+        if reason
+        else ""
+    )
+    raise CaptureError(
+        f"[Stage {stage}] {value_text} {what}{unknown}, so Python code in forward that tested "
+        f"it (is None, isinstance, ==) may have taken another branch than the model. "
+        f"{_EXPORT_HINT[0].upper()}{_EXPORT_HINT[1:]}."
+    )
+
+
+def _path_text(path: Iterable[Any]) -> str:
+    parts = []
+    for step in path:
+        if isinstance(step, tuple):  # an attribute or .get step of an opaque output
+            op, key = step[0], step[1]
+            parts.append(f".{key}" if op == "." else f".get({key!r})")
+        else:
+            parts.append(f"[{step!r}]")
+    return "".join(parts)
+
+
+def _describe(value: Any) -> str:
+    if value is None or type(value) in _CONSTANT_TYPES:
+        return repr(value)
+    return f"a {type(value).__qualname__}"
+
+
+def _same_constant(value: Any, expected: Any) -> bool:
+    if type(value) is not type(expected):
+        return False
+    if isinstance(expected, float) and expected != expected:
+        return bool(value != value)
+    return bool(value == expected)
+
+
+def _mismatch(value: Any, spec: Any, path: tuple[Any, ...]) -> tuple[str, str] | None:
+    """Where and how ``value`` differs from ``spec``; ``None`` when it agrees."""
+    if spec == _LEAF:
+        bad = _not_tensor_like(value, path)
+        if bad is None:
+            return None
+        what = f"is {_describe(bad[1])}, but the torch.fx capture treated it as a tensor"
+        return _path_text(bad[0]), what
+    where = _path_text(path)
+    kind = spec[0]
+    if kind == "C":
+        if _same_constant(value, spec[1]):
+            return None
+        return where, (
+            f"is {_describe(value)}, but the torch.fx capture recorded {spec[1]!r} and built "
+            "the code after it on that value"
+        )
+    if kind == "R":
+        return _mismatch_reads(value, spec, path)
+    recorded = {"tuple": "a tuple", "list": "a list", "dict": "a dict"}.get(kind, "")
+    if kind == "namedtuple":
+        recorded = f"a {spec[1].rsplit('.', 1)[-1]}"
+        same_type = _type_name(type(value)) == spec[1]
+    else:
+        same_type = type(value).__name__ == kind and type(value) in (tuple, list, dict)
+    if not same_type:
+        return where, f"is {_describe(value)}, but the torch.fx capture recorded {recorded}"
+    if kind == "dict":
+        keys, children = spec[1], spec[2]
+        if tuple(value) != keys:
+            return where, (
+                f"has the keys {list(value)}, but the torch.fx capture recorded {list(keys)}"
+            )
+        items: Iterable[tuple[Any, Any]] = zip(keys, (value[k] for k in keys), strict=True)
+    else:
+        children = spec[-1]
+        if len(value) != len(children):
+            return where, (
+                f"has {len(value)} items, but the torch.fx capture recorded {len(children)}"
+            )
+        items = enumerate(value)
+    for (key, item), child in zip(items, children, strict=True):
+        problem = _mismatch(item, child, (*path, key))
+        if problem is not None:
+            return problem
+    return None
+
+
+def _mismatch_reads(value: Any, spec: Any, path: tuple[Any, ...]) -> tuple[str, str] | None:
+    _, steps, whole = spec
+    if whole:
+        problem = _mismatch(value, _LEAF, path)
+        if problem is not None:
+            return problem
+    for step in steps:
+        op, key, child = step[0], step[1], step[-1]
+        try:
+            if op == "[]":
+                item = value[key]
+            elif op == ".":
+                item = getattr(value, key)
+            else:
+                item = value.get(key, step[2])
+        except Exception as exc:
+            read = _path_text([key] if op == "[]" else [(op, key)])
+            return _path_text(path), (
+                f"is {_describe(value)}, from which the torch.fx capture read {read} "
+                f"({type(exc).__name__}: {exc})"
+            )
+        problem = _mismatch(item, child, (*path, key if op == "[]" else (op, key)))
+        if problem is not None:
+            return problem
+    return None
+
+
+def _not_tensor_like(value: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any] | None:
+    """The first part of ``value`` that is not a tensor, a number, or a container of them."""
+    if isinstance(value, torch.Tensor) or type(value) in _NUMBER_TYPES:
+        return None
+    if isinstance(value, (tuple, list)):
+        items: Iterable[tuple[Any, Any]] = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    else:
+        return path, value
+    for key, item in items:
+        bad = _not_tensor_like(item, (*path, key))
+        if bad is not None:
+            return bad
+    return None
 
 
 @dataclass

@@ -10,7 +10,9 @@ everything the library raises on purpose. Below it, one branch per concern::
     │   └── BrokenPluginError
     ├── PartitionError
     │   ├── SplitPointError
-    │   └── CaptureError
+    │   ├── CaptureError
+    │   ├── PlanMismatchError
+    │   └── PlanDisagreementError (also a TopologyError)
     ├── CodecError
     │   ├── UnsupportedValueError
     │   ├── MetadataError
@@ -19,7 +21,11 @@ everything the library raises on purpose. Below it, one branch per concern::
     ├── TopologyError
     ├── WireError
     ├── ConfigError
+    │   └── DataError
+    │       └── DataExhaustedError (also a StopIteration)
     ├── CheckpointError
+    ├── NonFiniteError
+    ├── ExtensionBuildError
     └── LaunchError
 
 Messages name the culprit (the stage, the value's path, the parameter) and say what to do.
@@ -27,19 +33,27 @@ Messages name the culprit (the stage, the value's path, the parameter) and say w
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BrokenPluginError",
     "CaptureError",
     "CheckpointError",
     "CodecError",
     "ConfigError",
+    "DataError",
+    "DataExhaustedError",
     "DialectNotFoundError",
     "DuplicateDialectError",
+    "ExtensionBuildError",
     "LaunchError",
     "MetadataError",
+    "NonFiniteError",
     "PartitionError",
     "PipeDialectError",
     "PipeDialectWarning",
+    "PlanDisagreementError",
+    "PlanMismatchError",
     "PluginError",
     "PluginWarning",
     "SplitPointError",
@@ -53,6 +67,21 @@ __all__ = [
 
 class PipeDialectError(Exception):
     """Base class of every error pipedialect raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Picklable whatever the subclass's keyword arguments, so that one rank's error can be
+        # sent to the others (pipedialect._agreement).
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild_error(
+    cls: type[PipeDialectError], args: tuple[Any, ...], state: dict[str, Any]
+) -> PipeDialectError:
+    """Recreate a pickled :class:`PipeDialectError` without calling its ``__init__``."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class PluginError(PipeDialectError):
@@ -80,7 +109,18 @@ class SplitPointError(PartitionError, ValueError):
 
 
 class CaptureError(PartitionError):
-    """torch.fx could not capture the model's forward."""
+    """torch.fx could not capture the model's forward, or a value broke what the capture assumed."""
+
+
+class PlanMismatchError(PartitionError):
+    """A plan computes something other than its model on the inputs it was checked on."""
+
+    def __init__(self, message: str, *, stage: int, path: str | None = None) -> None:
+        super().__init__(message)
+        #: The first stage whose output differs (or that failed).
+        self.stage = stage
+        #: The split point whose output differs, if it is one.
+        self.path = path
 
 
 class CodecError(PipeDialectError):
@@ -107,6 +147,17 @@ class TopologyError(PipeDialectError, ValueError):
     """A process topology does not fit the pipeline plan."""
 
 
+class PlanDisagreementError(PartitionError, TopologyError):
+    """Ranks built different pipelines (plan, topology or options); none of them trains."""
+
+    def __init__(self, message: str, *, field: str, ranks: tuple[int, ...]) -> None:
+        super().__init__(message)
+        #: The first thing the ranks disagree on (``"split_points"``, ``"num_stages"``, ...).
+        self.field = field
+        #: The ranks whose value differs from rank 0's.
+        self.ranks = ranks
+
+
 class WireError(PipeDialectError):
     """A stage payload breaks a rule of the runtime that has to carry it."""
 
@@ -117,6 +168,58 @@ class ConfigError(PipeDialectError, ValueError):
 
 class CheckpointError(PipeDialectError):
     """A checkpoint does not match the pipeline it is loaded into."""
+
+    def __init__(self, message: str, *, parameter: str | None = None) -> None:
+        super().__init__(message)
+        #: The parameter whose saved value does not fit, if one is at fault.
+        self.parameter = parameter
+
+
+class DataError(ConfigError):
+    """A data iterator yielded something a step cannot train on (or too little)."""
+
+
+class DataExhaustedError(DataError, StopIteration):
+    """A data iterator ran out before a step had all its micro-batches; nothing was trained."""
+
+    def __init__(self, message: str, *, expected: int, got: int) -> None:
+        super().__init__(message)
+        #: The micro-batches the step needs.
+        self.expected = expected
+        #: The micro-batches the iterator yielded before it ran out.
+        self.got = got
+
+
+class NonFiniteError(PipeDialectError, FloatingPointError):
+    """A loss or a gradient became NaN or infinite; the optimizer did not step."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        stage: int,
+        micro_batch: int | None = None,
+        parameter: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        #: The training step (``global_steps`` + 1) that failed.
+        self.step = step
+        #: The stage whose loss or gradient is not finite.
+        self.stage = stage
+        #: The micro-batch whose loss is not finite (None for a gradient).
+        self.micro_batch = micro_batch
+        #: The parameter whose gradient is not finite (None for a loss).
+        self.parameter = parameter
+
+
+class ExtensionBuildError(PipeDialectError):
+    """A runtime's C++ extension cannot be built: a killed build left its lock behind, say."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        #: The file to delete, or the directory at fault.
+        self.path = path
 
 
 class LaunchError(PipeDialectError):

@@ -8,7 +8,10 @@ whose parameters keep the original model's names (see ``_fx`` [Note: own splitte
 also says what each stage receives and sends ([Note: liveness] in :mod:`pipedialect.liveness`)
 and which parameters stages share (:mod:`pipedialect.ties`). Everything is derived from the
 graph's node order, so every rank that partitions the same model gets the same plan;
-:meth:`PipelinePlan.fingerprint` lets ranks check that.
+:meth:`PipelinePlan.fingerprint` lets ranks check that. :meth:`PipelinePlan.verify` runs the
+plan and the model on one set of inputs and names the first stage that differs ([Note: plan
+verification] in ``_verify``); ``partition`` does it before returning when it has
+``example_inputs``.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
 from torch import fx, nn
 
-from . import _export, _fx
+from . import _export, _fx, _verify
 from .errors import PartitionError, SplitPointError
 from .liveness import compute_liveness
 from .stage import StageWrapper
@@ -62,6 +65,11 @@ class PipelinePlan:
     #: The top-level GraphModule calling the stages in order; ``graph(*inputs)`` computes what
     #: the model computes.
     graph: fx.GraphModule
+    #: The partitioned model, which :meth:`verify` runs as the reference.
+    model: nn.Module | None = field(default=None, compare=False)
+    #: The forward arguments fixed at capture time (``concrete_args``), passed to the model
+    #: by :meth:`verify`.
+    concrete_args: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def num_stages(self) -> int:
@@ -122,6 +130,25 @@ class PipelinePlan:
             lines.extend(f"    {group}" for group in self.tie_groups)
         return "\n".join(lines)
 
+    def verify(self, *args: Any, **kwargs: Any) -> None:
+        """Check that the stages compute what the model computes, on these inputs.
+
+        ``args``/``kwargs`` are one micro-batch of the plan's inputs (:attr:`input_names`),
+        on the device the model is on. The plan runs stage by stage and the model in one
+        piece, under ``torch.no_grad()`` from the same RNG state; each split point's output
+        and the final output are compared (tensors with tight tolerances, everything else
+        exactly; on the meta device structure, shapes and dtypes only). The model is left as
+        it was. Call it after partitioning without ``example_inputs``: ``partition`` checks
+        plans built with them itself.
+
+        Raises:
+            PlanMismatchError: the first stage whose output differs from the model's, or that
+                raised; ``.stage`` and ``.path`` name it.
+            CaptureError: a split-point output differs from what the torch.fx capture assumed.
+            PartitionError: the inputs do not fit the plan.
+        """
+        _verify.verify(self, args, kwargs)
+
     def fingerprint(self) -> str:
         """A hash of the plan's structure and code; equal on every rank that built the same plan."""
         data = {
@@ -150,7 +177,8 @@ def partition(
     *,
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
-    example_inputs: Mapping[str, Any] | None = None,
+    example_inputs: Mapping[str, Any] | Sequence[Any] | None = None,
+    verify: bool = True,
 ) -> PipelinePlan:
     """Cut ``model`` into ``len(split_points) + 1`` pipeline stages.
 
@@ -158,19 +186,24 @@ def partition(
         model: the model; its forward is captured with torch.fx.
         split_points: module paths (``"blocks.3"``, ``"encoder.layers.5"``), in the order forward
             calls them; each stage ends after its split point's call. A split point runs as one
-            call even if fx could trace through its code.
+            call even if fx could trace through its code; the code after it still sees its
+            output's real structure and constants (``None``, numbers), which the stage using
+            them checks on every micro-batch ([Note: split-point outputs] in ``_fx``).
         concrete_args: values fixed at capture time for forward parameters that steer control
             flow (``{"use_cache": False}``); they are not plan inputs.
         leaf_modules: module paths or classes fx must call rather than trace through.
-        example_inputs: ``{parameter name: tensor}``, one micro-batch of the model's inputs.
-            Given, the forward is captured with ``torch.export`` (non-strict) instead of
+        example_inputs: ``{parameter name: tensor}`` (or a tuple of tensors in forward's
+            parameter order, as ``torch.export`` takes them), one micro-batch of the model's
+            inputs. Given, the forward is captured with ``torch.export`` (non-strict) instead of
             torch.fx: the plan's inputs are exactly these names, in forward's signature order,
             every other parameter keeps its default unless ``concrete_args`` fixes it (a
             forward taking ``**kwargs`` accepts other names there, e.g. ``return_dict``), and
             the stages are specialised to these shapes and dtypes (stage 0 checks them) and to
             the model's current train/eval mode. This is the route for code fx cannot trace,
             such as transformers models ([Note: export capture] in ``_export``); it does not
-            take ``leaf_modules``.
+            take ``leaf_modules``. The plan is then checked against the model on them
+            (:meth:`PipelinePlan.verify`) before it is returned.
+        verify: with ``example_inputs``, whether to check the plan on them (default: yes).
 
     Raises:
         SplitPointError: a split point is unknown, never called, called more than once, out of
@@ -178,34 +211,41 @@ def partition(
         CaptureError: torch.fx or torch.export cannot capture the forward (the message says
             what to try).
         PartitionError: ``leaf_modules`` given together with ``example_inputs``.
+        PlanMismatchError: the plan built with ``example_inputs`` computes something else than
+            the model on them; the message names the first stage that differs.
     """
     points = _normalise_split_points(split_points)
     canonical = {id(m): name for name, m in model.named_modules()}
     point_modules = [_resolve_split_point(model, path) for path in points]
     targets = [canonical[id(m)] for m in point_modules]
-    if example_inputs is not None:
+    named_inputs = None if example_inputs is None else _export.named(model, example_inputs)
+    if named_inputs is not None:
         if leaf_modules:
             raise PartitionError(
                 "leaf_modules steers the torch.fx capture; with example_inputs the forward is "
                 "captured with torch.export, which has no leaf modules. Drop one of them."
             )
-        captured = _export.capture(model, example_inputs, concrete_args or {})
+        captured = _export.capture(model, named_inputs, concrete_args or {})
     else:
         leaf_ids, leaf_types, leaf_paths = _resolve_leaves(model, leaf_modules or ())
+        split_ids = frozenset(id(m) for m in point_modules)
         captured = _fx.capture(
             model,
-            leaf_ids=frozenset(id(m) for m in point_modules) | leaf_ids,
+            leaf_ids=split_ids | leaf_ids,
             leaf_types=leaf_types,
             concrete_args=concrete_args,
+            split_ids=split_ids,
         )
     try:
-        if example_inputs is not None:
+        if named_inputs is not None:
             split_nodes = _export.locate(captured.graph, points, targets)
         else:
             split_nodes = _locate(model, captured.graph, points, targets, leaf_paths)
         stage_of = _fx.assign_stages(captured.graph, split_nodes)
+        _fx.label_guards(captured.guards, stage_of)
         num_stages = len(points) + 1
-        if points and not any(s == num_stages - 1 for s in stage_of.values()):
+        computed = (s for n, s in stage_of.items() if not _fx.is_guard(n))
+        if points and not any(s == num_stages - 1 for s in computed):
             raise SplitPointError(
                 f"split point {points[-1]!r} is the last computation in forward: the stage "
                 f"after it would compute nothing. Drop {points[-1]!r} from split_points."
@@ -223,8 +263,12 @@ def partition(
         tie_groups=find_tie_groups(cut.stages),
         split_points=tuple(points),
         graph=cut.top,
+        model=model,
+        concrete_args=dict(concrete_args or {}),
     )
     logger.info("partitioned %s:\n%s", type(model).__name__, plan.describe())
+    if named_inputs is not None and verify:
+        plan.verify(**named_inputs)
     return plan
 
 

@@ -47,8 +47,9 @@ def test_torch_fx_cannot_capture_transformers_models(name: str) -> None:
     model = case.build(0)
     before = _model_state(model)
     flags = {"use_cache": False} if "use_cache" in case.fixed else {}
-    with pytest.raises(CaptureError, match=r"torch\.fx could not capture"):
+    with pytest.raises(CaptureError, match=r"torch\.fx could not capture") as info:
         partition(model, case.split_points[2], concrete_args=flags)
+    assert "pass example_inputs={parameter name: tensor" in str(info.value)
     assert _model_state(model) == before
 
 
@@ -69,6 +70,8 @@ def test_stages_compute_the_model_on_new_inputs(name: str) -> None:
     assert isinstance(ours, tuple) and len(ours) == len(theirs)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    plan.verify(*inputs)  # partition() checked the example; the same check on other inputs
+    assert _model_state(model) == before
     case.loss_fn(ours, labels).backward()
     case.loss_fn(theirs, labels).backward()
     grads = {n: p.grad for n, p in reference.named_parameters()}

@@ -354,6 +354,7 @@ def test_capture_error_names_the_module_and_what_to_try() -> None:
     assert "'gate'" in message
     assert "control flow" in message  # fx's own reason
     assert "concrete_args" in message and "leaf_modules=['gate']" in message
+    assert "example_inputs={parameter name: tensor" in message  # the route that always works
     assert isinstance(info.value, PartitionError)
 
 

@@ -1,0 +1,356 @@
+"""Checking a plan against its model: :meth:`PipelinePlan.verify` and ``partition``'s check.
+
+[Note: plan verification]
+The plan is run stage by stage on one set of inputs, as a pipeline would run it (each stage on
+the values ``stage_arg_names`` names), and the unsplit model on the same inputs; both under
+``torch.no_grad()``, from the same RNG state (dropout draws the same masks) and the same buffer
+values. Forward hooks on the split-point modules record each split point's real output in
+both runs. After stage ``k`` the plan's split-point output is compared with the model's: on
+the fx path the split point is one call, so its hook fires in the plan run too; on the
+torch.export path its code is inlined, so every tensor stage ``k`` sends that the split point's
+code computed must equal a tensor of the model's output there. Then the plan's output is
+compared with the model's. The first difference raises :class:`PlanMismatchError` naming the
+stage and the value's path; a stage that raises is reported the same way.
+
+Comparison: the same container types, dict keys in the same order, Python values equal, ints
+and bools exact, tensors of the same shape, dtype and device, equal for non-float dtypes and
+``torch.allclose`` with :data:`TOLERANCES` for float dtypes (tight: both runs execute the
+same kernels; the export path's aten ops are the ones eager mode calls). On the meta device only
+structure, shapes and dtypes are compared.
+
+Nothing is left on the model: hooks are removed, buffers (BatchNorm's running statistics, a
+buffer forward replaces) get their objects and values back after each run, the RNG state
+is restored, the train/eval mode is not touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from .errors import PartitionError, PipeDialectError, PlanMismatchError
+
+if TYPE_CHECKING:
+    from .partition import PipelinePlan
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+#: ``(rtol, atol)`` by dtype for comparing float tensors; other float dtypes use float32's.
+TOLERANCES: Mapping[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+}
+
+
+def verify(plan: PipelinePlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Run ``plan`` and its model on the inputs; raise at the first difference ([Note: plan
+    verification])."""
+    model = plan.model
+    if model is None:
+        raise PartitionError(
+            "this plan holds no model to check it against; build it with partition()"
+        )
+    values = _bind(plan, model, args, kwargs)
+    points = [model.get_submodule(path) for path in plan.split_points]
+    # The graphs name a module as named_modules() first does (an alias's first name).
+    first_names = {id(m): name for name, m in model.named_modules()}
+    inputs = [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+    with _Preserved(model, inputs) as rewind, torch.no_grad():
+        with _Recorder(points) as seen:
+            expected = model(**values, **plan.concrete_args)
+        rewind()
+        checker = _Checker(plan, [first_names[id(m)] for m in points], seen.outputs)
+        checker.run(values, points, expected)
+    logger.info("verified %r against %s", plan, type(model).__name__)
+
+
+def _bind(
+    plan: PipelinePlan, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The plan's inputs by name, in ``plan.input_names`` order."""
+    names = plan.input_names
+    if len(args) > len(names):
+        raise PartitionError(
+            f"verify takes the plan's inputs {list(names)}; got {len(args)} positional values"
+        )
+    values = dict(zip(names, args, strict=False))
+    for name, value in kwargs.items():
+        if name not in names:
+            raise PartitionError(
+                f"verify got {name!r}, which is not an input of the plan (its inputs: "
+                f"{list(names)})"
+            )
+        if name in values:
+            raise PartitionError(f"verify got the input {name!r} both by position and by name")
+        values[name] = value
+    parameters = inspect.signature(model.forward).parameters
+    for name in names:
+        if name not in values:
+            parameter = parameters.get(name)
+            if parameter is None or parameter.default is inspect.Parameter.empty:
+                raise PartitionError(f"verify needs a value for the plan input {name!r}")
+            values[name] = parameter.default
+    return {name: values[name] for name in names}
+
+
+class _Recorder:
+    """Forward hooks that record what each split-point module returns, in call order."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self._modules = modules
+        self.outputs: list[list[Any]] = [[] for _ in modules]
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> _Recorder:
+        for i, module in enumerate(self._modules):
+            self._handles.append(module.register_forward_hook(self._hook(i)))
+        return self
+
+    def _hook(self, i: int) -> Callable[[nn.Module, Any, Any], None]:
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            # A copy: the code after the split point may update the tensors in place.
+            self.outputs[i].append(
+                pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), output)
+            )
+
+        return record
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class _Preserved(contextlib.AbstractContextManager[Callable[[], None]]):
+    """Restores the model's buffers and the RNG state; ``rewind()`` does so between runs."""
+
+    def __init__(self, model: nn.Module, inputs: Sequence[torch.Tensor]) -> None:
+        self._modules = list(model.modules())
+        tensors = [*inputs, *model.parameters(), *model.buffers()]
+        self._cuda = sorted({_cuda_index(t.device) for t in tensors if t.device.type == "cuda"})
+        self._rng: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> Callable[[], None]:
+        self._buffers = [dict(m._buffers) for m in self._modules]
+        self._values = {
+            id(b): b.detach().clone()
+            for table in self._buffers
+            for b in table.values()
+            if b is not None
+        }
+        self._rng = contextlib.ExitStack()
+        self._rng.enter_context(torch.random.fork_rng(devices=self._cuda))
+        self._cpu_state = torch.get_rng_state()
+        self._cuda_states = [torch.cuda.get_rng_state(d) for d in self._cuda]
+        return self.rewind
+
+    def rewind(self) -> None:
+        """Put buffers and RNG back as they were when the check began."""
+        for module, table in zip(self._modules, self._buffers, strict=True):
+            module._buffers.clear()
+            module._buffers.update(table)
+        for table in self._buffers:
+            for buffer in table.values():
+                if buffer is not None:
+                    buffer.data.copy_(self._values[id(buffer)])
+        torch.set_rng_state(self._cpu_state)
+        for device, state in zip(self._cuda, self._cuda_states, strict=True):
+            torch.cuda.set_rng_state(state, device)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.rewind()
+        finally:
+            if self._rng is not None:
+                self._rng.close()
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class _Checker:
+    """Runs the plan stage by stage and compares each split point with the model's."""
+
+    def __init__(
+        self, plan: PipelinePlan, targets: Sequence[str], expected: Sequence[Sequence[Any]]
+    ) -> None:
+        self._plan = plan
+        self._targets = targets
+        self._expected = expected
+
+    def run(self, values: Mapping[str, Any], points: Sequence[nn.Module], expected: Any) -> None:
+        """Raise :class:`PlanMismatchError` at the first stage whose output differs."""
+        plan = self._plan
+        env: dict[str, Any] = dict(values)
+        last = plan.num_stages - 1
+        out: Any = None
+        with _Recorder(points) as seen:
+            for k, stage in enumerate(plan.stages):
+                out = self._run_stage(k, stage, env)
+                if k == last:
+                    break
+                name = plan.stage_names[k]
+                nodes = _returned(stage)
+                if nodes is None:
+                    env[name] = out
+                    nodes, sent = [_output(stage).args[0]], [out]
+                else:
+                    sent = list(out)
+                    env.update((f"{name}.{i}", item) for i, item in enumerate(sent))
+                self._check_split_point(k, seen.outputs[k], nodes, sent)
+        difference = _difference(expected, out, "")
+        if difference is not None:
+            raise PlanMismatchError(
+                f"[Stage {last}] the plan's output differs from the model's{difference}",
+                stage=last,
+            )
+
+    def _run_stage(self, k: int, stage: fx.GraphModule, env: Mapping[str, Any]) -> Any:
+        names = self._plan.stage_arg_names[k]
+        missing = [n for n in names if n not in env]
+        if missing:
+            raise PlanMismatchError(
+                f"[Stage {k}] takes {missing}, which no earlier stage produced", stage=k
+            )
+        try:
+            return stage(*(env[n] for n in names))
+        except PipeDialectError:
+            raise
+        except Exception as exc:
+            raise PlanMismatchError(
+                f"[Stage {k}] raised {type(exc).__name__} on the inputs the plan was checked on, "
+                f"where the model ran: {exc}",
+                stage=k,
+            ) from exc
+
+    def _check_split_point(
+        self, k: int, got: Sequence[Any], nodes: Sequence[Any], sent: Sequence[Any]
+    ) -> None:
+        path = self._plan.split_points[k]
+        expected = self._expected[k]
+        if len(expected) != 1:
+            raise PlanMismatchError(
+                f"[Stage {k}] split point {path!r} ran {len(expected)} times in the model's "
+                "forward on these inputs; the plan was built for one call",
+                stage=k,
+                path=path,
+            )
+        if got:  # the fx path: the split point is one call in the stage
+            difference = _difference(expected[0], got[-1], "")
+            if difference is not None:
+                raise PlanMismatchError(
+                    f"[Stage {k}] the output of split point {path!r} differs from the model's"
+                    f"{difference}",
+                    stage=k,
+                    path=path,
+                )
+            return
+        # The export path: every tensor this stage sends that the split point's code computed
+        # is one of the tensors the split point returns in the model.
+        real = [t for t in pytree.tree_leaves(expected[0]) if isinstance(t, torch.Tensor)]
+        for node, value in zip(nodes, sent, strict=True):
+            if not isinstance(node, fx.Node) or not isinstance(value, torch.Tensor):
+                continue
+            stack = node.meta.get("nn_module_stack") or {}
+            if all(entry[0] != self._targets[k] for entry in stack.values()):
+                continue
+            if all(_difference(t, value, "") is not None for t in real):
+                raise PlanMismatchError(
+                    f"[Stage {k}] sends {node.name!r} (shape {list(value.shape)}), which split "
+                    f"point {path!r} computed, but it equals none of the tensors {path!r} returns "
+                    "in the model",
+                    stage=k,
+                    path=path,
+                )
+
+
+def _output(stage: fx.GraphModule) -> fx.Node:
+    return stage.graph.output_node()
+
+
+def _returned(stage: fx.GraphModule) -> list[Any] | None:
+    """The values a stage returns as a tuple of sent values; ``None`` when it sends one."""
+    returned = _output(stage).args[0]
+    return list(returned) if isinstance(returned, tuple) else None
+
+
+def _difference(expected: Any, actual: Any, path: str) -> str | None:
+    """`` at <path>: <how>`` for the first difference between the two values, else ``None``."""
+    where = f" at {path}" if path else ""
+    if isinstance(expected, torch.Tensor) or isinstance(actual, torch.Tensor):
+        if not (isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor)):
+            return f"{where}: the model gives {_kind(expected)}, the plan {_kind(actual)}"
+        return _tensor_difference(expected, actual, where)
+    if type(expected) is not type(actual):
+        return f"{where}: the model gives {_kind(expected)}, the plan {_kind(actual)}"
+    if isinstance(expected, Mapping):
+        if list(expected) != list(actual):
+            return f"{where}: the model's keys are {list(expected)}, the plan's {list(actual)}"
+        for key in expected:
+            found = _difference(expected[key], actual[key], f"{path}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(expected, (tuple, list)):
+        if len(expected) != len(actual):
+            return f"{where}: the model gives {len(expected)} items, the plan {len(actual)}"
+        for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
+            found = _difference(a, b, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if dataclasses.is_dataclass(expected) and not isinstance(expected, type):
+        for f in dataclasses.fields(expected):
+            found = _difference(
+                getattr(expected, f.name), getattr(actual, f.name), f"{path}.{f.name}"
+            )
+            if found is not None:
+                return found
+        return None
+    if isinstance(expected, float) and expected != expected and actual != actual:
+        return None  # both NaN
+    try:
+        same = bool(expected == actual)
+    except Exception:
+        same = expected is actual
+    return None if same else f"{where}: the model gives {expected!r}, the plan {actual!r}"
+
+
+def _tensor_difference(expected: torch.Tensor, actual: torch.Tensor, where: str) -> str | None:
+    for attribute in ("shape", "dtype", "device"):
+        a, b = getattr(expected, attribute), getattr(actual, attribute)
+        if a != b:
+            shown = (list(a), list(b)) if attribute == "shape" else (a, b)
+            return f"{where}: the model's tensor has {attribute} {shown[0]}, the plan's {shown[1]}"
+    if expected.device.type == "meta":
+        return None
+    if expected.is_floating_point() or expected.is_complex():
+        rtol, atol = TOLERANCES.get(expected.dtype, TOLERANCES[torch.float32])
+        if torch.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True):
+            return None
+        gap = (actual - expected).abs().nan_to_num(nan=float("inf")).max().item()
+        return f"{where}: tensors differ by up to {gap:.3g} (rtol {rtol:g}, atol {atol:g})"
+    if torch.equal(actual, expected):
+        return None
+    count = int((actual != expected).sum())
+    return f"{where}: {count} of {expected.numel()} elements differ"
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    return f"a {type(value).__qualname__}"
