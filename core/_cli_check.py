@@ -49,7 +49,8 @@ def add_check_parser(sub: Any) -> None:
         type=float,
         default=180.0,
         metavar="SECONDS",
-        help="stop a multi-process run in which no case finishes for this long (default 180)",
+        help="fail a case that makes no progress for this long, in this process or in a "
+        "multi-process launch (default 180)",
     )
     parser.add_argument(
         "--pytest-arg",

@@ -323,7 +323,7 @@ def _read_text(t: torch.Tensor, prefix: str) -> str:
             f"{getattr(t, 'dtype', type(t).__name__)}"
         )
     try:
-        return bytes(t.detach().cpu().numpy()).decode()
+        return bytes(t.detach().cpu().tolist()).decode()  # no numpy: torch works without it
     except UnicodeDecodeError as exc:
         raise MetadataError(f"{prefix} the metadata tensor is not UTF-8: {exc}") from exc
 

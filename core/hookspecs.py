@@ -34,7 +34,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def register_dialects(register: Callable[[type[Dialect] | Dialect], None]) -> None:
     """Register this plugin's dialects by calling ``register`` once per dialect.
 
-    ``register`` takes a :class:`~pipedialect.Dialect` subclass (instantiated on first use) or
-    an instance. Registering a name another plugin also registers is reported as a conflict
-    that names both distributions.
+    ``register`` takes a :class:`~pipedialect.Dialect` subclass (instantiated on first use,
+    and by ``pipedialect list``; one whose constructor raises is listed as broken) or an
+    instance. Registering a name another plugin also registers is reported as a conflict that
+    names both distributions. A hook that raises leaves none of the plugin's dialects behind.
     """

@@ -5,8 +5,12 @@ names a plugin module, the module implements :func:`~pipedialect.hookspecs.regis
 and the registry records which distribution each dialect came from. Entry points are loaded
 once per process, on the first :func:`get_dialect` or :func:`list_dialects`.
 
-- A plugin whose import or registration raises is recorded as broken, with its error; the
-  others load normally.
+- A plugin whose import or registration raises anything, ``SystemExit`` included (only
+  ``KeyboardInterrupt`` goes through), is recorded as broken, with its error; the others load
+  normally. A plugin is added whole or not at all, and a load that is interrupted is forgotten,
+  so the next query loads every plugin again rather than answering from half a registry.
+- A dialect whose constructor raises is listed as broken, with the reason; ``pipedialect list``
+  creates every dialect to find out (a dialect must be cheap to create).
 - Two plugins registering one name is a conflict: :func:`get_dialect` on that name raises
   :class:`~pipedialect.DuplicateDialectError` naming both distributions.
 - ``PIPEDIALECT_PLUGINS=a,b`` loads only the entry points named ``a`` and ``b``;
@@ -94,6 +98,8 @@ class _Registered:
     distribution: str | None
     distribution_version: str | None
     instance: Dialect | None = None
+    #: Why the dialect could not be created (its constructor raised), once tried.
+    failure: str | None = None
 
     @property
     def origin(self) -> str:
@@ -102,11 +108,30 @@ class _Registered:
             return f"distribution {self.distribution!r} (plugin {self.plugin!r})"
         return f"plugin {self.plugin!r} registered in-process"
 
-    def get(self) -> Dialect:
-        """Return the dialect instance, creating it on first use."""
-        if self.instance is None:
+    def create(self) -> str | None:
+        """Create the dialect instance unless done; return why it cannot be, or None."""
+        if self.instance is None and self.failure is None:
             d = self.dialect
-            self.instance = d if isinstance(d, Dialect) else d()
+            try:
+                self.instance = d if isinstance(d, Dialect) else d()
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # SystemExit too: a dialect never ends the process
+                self.failure = f"constructor failed: {type(exc).__name__}: {exc}"
+        return self.failure
+
+    def get(self) -> Dialect:
+        """Return the dialect instance, creating it on first use.
+
+        Raises:
+            BrokenPluginError: the dialect's constructor raised (the message says what).
+        """
+        failure = self.create()
+        if failure is not None or self.instance is None:
+            raise BrokenPluginError(
+                f"dialect {_dialect_name(self.dialect)!r} from {self.origin} could not be "
+                f"created: {failure}"
+            )
         return self.instance
 
 
@@ -115,9 +140,14 @@ class _Registry:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        self.loaded = False
+        self.loading = False
+        self._reset()
+
+    def _reset(self) -> None:
+        """Start from no plugins at all."""
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
-        self.loaded = False
         self.entries: dict[str, list[_Registered]] = {}
         self.broken: dict[str, DialectInfo] = {}
         self.origins: dict[str, tuple[str | None, str | None]] = {}
@@ -126,9 +156,20 @@ class _Registry:
 
     def ensure_loaded(self) -> None:
         with self.lock:
-            if not self.loaded:
-                self.loaded = True
+            if self.loaded or self.loading:
+                # Loading already: a plugin's import asked, and sees the plugins before it.
+                return
+            self.loading = True
+            try:
                 self._load_entry_points()
+            except BaseException:
+                # Interrupted (KeyboardInterrupt, an error raised from a warning): forget the
+                # half that loaded, so that the next query loads everything again.
+                self._reset()
+                raise
+            finally:
+                self.loading = False
+            self.loaded = True
 
     def _load_entry_points(self) -> None:
         wanted = _wanted_plugins()
@@ -148,7 +189,9 @@ class _Registry:
                 plugin_name = f"{ep.name}@{dist}"
             try:
                 plugin = ep.load()
-            except Exception as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # SystemExit too: one plugin never ends the process
                 self._mark_broken(plugin_name, dist, dist_version, exc, what="import")
                 continue
             self._add(plugin, plugin_name, dist, dist_version)
@@ -162,12 +205,14 @@ class _Registry:
                 )
 
     def _add(self, plugin: object, name: str, dist: str | None, dist_version: str | None) -> None:
+        """Register ``plugin`` and the dialects it registers, all of it or (broken) nothing."""
         try:
             self.pm.register(plugin, name=name)
-        except Exception as exc:  # pluggy validation (bad hook signature, ...)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # pluggy validation (bad hook signature, ...)
             self._mark_broken(name, dist, dist_version, exc, what="register")
             return
-        self.origins[name] = (dist, dist_version)
         found: list[_Registered] = []
 
         def register(dialect: type[Dialect] | Dialect) -> None:
@@ -178,10 +223,13 @@ class _Registry:
             for impl in self.pm.hook.register_dialects.get_hookimpls():
                 if impl.plugin_name == name:
                     impl.function(register=register)
-        except Exception as exc:
+        except BaseException as exc:
             self.pm.unregister(name=name)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             self._mark_broken(name, dist, dist_version, exc, what="register_dialects")
             return
+        self.origins[name] = (dist, dist_version)
         for reg in found:
             self.entries.setdefault(_dialect_name(reg.dialect), []).append(reg)
         logger.debug("plugin %s (%s) registered %d dialect(s)", name, dist, len(found))
@@ -227,13 +275,7 @@ class _Registry:
             raise DialectNotFoundError(msg)
         if len(regs) > 1:
             raise DuplicateDialectError(_conflict_message(name, regs))
-        try:
-            return regs[0].get()
-        except Exception as exc:
-            raise BrokenPluginError(
-                f"dialect {name!r} from {regs[0].origin} could not be created: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        return regs[0].get()
 
     def infos(self) -> list[DialectInfo]:
         self.ensure_loaded()
@@ -241,7 +283,9 @@ class _Registry:
         for name, regs in self.entries.items():
             conflict = _conflict_message(name, regs) if len(regs) > 1 else None
             for reg in regs:
-                d = reg.dialect
+                failure = reg.create()
+                d = reg.dialect if reg.instance is None else reg.instance
+                status: Status = "conflict" if conflict else "broken" if failure else "ok"
                 out.append(
                     DialectInfo(
                         name=name,
@@ -249,8 +293,8 @@ class _Registry:
                         distribution=reg.distribution,
                         version=getattr(d, "version", None) or reg.distribution_version,
                         capabilities=frozenset(getattr(d, "capabilities", frozenset())),
-                        status="conflict" if conflict else "ok",
-                        error=conflict,
+                        status=status,
+                        error=conflict or failure,
                         description=getattr(d, "description", ""),
                     )
                 )
@@ -344,13 +388,18 @@ def get_dialect(name: str) -> Dialect:
     Raises:
         DialectNotFoundError: no dialect has that name; the message lists the installed ones.
         DuplicateDialectError: two plugins register that name; the message names both.
-        BrokenPluginError: the dialect's class could not be instantiated.
+        BrokenPluginError: the dialect's class could not be instantiated (its constructor
+            raised; the message gives the error).
     """
     return _registry.get(name)
 
 
 def list_dialects() -> list[DialectInfo]:
-    """Return every registered dialect and every broken plugin, sorted by name."""
+    """Return every registered dialect and every broken plugin, sorted by name.
+
+    Every dialect is created to find out whether it can be: one whose constructor raises is
+    listed as ``broken``, with the reason.
+    """
     return _registry.infos()
 
 

@@ -7,15 +7,29 @@ keeps the copies equal (same start, gradients summed every step). :func:`find_ti
 finds the groups in one pass over the parameters; :func:`analyze_tie_ranks` maps them onto the
 global ranks of a process topology, as Slapo's function of the same name does
 (research/slapo.md, section 4.6), but pairing ranks by their coordinates rather than by sorting.
+
+[Note: re-tying stages in one process]
+Anything that gives each stage module its own tensors gives each holder of a tied weight its own
+``Parameter``: ``to_empty()`` on stages of a model built on the meta device, ``copy.deepcopy``
+of one stage, ``load_state_dict(assign=True)``. In one process that silently unties the weight
+(two gradients, two optimizer states, two values drifting apart). The plan records which names
+are one parameter in the model, so every dialect calls :func:`retie_parameters` on the stages a
+process runs before building its engine: every member of a group there is rebound to one
+object, the copy of the group's lowest stage (ignoring copies still on the meta device). That
+is the copy the distributed dialects broadcast to the other ranks, so every dialect starts from
+the same value. Copies that cannot be one parameter (shape, dtype, device or ``requires_grad``
+differ) raise :class:`~pipedialect.TieError` naming both.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from .errors import TieError, TopologyError
@@ -32,6 +46,7 @@ __all__ = [
     "check_tie_objects",
     "check_topology",
     "find_tie_groups",
+    "retie_parameters",
 ]
 
 logger = logging.getLogger(__name__)
@@ -131,6 +146,42 @@ def _axis_values(coord: Any) -> dict[str, int]:
     return values
 
 
+#: The calls of a :class:`~pipedialect.Topology` that tie analysis makes.
+_TOPOLOGY_CALLS = ("get_dim", "filter_match", "get_coord")
+
+
+def _check_topology_object(topology: Any, calls: Sequence[str] = _TOPOLOGY_CALLS) -> int:
+    """Raise :class:`TopologyError` unless ``topology`` answers ``calls``; return its pipe size.
+
+    Checked up front so that a wrong object (a class instead of an instance, a topology of
+    another library) gets a named error instead of a ``TypeError`` deep inside the analysis.
+    """
+    wanted = "get_dim(axis), filter_match(**axes), get_coord(rank) and world_size()"
+    if isinstance(topology, type):
+        raise TopologyError(
+            f"topology must be a topology object, got the class {topology.__name__}; create "
+            f"one first (e.g. {topology.__name__}(num_pp=..., num_mp=1, num_dp=...))"
+        )
+    missing = [call for call in calls if not callable(getattr(topology, call, None))]
+    if missing:
+        raise TopologyError(
+            f"topology {topology!r} ({type(topology).__name__}) has no "
+            f"{', '.join(f'{m}()' for m in missing)} method; a topology needs {wanted}, as "
+            "DeepSpeed's ProcessTopology and pipedialect.GridTopology provide"
+        )
+    raw = topology.get_dim("pipe")
+    try:
+        num_pipe = operator.index(raw)
+    except TypeError:
+        num_pipe = 0
+    if isinstance(raw, bool) or num_pipe < 1:
+        raise TopologyError(
+            f"topology {type(topology).__name__}.get_dim('pipe') returned {raw!r}; it must "
+            "return the number of pipeline stages, a positive int"
+        )
+    return num_pipe
+
+
 def analyze_tie_ranks(
     tie_weight_groups: Iterable[Iterable[tuple[str, int]]], topology: Topology
 ) -> TieRanks:
@@ -145,10 +196,10 @@ def analyze_tie_ranks(
     ``[[0, 6], [1, 7]]`` and ``[[2, 4], [3, 5]]``).
 
     Raises:
-        TopologyError: a member's stage is outside the topology's pipe axis, or the stages hold
-            different sets of coordinates.
+        TopologyError: the topology lacks one of the calls above, a member's stage is outside
+            the topology's pipe axis, or the stages hold different sets of coordinates.
     """
-    num_pipe = topology.get_dim("pipe")
+    num_pipe = _check_topology_object(topology)
     tie_ranks: list[list[list[int]]] = []
     tie_stages: list[list[int]] = []
     for group in tie_weight_groups:
@@ -183,7 +234,7 @@ def analyze_tie_ranks(
 
 def check_topology(plan: PipelinePlan, topology: Topology) -> None:
     """Raise :class:`TopologyError` unless ``topology`` has one pipe coordinate per plan stage."""
-    num_pipe = topology.get_dim("pipe")
+    num_pipe = _check_topology_object(topology, ("get_dim",))
     if num_pipe != plan.num_stages:
         raise TopologyError(
             f"the topology's pipe axis has {num_pipe} coordinates but the plan has "
@@ -235,3 +286,100 @@ def check_tie_objects(
                 f"({', '.join(objects.values())}); build the stage modules from one model "
                 "(plan.wrap()) so that tied parameters stay one object"
             )
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one member of a tie group lives: ``getattr(module, attr)`` is its parameter."""
+
+    name: str
+    stage: int
+    module: nn.Module
+    attr: str
+    param: nn.Parameter
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.stage}"
+
+
+def _slot(stages: Sequence[nn.Module], name: str, stage: int, key: str) -> _Slot:
+    if not 0 <= stage < len(stages):
+        raise TieError(
+            f"tie group {key} names stage {stage}, but there are {len(stages)} stage modules"
+        )
+    root = _stage_root(stages[stage])
+    prefix, _, attr = name.rpartition(".")
+    try:
+        module = root.get_submodule(prefix) if prefix else root
+    except AttributeError:
+        module = None
+    param = None if module is None else module._parameters.get(attr)
+    if module is None or not isinstance(param, nn.Parameter):
+        raise TieError(
+            f"[Stage {stage}] has no parameter {name!r} of tie group {key}; the stage modules "
+            "do not match the plan (build them with plan.wrap() or dialect.wrap_stages(plan))"
+        )
+    return _Slot(name, stage, module, attr, param)
+
+
+def _mismatch(keep: _Slot, other: _Slot) -> str | None:
+    """Why ``other``'s parameter cannot become ``keep``'s, or None if it can."""
+    a, b = keep.param, other.param
+    if a.shape != b.shape:
+        return f"shape {tuple(b.shape)} instead of {tuple(a.shape)}"
+    if a.dtype != b.dtype:
+        return f"dtype {b.dtype} instead of {a.dtype}"
+    if b.device.type != "meta" and a.device != b.device:
+        return f"device {b.device} instead of {a.device}"
+    if a.requires_grad != b.requires_grad:
+        return f"requires_grad={b.requires_grad} instead of {a.requires_grad}"
+    return None
+
+
+def retie_parameters(groups: Iterable[TieGroup], stages: Sequence[nn.Module]) -> int:
+    """Make the members of each tie group one Parameter object across ``stages``.
+
+    See [Note: re-tying stages in one process]: a member whose parameter is another object
+    than the group's canonical copy (its lowest stage's, skipping copies on the meta device)
+    is rebound to that copy; return how many were. A multi-process dialect passes every stage
+    module it was given, as every rank is: the ranks then all do (and fail) alike, and the
+    stages a rank does not run are only rebound, never run.
+
+    Raises:
+        TieError: a member names no parameter of its stage, or two copies differ in shape,
+            dtype, device or ``requires_grad`` (they could not be one parameter).
+    """
+    rebound = 0
+    for group in groups:
+        slots = [_slot(stages, name, stage, group.key) for name, stage in group]
+        if len({id(slot.param) for slot in slots}) <= 1:
+            continue
+        keep = next((s for s in slots if s.param.device.type != "meta"), slots[0])
+        changed: list[str] = []
+        differed: list[str] = []
+        for slot in slots:
+            if slot.param is keep.param:
+                continue
+            why = _mismatch(keep, slot)
+            if why is not None:
+                raise TieError(
+                    f"[Stage {slot.stage}] tied parameter {slot.name!r} (tie group {group.key}) "
+                    f"has {why} of {keep.label}; in the model they are one parameter, so their "
+                    "copies must agree. Materialise and convert every stage the same way."
+                )
+            if slot.param.device.type != "meta" and keep.param.device.type != "meta":
+                with torch.no_grad():
+                    if not torch.equal(slot.param, keep.param):
+                        differed.append(slot.label)
+            setattr(slot.module, slot.attr, keep.param)
+            changed.append(slot.label)
+        rebound += len(changed)
+        logger.info(
+            "tie group %s: %s rebound to the parameter of %s%s",
+            group.key,
+            ", ".join(changed),
+            keep.label,
+            f" (whose values replace those of {', '.join(differed)})" if differed else "",
+        )
+    return rebound

@@ -49,10 +49,13 @@ def _one(case: dict[str, Any]) -> dict[str, Any]:
     config = ds_config(
         case.get("optimizer", "adam"), gas=gas, micro=micro, clip=case.get("clip", 0.0)
     )
-    plan = partition(spec.build(0), spec.split_points_for(case["stages"]))
     dialect = pipedialect.get_dialect("torch")
+    if case.get("meta"):
+        plan, stage_modules = _meta_plan(spec, case, dialect)
+    else:
+        plan, stage_modules = partition(spec.build(0), spec.split_points_for(case["stages"])), None
     module = dialect.pipe_engine(
-        plan, config=config, loss_fn=spec.loss_fn, schedule=case["schedule"]
+        plan, stage_modules, config=config, loss_fn=spec.loss_fn, schedule=case["schedule"]
     )
     engine = dialect.runtime_engine(module, config=config)
     stages = list(dialect.local_stages(engine))
@@ -82,6 +85,26 @@ def _one(case: dict[str, Any]) -> dict[str, Any]:
         "short_eval": short_eval,
         "params": params,
     }
+
+
+def _meta_plan(spec: ModelSpec, case: dict[str, Any], dialect: Any) -> tuple[Any, list[Any]]:
+    """The plan of the model built on the meta device, with only this rank's stages
+    materialised, one by one (``to_empty()`` and the real model's values), as at scale."""
+    import _tie_workers
+
+    from pipedialect.dialects.torch._schedules import resolve_schedule, stage_to_rank
+
+    with torch.device("meta"):
+        plan = partition(spec.build(0), spec.split_points_for(case["stages"]))
+    state = spec.build(0).state_dict()
+    placement = stage_to_rank(
+        resolve_schedule(case["schedule"]), case["stages"], dist.get_world_size()
+    )
+    stages = list(dialect.wrap_stages(plan))
+    for k, stage in enumerate(stages):
+        if placement[k] == dist.get_rank():
+            _tie_workers.materialise(stage, state)
+    return plan, stages
 
 
 def run_cases(

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,14 @@ from pipedialect.testing.suite._reference import expected_receives, reference
 CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
-def run(argv: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in a fresh interpreter (no plugin restriction), capturing its output."""
+def run(
+    argv: list[str], cwd: Path, timeout: float = 900, plugin_dir: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a fresh interpreter (no plugin restriction), capturing its output;
+    with ``plugin_dir``, the plugins installed there are found too."""
     env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
+    if plugin_dir is not None:
+        env["PYTHONPATH"] = str(plugin_dir)
     return subprocess.run(
         argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -265,3 +271,61 @@ def test_local_passes_the_suite(tmp_path: Path) -> None:
     assert "does not declare data-parallel, multi-process" in out
     assert "conformance of 'local': PASSED" in out
     assert "failed" not in out.split("conformance summary")[1].replace("FAILED", "")
+
+
+# -- a single-process dialect that hangs ----------------------------------------------------
+
+HANG_SELECT = "test_matches_unsplit and plain-2"
+
+
+@pytest.fixture(scope="module")
+def hang_plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/plugins/hang, pip-installed: dialects whose ``train_batch`` never returns."""
+    target = tmp_path_factory.mktemp("hang-plugin")
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
+    source = Path(__file__).parent / "plugins" / "hang"
+    subprocess.run([*pip, "--target", str(target), str(source)], check=True, capture_output=True)
+    return target
+
+
+def test_check_stops_a_single_process_case_that_makes_no_progress(
+    hang_plugin: Path, tmp_path: Path
+) -> None:
+    """``--timeout`` fails a hanging in-process case with the launcher's report and the stack
+    where it waits, then goes on: a sleep (``hang``) and code masking the signal
+    (``hang-deaf``) both end, in one session."""
+    start = time.monotonic()
+    argv = [sys.executable, "-c", CHECK, "check", "hang", "hang-deaf", "--timeout", "10"]
+    proc = run([*argv, "-k", HANG_SELECT], tmp_path, timeout=240, plugin_dir=hang_plugin)
+    out = proc.stdout
+    assert proc.returncode == 1, out[-6000:] + proc.stderr[-3000:]
+    assert time.monotonic() - start < 180
+    summary = out.split("conformance summary")[1]
+    for name in ("hang", "hang-deaf"):
+        assert f"[training] TestTraining::test_matches_unsplit[{name}-plain-2]" in summary
+        assert f"conformance of {name!r}: FAILED: 1 of 2 test(s) failed" in summary
+    report = (
+        "ranks [0] did not finish the case: case 'plain-2' made no progress for 10s in the "
+        "test process: the dialect hangs (a call into it never returned). Raise "
+        "--conformance-timeout if the machine is merely slow. It was stuck here:"
+    )
+    assert out.count(report) == 4  # each failure, and again in the summary
+    assert out.count("pipedialect_hang/__init__.py") == 2  # the stacks end in train_batch
+    assert out.count("in train_batch\n    time.sleep(") == 2
+
+
+def test_check_ends_the_process_when_a_case_cannot_be_interrupted(
+    hang_plugin: Path, tmp_path: Path
+) -> None:
+    """A case stuck in one native call, signals blocked, ends the process with the report on
+    the terminal (pytest's capture would lose it) instead of hanging forever."""
+    start = time.monotonic()
+    argv = [sys.executable, "-c", CHECK, "check", "hang-native", "--timeout", "10"]
+    proc = run([*argv, "-k", HANG_SELECT], tmp_path, timeout=240, plugin_dir=hang_plugin)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert time.monotonic() - start < 180
+    err = proc.stderr
+    assert "pipedialect conformance suite: case 'plain-2' made no progress for 10s" in err
+    assert "in train_batch\n    time.sleep(3600" in err
+    assert "could not be interrupted (it is stuck outside Python); ending the process" in err
+    assert "Current thread" in err  # every thread's stack follows

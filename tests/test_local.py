@@ -482,12 +482,16 @@ def test_topology_must_match_one_replica_of_the_stages() -> None:
         )
 
 
-def test_stage_modules_with_an_untied_copy_are_refused() -> None:
+def test_stage_modules_with_an_untied_copy_are_tied_again_or_refused() -> None:
     plan = _plan()
     config = _config({"type": "SGD", "params": {"lr": 0.1}})
     stages = plan.wrap()
     stages[3] = copy.deepcopy(stages[3])
     dialect = LocalDialect()
+    dialect.pipe_engine(plan, stages, config=config, loss_fn=MODELS["gpt"].loss_fn)
+    assert stages[3].mod.lm_head.weight is stages[0].mod.wte.weight  # one parameter again
+    stages[3] = copy.deepcopy(stages[3])
+    stages[3].mod.lm_head.weight.requires_grad_(False)
     with pytest.raises(TieError, match="tie0_wte_weight"):
         dialect.pipe_engine(plan, stages, config=config, loss_fn=MODELS["gpt"].loss_fn)
     with pytest.raises(ConfigError, match="3 stage modules for a plan of 4"):

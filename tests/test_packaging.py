@@ -1,19 +1,30 @@
-"""The distribution as a user gets it: a built wheel installed into a fresh virtual environment.
+"""The distribution as a user gets it: installed into a fresh virtual environment, three ways.
 
-The rest of the suite runs against the editable install; this test proves the wheel carries every
-module, the typing marker and the entry points, and works without deepspeed installed.
+The rest of the suite runs against the strict editable install; these tests prove that the wheel
+carries every module, the typing marker and the entry points and works without deepspeed
+installed, and that ``pipedialect check`` passes from a wheel, a strict editable install and
+setuptools' default editable install (an import hook mapping ``pipedialect`` to ``core/``: see
+[Note: importing the suite by name] in ``pipedialect.testing.plugin``). One environment serves
+every test (installing torch is the slow part); each test installs pipedialect, then removes it.
+Installs build in their source tree, so they build from a copy of it: this working tree's own
+link tree stays as it is.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: What a build of the distribution reads.
+SOURCES = ("core", "dialects", "pyproject.toml", "README.md", "LICENSE")
 
 pytestmark = pytest.mark.packaging
 
@@ -30,27 +41,54 @@ def _sources() -> set[str]:
     return {e for e in expected if "__pycache__" not in e} | {"pipedialect/py.typed"}
 
 
+def _run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` with no plugin restriction and no PYTHONPATH; raise with its output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PIPEDIALECT_PLUGINS", "PYTHONPATH")}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, check=False)
+    if proc.returncode != 0:
+        raise AssertionError(f"{argv} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of what a build reads, without caches."""
+    tree = tmp_path_factory.mktemp("source")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, tree / name, ignore=ignore)
+        else:
+            shutil.copy2(path, tree / name)
+    return tree
+
+
+@pytest.fixture(scope="module")
+def wheel(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--wheel-dir",
-            str(out),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation"]
+    _run([*pip, "--wheel-dir", str(out), str(source)])
     (found,) = out.glob("pipedialect-*.whl")
     return found
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh environment holding torch only."""
+    path = tmp_path_factory.mktemp("venv")
+    _run([sys.executable, "-m", "venv", str(path)])
+    # torch first, pinned, as the README does: pip must never choose a torch build itself.
+    _run([str(path / "bin" / "python"), "-m", "pip", "install", "--quiet", "torch==2.13.0"])
+    return path
+
+
+@pytest.fixture
+def installed(venv: Path) -> Iterator[list[str]]:
+    """The environment's ``pip install``; pipedialect is removed again after the test."""
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    yield [*pip, "install", "--quiet"]
+    _run([*pip, "uninstall", "--yes", "--quiet", "pipedialect"])
 
 
 def test_wheel_contains_every_module_and_entry_point(wheel: Path) -> None:
@@ -68,25 +106,39 @@ def test_wheel_contains_every_module_and_entry_point(wheel: Path) -> None:
     assert "[pytest11]" in entry_points
 
 
-def test_wheel_works_in_a_fresh_venv(wheel: Path, tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    pip = [str(py), "-m", "pip", "install", "--quiet"]
-    # torch first, pinned, as the README does: pip must never choose a torch build itself.
-    subprocess.run([*pip, "torch==2.13.0"], check=True, capture_output=True)
-    subprocess.run([*pip, str(wheel)], check=True, capture_output=True)
+def test_wheel_works_in_a_fresh_venv(wheel: Path, venv: Path, installed: list[str]) -> None:
+    _run([*installed, str(wheel)])
     code = (
         "import sys, pipedialect, pipedialect.dialects.deepspeed, pipedialect.dialects.local\n"
         "names = sorted(i.name for i in pipedialect.list_dialects())\n"
         "print(pipedialect.__file__)\n"
         "print(names, 'deepspeed' in sys.modules)\n"
     )
-    proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True)
+    proc = _run([str(venv / "bin" / "python"), "-c", code])
     location, listing = proc.stdout.splitlines()
     assert location.startswith(str(venv)), location
     assert listing == "['deepspeed', 'local', 'torch'] False"
-    cli = subprocess.run(
-        [str(venv / "bin" / "pipedialect"), "list"], capture_output=True, text=True, check=True
-    )
+    cli = _run([str(venv / "bin" / "pipedialect"), "list"])
     assert "deepspeed" in cli.stdout and "pipedialect" in cli.stdout
+
+
+@pytest.mark.parametrize("how", ["wheel", "strict-editable", "default-editable"])
+def test_check_passes_from_every_kind_of_install(
+    how: str, source: Path, wheel: Path, venv: Path, installed: list[str], tmp_path: Path
+) -> None:
+    """``pipedialect check local`` runs the whole suite against the installed package, whose
+    files lie in site-packages, in a link tree, or (default editable) in the source tree's
+    ``core/``, which pytest must not import as a package of its own."""
+    if how == "wheel":
+        _run([*installed, f"{wheel}[testing]"])
+        expected = venv
+    else:
+        mode = ["--config-settings", "editable_mode=strict"] if how == "strict-editable" else []
+        _run([*installed, *mode, "--editable", f"{source}[testing]"])
+        expected = source / ("build" if how == "strict-editable" else "core")
+    python = str(venv / "bin" / "python")
+    where = _run([python, "-c", "import pipedialect.testing.suite as s; print(s.__file__)"])
+    assert where.stdout.strip().startswith(str(expected)), where.stdout
+    proc = _run([str(venv / "bin" / "pipedialect"), "check", "local"], cwd=tmp_path)
+    assert "conformance of 'local': PASSED" in proc.stdout, proc.stdout[-3000:]
+    assert " failed" not in proc.stdout.splitlines()[-1]

@@ -1,7 +1,7 @@
 """The dialect registry, exercised with real plugin distributions installed by pip.
 
-The three distributions under tests/plugins/ are pip-installed into separate target directories
-once per session; each check runs in a fresh interpreter whose PYTHONPATH names the plugins it
+The distributions under tests/plugins/ are pip-installed into separate target directories once
+per session; each check runs in a fresh interpreter whose PYTHONPATH names the plugins it
 should see, so entry points are discovered exactly as in a user's environment.
 """
 
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ def installed_plugins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     """pip-install each test plugin distribution into its own target directory."""
     root = tmp_path_factory.mktemp("plugins")
     targets = {}
-    for name in ("toy", "toy_fork", "broken"):
+    for name in ("toy", "toy_fork", "broken", "exits", "badinit", "hang"):
         target = root / name
         subprocess.run(
             [
@@ -260,3 +261,105 @@ def test_registering_a_non_dialect_is_refused() -> None:
     with pytest.raises(pipedialect.BrokenPluginError, match=r"neither a pipedialect\.Dialect"):
         plugins.register_plugin(_BadPlugin(), name="bad-plugin")
     assert "bad-plugin" not in {i.plugin for i in pipedialect.list_dialects()}
+
+
+def test_a_plugin_raising_system_exit_is_broken_and_the_others_load(
+    installed_plugins: dict[str, Path],
+) -> None:
+    """``sys.exit`` at import or inside the hook makes that plugin broken, nothing more: the
+    plugins after it (local, torch) still load, and a hook that registered a dialect before
+    exiting leaves none behind."""
+    dirs = [installed_plugins["exits"]]
+    listed = {d["name"]: d for d in cli_list_json(dirs)}
+    assert listed["exits"]["status"] == "broken"
+    assert listed["exits"]["error"] == "import failed: SystemExit: 3"
+    assert listed["exits_midway"]["status"] == "broken"
+    assert listed["exits_midway"]["error"] == "register_dialects failed: SystemExit: no GPU here"
+    assert "midway" not in listed
+    assert {listed[n]["status"] for n in ("deepspeed", "local", "torch")} == {"ok"}
+    table = run_python(
+        "import sys; from pipedialect.cli import main; sys.exit(main(['list']))", dirs
+    ).stdout
+    assert "exits (broken): import failed: SystemExit: 3" in table
+    proc = run_python(
+        """
+        import pipedialect
+        print(len(pipedialect.list_dialects()))
+        print(pipedialect.get_dialect("local").name, pipedialect.get_dialect("torch").name)
+        try:
+            pipedialect.get_dialect("midway")
+        except pipedialect.DialectNotFoundError as e:
+            print(e)
+        """,
+        dirs,
+    )
+    count, names, missing = proc.stdout.splitlines()
+    assert int(count) == len(listed)
+    assert names == "local torch"
+    assert "no dialect named 'midway'" in missing and "exits, exits_midway" in missing
+
+
+def test_a_dialect_whose_constructor_raises_is_listed_broken(
+    installed_plugins: dict[str, Path],
+) -> None:
+    dirs = [installed_plugins["badinit"]]
+    listed = {d["name"]: d for d in cli_list_json(dirs)}
+    assert listed["needs-gpu"]["status"] == "broken"
+    assert listed["needs-gpu"]["error"] == (
+        "constructor failed: RuntimeError: no CUDA device: the needs-gpu dialect requires one"
+    )
+    assert listed["needs-gpu"]["distribution"] == "pipedialect-badinit"
+    assert listed["needs-gpu"]["capabilities"] == ["multi-process"]
+    assert listed["quits"]["status"] == "broken"
+    assert listed["quits"]["error"] == "constructor failed: SystemExit: 4"
+    assert listed["fine"]["status"] == "ok" and listed["local"]["status"] == "ok"
+    proc = run_python(
+        """
+        import pipedialect
+        for name in ("needs-gpu", "quits"):
+            try:
+                pipedialect.get_dialect(name)
+            except pipedialect.BrokenPluginError as e:
+                print(e)
+        print(pipedialect.get_dialect("fine").name)
+        """,
+        dirs,
+    )
+    needs_gpu, quits, fine = proc.stdout.splitlines()
+    assert needs_gpu == (
+        "dialect 'needs-gpu' from distribution 'pipedialect-badinit' (plugin 'badinit') could "
+        "not be created: constructor failed: RuntimeError: no CUDA device: the needs-gpu "
+        "dialect requires one"
+    )
+    assert quits.endswith("could not be created: constructor failed: SystemExit: 4")
+    assert fine == "fine"
+
+
+class _EntryPoint:
+    """Just what the registry reads of an ``importlib.metadata.EntryPoint``."""
+
+    def __init__(self, name: str, load: Any) -> None:
+        self.name = name
+        self.dist = None
+        self._load = load
+
+    def load(self) -> Any:
+        return self._load()
+
+
+def test_an_interrupted_load_is_forgotten_not_half_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a plugin imports goes through, and the next query loads every plugin."""
+    import pipedialect.dialects.local as local_plugin
+
+    def interrupted() -> Any:
+        raise KeyboardInterrupt
+
+    eps = [_EntryPoint("alocal", lambda: local_plugin), _EntryPoint("b", interrupted)]
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: eps)
+    registry = plugins._Registry()
+    with pytest.raises(KeyboardInterrupt):
+        registry.infos()
+    assert not registry.loaded and not registry.entries and not registry.broken
+    assert registry.pm.get_plugin("alocal") is None
+    eps[1] = _EntryPoint("b", lambda: _GoodPlugin())
+    assert {i.name: i.status for i in registry.infos()} == {"local": "ok", "inproc": "ok"}

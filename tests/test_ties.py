@@ -1,4 +1,8 @@
-"""Tie groups and their ranks, checked against hand-worked examples (research/slapo.md 4.6)."""
+"""Tie groups and their ranks, checked against hand-worked examples (research/slapo.md 4.6).
+
+Re-tying: stages of a meta-built model materialised one by one (``to_empty()``) train like the
+unsplit model on every dialect, in one process (local) and on two ranks (deepspeed, torch).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,18 @@ from collections import namedtuple
 from collections.abc import Iterator
 from typing import Any
 
+import _tie_workers
+import _torch_workers
 import pytest
 import torch
+from _compare import ATOL, RTOL, assert_tensor_close
 from torch import nn
 
 import pipedialect
 from pipedialect import (
     DefaultTieAnalyzer,
     GridTopology,
+    StageWrapper,
     TieError,
     TieGroup,
     TopologyError,
@@ -23,8 +31,10 @@ from pipedialect import (
     find_tie_groups,
     partition,
 )
+from pipedialect.dialects.local import LocalDialect
+from pipedialect.testing.launcher import launch
 from pipedialect.testing.models import MODELS
-from pipedialect.ties import check_tie_objects, check_topology
+from pipedialect.ties import check_tie_objects, check_topology, retie_parameters
 
 
 class FakeTopology:
@@ -210,3 +220,219 @@ def test_stage_modules_holding_copies_of_a_tie_are_refused() -> None:
         check_tie_objects(plan.tie_groups, stages)
     with pytest.raises(TieError, match=r"no parameter 'lm_head\.weight'"):
         check_tie_objects(plan.tie_groups, [*stages[:3], nn.Linear(1, 1)])
+
+
+# -- topology objects ------------------------------------------------------------------------
+
+
+class _NoCoord:
+    """A topology of another library: it has no ``get_coord``."""
+
+    def get_dim(self, axis: str) -> int:
+        return 2 if axis == "pipe" else 1
+
+    def filter_match(self, **kwargs: int) -> list[int]:
+        return [kwargs.get("pipe", 0)]
+
+    def world_size(self) -> int:
+        return 2
+
+
+class _NoneDims(_NoCoord):
+    def get_dim(self, axis: str) -> Any:
+        return None
+
+    def get_coord(self, rank: int) -> Any:
+        return (rank,)
+
+
+GPT_TIE = [[("wte.weight", 0), ("lm_head.weight", 1)]]
+
+
+@pytest.mark.parametrize(
+    ("topology", "message"),
+    [
+        (_NoCoord(), r"_NoCoord\) has no get_coord\(\) method; a topology needs get_dim"),
+        (object(), r"has no get_dim\(\), filter_match\(\), get_coord\(\) method"),
+        (GridTopology, r"got the class GridTopology; create one first"),
+        (_NoneDims(), r"get_dim\('pipe'\) returned None; it must return the number of"),
+    ],
+    ids=["no-get_coord", "not-a-topology", "a-class", "no-pipe-size"],
+)
+def test_a_wrong_topology_object_is_a_topology_error(topology: Any, message: str) -> None:
+    with pytest.raises(TopologyError, match=message):
+        analyze_tie_ranks(GPT_TIE, topology)
+
+
+def test_check_topology_names_what_the_object_lacks() -> None:
+    spec = MODELS["gpt"]
+    plan = partition(spec.build(), spec.split_points_for(2))
+    with pytest.raises(TopologyError, match=r"\(object\) has no get_dim\(\) method"):
+        check_topology(plan, object())  # type: ignore[arg-type]
+    with pytest.raises(TopologyError, match="got the class GridTopology"):
+        check_topology(plan, GridTopology)  # type: ignore[arg-type]
+    with pytest.raises(TopologyError, match=r"get_dim\('pipe'\) returned None"):
+        check_topology(plan, _NoneDims())  # type: ignore[arg-type]
+
+
+# -- re-tying stages in one process ---------------------------------------------------------
+
+SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+GAS, STEPS = 4, 3
+LOCAL_CONFIG = {
+    "train_batch_size": 2 * GAS,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_clipping": 0.0,
+    "steps_per_print": 1000,
+    "optimizer": SGD,
+}
+
+
+def _root(stage: nn.Module) -> nn.Module:
+    return stage.mod if isinstance(stage, StageWrapper) else stage
+
+
+def materialise(stage: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """What a user does with one stage of a model built on the meta device: allocate its
+    tensors (``to_empty``, which gives every holder of a tied weight its own Parameter),
+    then load its values."""
+    stage.to_empty(device="cpu")
+    root = _root(stage)
+    root.load_state_dict({name: state[name] for name in root.state_dict()})
+
+
+def unsplit_run(
+    spec: Any, batches: list[Any], momentum: float = 0.9
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference: the unsplit model (real tensors, one tied Parameter) trained by hand
+    with SGD (lr 0.1), ``GAS`` micro-batches a step."""
+    model = spec.build(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for ids, labels in batches[step * GAS : (step + 1) * GAS]:
+            loss = spec.loss_fn(model(ids), labels)
+            (loss / GAS).backward()
+            total += float(loss.detach()) / GAS
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["plan-stages", "stage-modules"])
+def test_meta_built_stages_materialised_one_by_one_train_tied_on_local(given: bool) -> None:
+    """The plan's tie holds after ``to_empty()`` per stage, with or without ``stage_modules``:
+    losses and parameters equal the unsplit model's (two copies would train apart)."""
+    spec = MODELS["gpt"]
+    with torch.device("meta"):
+        plan = partition(spec.build(0), spec.split_points_for(4))
+    state = spec.build(0).state_dict()
+    dialect = LocalDialect()
+    stages: list[nn.Module] = list(dialect.wrap_stages(plan)) if given else list(plan.stages)
+    for stage in stages:
+        materialise(stage, state)
+    head, wte = (
+        plan.stages[3].get_parameter("lm_head.weight"),
+        plan.stages[0].get_parameter("wte.weight"),
+    )
+    assert head is not wte and torch.equal(head, wte)  # what to_empty() did to the tie
+    module = dialect.pipe_engine(
+        plan, stages if given else None, config=LOCAL_CONFIG, loss_fn=spec.loss_fn
+    )
+    engine = dialect.runtime_engine(module, config=LOCAL_CONFIG)
+    batches = list(spec.micro_batches(GAS * STEPS))
+    data = iter(batches)
+    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+    ref_losses, ref_params = unsplit_run(spec, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-8)
+    for k, stage in enumerate(plan.stages):
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            torch.testing.assert_close(param, ref_params[name], rtol=1e-6, atol=1e-8, msg=name)
+        assert k < 3 or stage.get_parameter("lm_head.weight") is wte
+
+
+def test_copies_that_differ_take_the_lowest_stages_value() -> None:
+    """As the multi-process dialects broadcast the lowest stage's copy, so re-tying keeps it;
+    a copy still on the meta device never becomes the parameter."""
+    model = SharedWeights()
+    plan = partition(model, ["cut"])
+    original = model.a.weight.detach().clone()
+    stages = [copy.deepcopy(s) for s in plan.wrap()]
+    with torch.no_grad():
+        _root(stages[0]).get_parameter("b.weight").add_(0)  # still one object with a.weight
+        _root(stages[1]).get_parameter("c.weight").add_(1.0)
+    assert retie_parameters(plan.tie_groups, stages) == 1
+    a, b = _root(stages[0]).a.weight, _root(stages[0]).b.weight
+    assert a is b is _root(stages[1]).c.weight and torch.equal(a, original)
+
+    meta = [copy.deepcopy(s) for s in plan.wrap()]
+    meta[0].to("meta")  # to("meta") gives every holder its own copy, on stage 0 too
+    assert retie_parameters(plan.tie_groups, meta) == 2
+    kept = _root(meta[1]).c.weight
+    assert kept.device.type == "cpu" and _root(meta[0]).a.weight is kept
+    assert _root(meta[0]).b.weight is kept
+    assert retie_parameters(plan.tie_groups, meta) == 0  # nothing left to do
+
+
+def test_copies_that_cannot_be_one_parameter_are_refused() -> None:
+    spec = MODELS["gpt"]
+    plan = partition(spec.build(), spec.split_points_for(2))
+    stages = plan.wrap()
+    stages[1] = copy.deepcopy(stages[1])
+    head = _root(stages[1]).lm_head
+    head.weight.requires_grad_(False)
+    with pytest.raises(
+        TieError,
+        match=r"\[Stage 1\] tied parameter 'lm_head\.weight' \(tie "
+        r"group tie0_wte_weight\) has requires_grad=False instead of True of "
+        r"wte\.weight@0",
+    ):
+        retie_parameters(plan.tie_groups, stages)
+    head.weight = nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(TieError, match=r"has shape \(3, 3\) instead of \(\d+, \d+\)"):
+        retie_parameters(plan.tie_groups, stages)
+    head.weight = nn.Parameter(head.weight.new_zeros(_root(stages[0]).wte.weight.shape).double())
+    with pytest.raises(TieError, match=r"dtype torch\.float64 instead of torch\.float32"):
+        retie_parameters(plan.tie_groups, stages)
+    with pytest.raises(TieError, match=r"\[Stage 1\] has no parameter 'lm_head\.weight'"):
+        retie_parameters(plan.tie_groups, [stages[0], nn.Linear(1, 1)])
+    with pytest.raises(TieError, match="names stage 1, but there are 1 stage modules"):
+        retie_parameters(plan.tie_groups, stages[:1])
+
+
+@pytest.mark.distributed
+def test_meta_built_stages_stay_tied_on_deepspeed() -> None:
+    """Two names of one tie on the stage a rank materialises: DeepSpeed trains them as one."""
+    spec = _tie_workers.DOUBLE_TIED
+    results = launch(_tie_workers.deepspeed_meta_run, 2, STEPS, timeout=300)
+    batches = list(spec.micro_batches(STEPS * GAS, batch_size=2, seed=_tie_workers.DATA_SEED))
+    ref_losses, ref_params = unsplit_run(spec, batches, momentum=0.0)
+    assert [r["stage"] for r in results] == [0, 1]
+    assert [(r["heads_tied_before"], r["heads_tied_after"]) for r in results] == [
+        (None, None),
+        (False, True),
+    ]
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), r["stage"]
+        for name, value in r["params"].items():
+            assert_tensor_close(value, ref_params[name], f"stage {r['stage']} {name}")
+    assert set().union(*(r["params"] for r in results)) == set(ref_params)
+
+
+@pytest.mark.distributed
+def test_meta_built_stages_stay_tied_on_torch() -> None:
+    """A V-shaped schedule puts both ends of the GPT tie on rank 0: one Parameter there."""
+    case = {"model": "gpt", "stages": 4, "schedule": "zbv_zero_bubble", "optimizer": "sgd"}
+    launched = launch(_torch_workers.run_cases, 2, [{**case, "meta": True}], timeout=300)
+    spec = MODELS["gpt"]
+    batches = list(spec.micro_batches(STEPS * GAS, batch_size=2, seed=_torch_workers.DATA_SEED))
+    ref_losses, ref_params = unsplit_run(spec, batches, momentum=0.0)
+    per_rank = [r["results"][0] for r in launched]
+    assert [sorted(r["stages"]) for r in per_rank] == [[0, 3], [1, 2]]
+    for r in per_rank:
+        assert r["losses"] == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), r["rank"]
+        for name, value in r["params"].items():
+            assert_tensor_close(value, ref_params[name], f"rank {r['rank']} {name}")
+    assert set().union(*(r["params"] for r in per_rank)) == set(ref_params)

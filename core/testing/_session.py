@@ -7,6 +7,8 @@ test outcomes by contract area for the summary :mod:`pipedialect.testing._report
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +19,15 @@ if TYPE_CHECKING:
     from ._options import EngineOptions
     from .suite._driver import DialectRun
 
-__all__ = ["AREA_MARKER", "DIALECT_FIXTURE", "Outcome", "SuiteSession", "session"]
+__all__ = [
+    "AREA_MARKER",
+    "DIALECT_FIXTURE",
+    "Outcome",
+    "SuiteSession",
+    "remember_terminal",
+    "session",
+    "terminal_fd",
+]
 
 #: The marker naming a suite test's contract area.
 AREA_MARKER = "pipedialect_area"
@@ -45,7 +55,7 @@ class SuiteSession:
 
     #: The ``--dialect-option`` values as given.
     raw_options: list[str] = field(default_factory=list)
-    #: Seconds a case may go without progress before its launch is stopped.
+    #: Seconds a case may go without progress before it is stopped (in process or launched).
     case_timeout: float = 180.0
     #: Case ids the selected tests read.
     wanted: set[str] = field(default_factory=set)
@@ -104,3 +114,24 @@ def area_of(item: Any) -> str | None:
     """The contract area of a collected item, or None if it is not a suite test."""
     mark = item.get_closest_marker(AREA_MARKER)
     return None if mark is None else str(mark.args[0])
+
+
+_terminal: list[int] = []
+
+
+def remember_terminal() -> None:
+    """Keep a copy of this process's stderr, before pytest captures it for a test.
+
+    The suite's in-process watchdog writes there when it must end the process: whatever a test
+    writes while it is captured is lost when the process ends.
+    """
+    if not _terminal:
+        try:
+            _terminal.append(os.dup(sys.stderr.fileno()))
+        except (AttributeError, OSError, ValueError):  # no real stderr (a notebook, say)
+            _terminal.append(-1)
+
+
+def terminal_fd() -> int | None:
+    """The descriptor :func:`remember_terminal` kept, or None."""
+    return _terminal[0] if _terminal and _terminal[0] >= 0 else None

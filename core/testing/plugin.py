@@ -10,22 +10,36 @@ With ``--dialect NAME`` (several allowed) the suite's tests are parametrized ove
 the suite (``pytest --pyargs pipedialect.testing.suite --dialect NAME``, or a test module doing
 ``from pipedialect.testing.suite import *``) then runs against each, and a per-area summary ends
 the output.
+
+[Note: importing the suite by name]
+pytest imports a test file by its path: it walks up the directories that hold an
+``__init__.py`` and names the module after them, putting the directory above on ``sys.path``.
+From a wheel or a strict editable install that gives ``pipedialect.testing.suite.test_x``. From
+setuptools' default editable install the files are the source tree's, ``<repo>/core/testing/
+suite/``, so pytest would import a second copy of the package, ``core``, whose ``Dialect`` class
+is not the installed dialects' (every one then looks broken). So the suite's files and packages
+are collected by nodes that import them by their name in pipedialect, whatever the layout.
 """
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
-from ._session import AREA_MARKER, DIALECT_FIXTURE, Outcome, area_of, session
+from ._session import AREA_MARKER, DIALECT_FIXTURE, Outcome, area_of, remember_terminal, session
 
 __all__ = [
     "pipedialect_name",
     "pytest_addoption",
+    "pytest_collect_directory",
     "pytest_collection_modifyitems",
     "pytest_configure",
     "pytest_generate_tests",
+    "pytest_pycollect_makemodule",
 ]
 
 _MARKERS = (
@@ -60,7 +74,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=float,
         default=180.0,
         metavar="SECONDS",
-        help="stop a multi-process run in which no case finishes for this long (default 180)",
+        help="fail a case that makes no progress for this long, in this process or in a "
+        "multi-process launch (default 180)",
     )
 
 
@@ -77,10 +92,72 @@ def pytest_configure(config: pytest.Config) -> None:
             parse_dialect_options(options, "")
         except ConfigError as exc:
             raise pytest.UsageError(str(exc)) from None
+    remember_terminal()
     state = session(config)
     state.raw_options = list(options)
     state.case_timeout = float(config.getoption("conformance_timeout", default=180.0) or 180.0)
     config.pluginmanager.register(_Reporter(config), "pipedialect-conformance-reporter")
+
+
+#: This package's directory, links resolved (a strict editable install links every file).
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _module_name(path: Path) -> str | None:
+    """The name ``path`` (a module or a package directory) has in this package, or None."""
+    if _PACKAGE_DIR.name not in path.parts:
+        return None  # not ours (checked before touching the file system)
+    try:
+        relative = path.resolve().relative_to(_PACKAGE_DIR)
+    except (OSError, ValueError):
+        return None
+    parts = list(relative.with_suffix("").parts if path.suffix == ".py" else relative.parts)
+    if parts and parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([__name__.rpartition(".")[0], *parts])
+
+
+def _import_by_name(node: pytest.Collector, name: str) -> ModuleType:
+    module = importlib.import_module(name)
+    node.config.pluginmanager.consider_module(module)
+    return module
+
+
+class _SuiteModule(pytest.Module):
+    """A test file of the suite, imported by its module name ([Note: importing the suite by
+    name])."""
+
+    def _getobj(self) -> ModuleType:
+        name = _module_name(self.path)
+        if name is None:  # not reached: only our files get this node
+            raise pytest.UsageError(f"{self.path} is not a module of pipedialect.testing")
+        return _import_by_name(self, name)
+
+
+class _SuitePackage(pytest.Package):
+    """A package of the suite, imported by its name; it has no ``setup_module`` to run."""
+
+    def setup(self) -> None:
+        name = _module_name(self.path)
+        if name is not None:
+            _import_by_name(self, name)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    """Collect the suite's package directories with :class:`_SuitePackage`."""
+    if (path / "__init__.py").is_file() and _module_name(path) is not None:
+        package: pytest.Collector = _SuitePackage.from_parent(parent, path=path)
+        return package
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> Any:
+    """Collect the suite's test files with :class:`_SuiteModule`."""
+    if _module_name(module_path) is None:
+        return None
+    return _SuiteModule.from_parent(parent, path=module_path)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

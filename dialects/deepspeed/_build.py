@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from pipedialect import ConfigError, TieError, Topology, TopologyError
-from pipedialect.ties import analyze_tie_ranks
+from pipedialect.ties import TieGroup, analyze_tie_ranks, retie_parameters
 
 if TYPE_CHECKING:
     from ._module import PipeDialectPipelineModule, TieSpec
@@ -212,8 +212,9 @@ def resolve_ties(
     """Find the module and attribute holding each tied weight on each stage.
 
     Raises:
-        TieError: a member names no parameter of its stage, or two members on one stage are
-            different Parameter objects (DeepSpeed keeps one copy per stage in sync).
+        TieError: a member names no parameter of its stage, or two copies of a tied weight
+            cannot be one Parameter again (``retie_parameters``: DeepSpeed keeps one copy per
+            stage in sync).
     """
     from ._module import TieSpec
 
@@ -221,6 +222,8 @@ def resolve_ties(
     cross = [(key, members) for key, members in groups if len({s for _, s in members}) > 1]
     if not cross:
         return []
+    # Stages materialised one by one (to_empty() after a meta build) hold copies: one again.
+    retie_parameters([TieGroup(key, tuple(members)) for key, members in cross], stages)
     tie_ranks, tie_stages = analyze_tie_ranks([m for _, m in cross], topology)
     for (key, members), rank_lists, stage_ids in zip(cross, tie_ranks, tie_stages, strict=True):
         owners: dict[int, tuple[nn.Module, str]] = {}

@@ -51,7 +51,7 @@ class LocalDialect(Dialect):
         DeepSpeed config dict) and ``loss_fn(outputs, labels)`` are required; ``topology``, if
         given, must have one pipe coordinate per stage and no data parallelism.
         """
-        from pipedialect.ties import check_tie_objects, check_topology
+        from pipedialect.ties import check_topology, retie_parameters
 
         from .config import parse_config
         from .engine import LocalPipeline
@@ -82,7 +82,7 @@ class LocalDialect(Dialect):
                 raise ConfigError(
                     f"got {len(stages)} stage modules for a plan of {plan.num_stages} stages"
                 )
-            check_tie_objects(plan.tie_groups, stages)
+        retie_parameters(plan.tie_groups, stages)  # every stage runs here: one object per tie
         return LocalPipeline(stages, plan=plan, loss_fn=loss_fn, config=config)
 
     def runtime_engine(

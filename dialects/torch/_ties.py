@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import TieError, TieGroup
+from pipedialect.ties import retie_parameters
 
 __all__: list[str] = []
 
@@ -39,7 +40,8 @@ class TiedCopy:
 
     #: The group's key.
     key: str
-    #: The global ranks holding the group's stages, sorted; the first one owns the weight.
+    #: The global ranks holding the group's stages: first the one holding its lowest stage,
+    #: which owns the weight (as on every dialect), then the others sorted.
     ranks: tuple[int, ...]
     #: The process group of those ranks (None when one rank holds every stage of the group).
     group: Any
@@ -77,13 +79,17 @@ class TieSync:
         becomes a ``dist.new_group``, which every rank takes part in.
 
         Raises:
-            TieError: a member names no parameter of its stage, or the members on this rank are
-                different Parameter objects.
+            TieError: a member names no parameter of its stage, or copies of a tied weight
+                cannot be one Parameter again (``retie_parameters``).
         """
+        groups = tuple(groups)
+        # Stages materialised one by one (to_empty() after a meta build) hold copies: one again.
+        retie_parameters(groups, stages)
         rank = dist.get_rank()
         resolved: list[tuple[TieGroup, tuple[int, ...], nn.Parameter | None]] = []
         for group in groups:
-            ranks = tuple(sorted({placement[s] for s in group.stages}))
+            first = placement[group.stages[0]]  # holds the lowest stage: owns the weight
+            ranks = (first, *sorted({placement[s] for s in group.stages} - {first}))
             # Checked for every rank, not only this one, so that all ranks fail alike.
             held: dict[int, tuple[str, int, nn.Parameter]] = {}
             for name, stage in group:

@@ -24,7 +24,7 @@ from ...interfaces import Capability, Dialect
 from .._options import EngineOptions
 from ..launcher import launch
 from ._cases import CASES, Case
-from ._runner import ends_launch, one_thread, record_path, run_cases
+from ._runner import ends_launch, one_thread, read_stopped, record_path, run_cases
 
 __all__ = ["CaseResult", "DialectRun"]
 
@@ -161,10 +161,18 @@ class DialectRun:
         out = self._new_dir()
         start = time.monotonic()
         with one_thread():
-            run_cases(self.dialect, [c.id for c in cases], str(out), self.options, in_process=True)
+            run_cases(
+                self.dialect,
+                [c.id for c in cases],
+                str(out),
+                self.options,
+                in_process=True,
+                timeout=self.case_timeout,
+            )
         logger.info("ran %d cases in process in %.1fs", len(cases), time.monotonic() - start)
         for case in cases:
-            self.results[case.id] = CaseResult(case, 1, _read(out, case.id, 1))
+            stopped = read_stopped(out, case.id)  # it made no progress for case_timeout
+            self.results[case.id] = CaseResult(case, 1, _read(out, case.id, 1), stopped)
 
     def _rank_env(self) -> dict[str, str]:
         """Hide GPUs from the ranks unless the dialect is cuda-only.

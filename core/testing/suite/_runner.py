@@ -7,13 +7,31 @@ recorded with its exception; in a multi-process run the rank then stops (its pee
 waiting for it in a collective, and the launcher ends them), except after a build mistake the
 dialect refused with a :class:`~pipedialect.PipeDialectError`, which every rank raises alike
 before any collective.
+
+[Note: a case that hangs in the test process]
+A multi-process launch that makes no progress is stopped by the test process, which ends the
+ranks. A single-process dialect runs its cases in the test process itself, so a
+:class:`_CaseWatchdog` thread watches each case instead. After ``timeout`` seconds it records
+where the case is stuck (the running thread's stack) and interrupts it: first with ``SIGALRM``,
+whose handler raises (this wakes a sleep, a lock or a queue wait), then, if the case is still
+running a second later, with an exception set asynchronously in the thread (for code that
+blocks the signal but still runs Python). The case then fails with the same "made no progress"
+report as a launch (its message and that stack, in ``<case>.stopped``) and the next case runs.
+A case stuck outside Python for ``_HARD_STOP_GRACE`` seconds more cannot be interrupted at all:
+the watchdog writes the report and every thread's stack to the terminal and ends the process,
+rather than leave the session hanging.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import faulthandler
 import os
 import pickle
+import signal
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -38,6 +56,7 @@ __all__ = [
     "detached",
     "ends_launch",
     "one_thread",
+    "read_stopped",
     "record_path",
     "run_cases",
 ]
@@ -74,6 +93,137 @@ def _write(out_dir: str, case_id: str, rank: int, record: Record) -> None:
     tmp.replace(path)  # atomic: the test process never reads half a record
 
 
+def stopped_path(out_dir: str | Path, case_id: str) -> Path:
+    """Where the in-process watchdog leaves its report on a case it stopped."""
+    return Path(out_dir) / f"{case_id}.stopped"
+
+
+def read_stopped(out_dir: str | Path, case_id: str) -> str | None:
+    """The watchdog's report on ``case_id`` (it made no progress), or None if it ran out."""
+    path = stopped_path(out_dir, case_id)
+    return path.read_text() if path.exists() else None
+
+
+#: Seconds a case that was interrupted may take to unwind before the process is ended.
+_HARD_STOP_GRACE = 10.0
+#: Frames of the stuck thread's stack the report shows.
+_STACK_FRAMES = 12
+#: Exit status of a process ended by the watchdog (pytest's "tests failed").
+_HARD_STOP_STATUS = 1
+
+
+class _NoProgress(BaseException):
+    """Raised into a stuck case; a BaseException, so that ``except Exception`` lets it pass."""
+
+
+class _CaseWatchdog:
+    """Stops the case run by the calling thread once it has run ``timeout`` seconds.
+
+    See [Note: a case that hangs in the test process].
+    """
+
+    def __init__(self, case_id: str, timeout: float) -> None:
+        self.case_id = case_id
+        self.timeout = timeout
+        self.thread_id = threading.get_ident()
+        self.report = ""
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+        self._fired = False
+        self._previous: Any = None
+        self._signal = (
+            threading.current_thread() is threading.main_thread()
+            and hasattr(signal, "pthread_kill")
+            and hasattr(signal, "SIGALRM")
+        )
+        self._thread = threading.Thread(
+            target=self._watch, name=f"pipedialect-watchdog-{case_id}", daemon=True
+        )
+
+    def __enter__(self) -> _CaseWatchdog:
+        if self._signal:
+            self._previous = signal.signal(signal.SIGALRM, self._on_alarm)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.end()
+        finally:
+            if self._signal:
+                if self._fired and signal.SIGALRM in signal.sigpending():
+                    # Ours, still pending because the case blocked it: never deliver it later.
+                    signal.sigwait({signal.SIGALRM})
+                signal.signal(signal.SIGALRM, self._previous)
+
+    def end(self) -> None:
+        """The case is over: fire nothing more, and drop an exception not yet delivered."""
+        with self._lock:
+            self._ended.set()
+            if self._fired:
+                _set_async_exc(self.thread_id, None)
+
+    def _on_alarm(self, signum: int, frame: Any) -> None:
+        if self._fired and not self._ended.is_set():
+            raise _NoProgress(self.report)
+        previous = self._previous
+        if callable(previous):  # someone else's alarm (pytest-timeout, say)
+            previous(signum, frame)
+
+    def _watch(self) -> None:
+        if self._ended.wait(self.timeout):
+            return
+        frame = sys._current_frames().get(self.thread_id)
+        # The innermost frames: where it waits (the report stays short enough to show whole).
+        stack = "".join(traceback.format_stack(frame, _STACK_FRAMES)) if frame else "(unknown)\n"
+        with self._lock:
+            if self._ended.is_set():
+                return
+            self.report = (
+                f"case {self.case_id!r} made no progress for {self.timeout:.0f}s in the test "
+                "process: the dialect hangs (a call into it never returned). Raise "
+                "--conformance-timeout if the machine is merely slow. It was stuck here:\n" + stack
+            )
+            self._fired = True
+            if self._signal:
+                signal.pthread_kill(self.thread_id, signal.SIGALRM)
+        if self._ended.wait(1.0):
+            return
+        with self._lock:
+            if self._ended.is_set():
+                return
+            _set_async_exc(self.thread_id, _NoProgress)
+        if self._ended.wait(max(_HARD_STOP_GRACE, self.timeout / 2)):
+            return
+        self._hard_stop()
+
+    def _hard_stop(self) -> None:
+        fd = _terminal_fd()
+        text = (
+            f"\npipedialect conformance suite: {self.report}\nThe case could not be "
+            "interrupted (it is stuck outside Python); ending the process. Every thread:\n"
+        )
+        with contextlib.suppress(OSError):
+            os.write(fd, text.encode(errors="replace"))
+            faulthandler.dump_traceback(file=fd, all_threads=True)
+        os._exit(_HARD_STOP_STATUS)
+
+
+def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in the thread ``thread_id`` when it next runs Python (None: cancel it)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+    )
+
+
+def _terminal_fd() -> int:
+    """The terminal's stderr, from before pytest captured it, if the plugin kept it."""
+    from .._session import terminal_fd
+
+    fd = terminal_fd()
+    return 2 if fd is None else fd
+
+
 def ends_launch(case: Case, record: Record) -> bool:
     """Whether a multi-process rank stops after recording ``record`` of ``case``."""
     if record.get("status", "ok") == "ok":
@@ -87,8 +237,13 @@ def run_cases(
     out_dir: str,
     options: EngineOptions,
     in_process: bool = False,
+    timeout: float | None = None,
 ) -> int:
-    """Run ``case_ids`` in order on this rank; return how many were recorded."""
+    """Run ``case_ids`` in order on this rank; return how many were recorded.
+
+    With ``in_process`` and a ``timeout``, a case running longer is stopped and reported by
+    :func:`read_stopped` instead of recorded ([Note: a case that hangs in the test process]).
+    """
     multi = not in_process and Capability.MULTI_PROCESS in dialect.capabilities
     rank = int(os.environ.get("RANK", "0")) if multi else 0
     if multi:
@@ -98,9 +253,16 @@ def run_cases(
         case = get_case(case_id)
         record: Record = {"case": case_id, "rank": rank}
         partial: Record = {}
+        watchdog = _CaseWatchdog(case_id, timeout) if in_process and timeout else None
         try:
-            record.update(_RUNNERS[case.kind](dialect, case, options, out_dir, multi, partial))
+            with watchdog or contextlib.nullcontext():
+                record.update(_RUNNERS[case.kind](dialect, case, options, out_dir, multi, partial))
             record["status"] = "ok"
+        except _NoProgress:
+            if watchdog is not None:
+                watchdog.end()
+                stopped_path(out_dir, case_id).write_text(watchdog.report)
+            continue
         except Exception as exc:
             record.update(partial)
             record.update(
