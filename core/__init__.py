@@ -105,6 +105,7 @@ __all__ = [
     "hookspec",
     "list_dialects",
     "partition",
+    "trace",
 ]
 
 
