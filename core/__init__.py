@@ -56,6 +56,7 @@ from .partition import PipelinePlan, partition
 from .plugins import DialectInfo, get_dialect, list_dialects
 from .stage import StageWrapper
 from .ties import DefaultTieAnalyzer, TieGroup, analyze_tie_ranks, find_tie_groups
+from .trace import trace
 
 __all__ = [
     "BrokenPluginError",
