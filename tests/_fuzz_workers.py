@@ -1,0 +1,101 @@
+"""What each rank runs in the distributed fuzz tests (module-level, so spawned ranks import it).
+
+Every rank joins one process group, then trains several generated models one after the other
+(a launch costs seconds on two shared cores; a model a fraction of one). For each seed it draws
+the spec, builds the whole model (identical weights on every rank: per-module seeded init),
+partitions it and runs the spec's train/eval schedule on the dialect; it returns the losses and
+the parameters of the stages it ran, by their original names. :func:`compare` runs the unsplit
+reference in the test process and compares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import _fuzz_models as fm
+import torch
+import torch.distributed as dist
+
+import pipedialect
+
+
+def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
+    model = fm.FuzzModel(spec)
+    batches = fm.micro_batches(spec)
+    try:
+        plan = fm.partition_spec(model, spec, batches)
+    except pipedialect.PipeDialectError as exc:  # every rank refuses alike, before any collective
+        return {"refused": f"{type(exc).__name__}: {exc}", "phase": "partition"}
+    config = fm.ds_config(spec)
+    if dialect.name == "deepspeed":
+        module = dialect.pipe_engine(
+            plan,
+            config=config,
+            loss_fn=fm.fuzz_loss,
+            topology=dialect.make_topology(plan.num_stages, 1),
+            dynamic_shapes=spec.dynamic,
+        )
+    else:
+        module = dialect.pipe_engine(
+            plan, config=config, loss_fn=fm.fuzz_loss, schedule=spec.pipe_schedule
+        )
+    engine = dialect.runtime_engine(module, config=config)
+    losses = []
+    for op, chunk in zip(spec.schedule, fm.chunks(spec, batches), strict=True):
+        call = engine.train_batch if op == "train" else engine.eval_batch
+        losses.append(float(call(iter(chunk))))
+    stages = list(dialect.local_stages(engine))
+    params = {
+        n: p.detach().cpu().clone()
+        for k in stages
+        for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
+    }
+    return {"rank": dist.get_rank(), "stages": stages, "losses": losses, "params": params}
+
+
+def run_specs(dialect_name: str, cases: list[int | fm.FuzzSpec]) -> list[dict[str, Any]]:
+    """Train every case (a seed, or a spec to replay) in turn on this rank; one result each."""
+    torch.set_num_threads(1)
+    dialect = pipedialect.get_dialect(dialect_name)
+    dialect.init_distributed()
+    results = []
+    for case in cases:
+        spec = case if isinstance(case, fm.FuzzSpec) else fm.spec_from_seed(case, dialect_name)  # type: ignore[arg-type]
+        try:
+            results.append(_one(dialect, spec))
+        except Exception as exc:  # the launch fails with this rank's traceback: name the model
+            exc.add_note(f"while training on {dialect_name}:\n{spec.describe()}")
+            raise
+        dist.barrier()
+    return results
+
+
+def compare(spec: fm.FuzzSpec, per_rank: list[dict[str, Any]]) -> bool:
+    """Check one model's per-rank results against the unsplit model; False if it was refused.
+
+    Raises:
+        FuzzFailure: a loss or parameter differs, or a trained parameter is held by no stage.
+    """
+    refused = [r.get("refused") for r in per_rank]
+    if any(refused):
+        if len(set(refused)) != 1:
+            raise fm.failure(spec, f"the ranks disagree about refusing the model: {refused}")
+        return False
+    model = fm.FuzzModel(spec)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    expected = fm.reference_run(spec, model, fm.micro_batches(spec))
+    ref_params = dict(model.named_parameters(remove_duplicate=False))
+    problems: list[str] = []
+    held: set[str] = set()
+    for r in per_rank:
+        where = f"rank {r['rank']} stages {r['stages']}: "
+        problems += fm.compare_results(spec, r["losses"], expected, r["params"], ref_params, where)
+        held.update(r["params"])
+    moved = {n for n, p in ref_params.items() if not torch.equal(p.detach(), initial[n])}
+    if moved - held:
+        problems.append(f"trained parameters held by no stage: {sorted(moved - held)}")
+    if problems:
+        raise fm.failure(
+            spec, "the pipeline disagrees with the unsplit model:\n" + "\n".join(problems)
+        )
+    return True
