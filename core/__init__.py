@@ -15,6 +15,7 @@ from typing import Any
 
 from .codec import SchemaCodec
 from .errors import (
+    ActivationCheckpointError,
     BrokenPluginError,
     CaptureError,
     CheckpointError,
@@ -40,6 +41,7 @@ from .errors import (
     TieError,
     TopologyError,
     UnsupportedValueError,
+    WeightsError,
     WireError,
 )
 from .hookspecs import hookimpl, hookspec
@@ -59,6 +61,7 @@ from .ties import DefaultTieAnalyzer, TieGroup, analyze_tie_ranks, find_tie_grou
 from .trace import trace
 
 __all__ = [
+    "ActivationCheckpointError",
     "BrokenPluginError",
     "Capability",
     "CaptureError",
@@ -97,6 +100,7 @@ __all__ = [
     "Topology",
     "TopologyError",
     "UnsupportedValueError",
+    "WeightsError",
     "WireError",
     "__version__",
     "analyze_tie_ranks",

@@ -31,6 +31,16 @@ constants equal the recorded ones, and every value the trace held as a Proxy is 
 number, or tuples/lists/dicts of those (never ``None``, a string or another object, which the
 trace would have answered ``is None``/``isinstance`` for wrongly). The guard is a node of the
 stage graph, so it runs on every dialect, on the value the stage received.
+
+[Note: checkpointed calls]
+``partition(..., checkpoint=["blocks.*"])`` keeps each matched module as one ``call_module``
+node during capture (like a split point), and after the cut rewrites that node in its stage
+graph into ``call_function(checkpointed, (get_attr module, *args), kwargs)``: the module is
+still an attribute of the stage under its own path, so parameter names, ties and the stage's
+``named_parameters`` do not change, and the call runs through non-reentrant
+``torch.utils.checkpoint`` with the RNG state preserved (dropout draws the same mask when
+recomputed). Being part of the stage graph, it behaves alike on every dialect; the generated
+code names the helper and the module, so fingerprints stay deterministic.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import fx, nn
 
 from .errors import CaptureError
@@ -734,6 +745,32 @@ class Split:
     arg_names: list[list[str]]
     #: For every value name, the stage that defines it (-1: a model input).
     defined_by: dict[str, int]
+
+
+def checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module`` under non-reentrant activation checkpointing ([Note: checkpointed calls])."""
+    return torch.utils.checkpoint.checkpoint(
+        module, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+    )
+
+
+def checkpoint_calls(stage: fx.GraphModule, paths: frozenset[str]) -> None:
+    """Route ``stage``'s calls of the modules at ``paths`` through :func:`checkpointed`."""
+    graph = stage.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_module" or str(node.target) not in paths:
+            continue
+        with graph.inserting_before(node):
+            module = graph.get_attr(str(node.target))
+            call = graph.call_function(checkpointed, (module, *node.args), dict(node.kwargs))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        graph.lint()
+        stage.recompile()
 
 
 def assign_stages(graph: fx.Graph, split_nodes: Sequence[fx.Node]) -> dict[fx.Node, int]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,11 @@ def verify(plan: PipelinePlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -
             "this plan holds no model to check it against; build it with partition()"
         )
     values = _bind(plan, model, args, kwargs)
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        # A meta model is checked for structure only; CPU inputs would not meet its weights.
+        values = pytree.tree_map(
+            lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, values
+        )
     points = [model.get_submodule(path) for path in plan.split_points]
     # The graphs name a module as named_modules() first does (an alias's first name).
     first_names = {id(m): name for name, m in model.named_modules()}
@@ -71,7 +77,7 @@ def verify(plan: PipelinePlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -
         with _Recorder(points) as seen:
             expected = model(**values, **plan.concrete_args)
         rewind()
-        checker = _Checker(plan, [first_names[id(m)] for m in points], seen.outputs)
+        checker = _Checker(plan, [first_names[id(m)] for m in points], seen.outputs, seen.inputs)
         checker.run(values, points, expected)
     logger.info("verified %r against %s", plan, type(model).__name__)
 
@@ -106,21 +112,28 @@ def _bind(
 
 
 class _Recorder:
-    """Forward hooks that record what each split-point module returns, in call order."""
+    """Forward hooks that record what each split-point module is called with and returns, in
+    call order."""
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self._modules = modules
         self.outputs: list[list[Any]] = [[] for _ in modules]
+        #: The tensors each call received (the export path may send one of them onwards).
+        self.inputs: list[list[list[torch.Tensor]]] = [[] for _ in modules]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> _Recorder:
         for i, module in enumerate(self._modules):
-            self._handles.append(module.register_forward_hook(self._hook(i)))
+            self._handles.append(module.register_forward_hook(self._hook(i), with_kwargs=True))
         return self
 
-    def _hook(self, i: int) -> Callable[[nn.Module, Any, Any], None]:
-        def record(module: nn.Module, args: Any, output: Any) -> None:
-            # A copy: the code after the split point may update the tensors in place.
+    def _hook(self, i: int) -> Callable[[nn.Module, Any, Any, Any], None]:
+        def record(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            # Copies: the code after the split point may update the tensors in place.
+            received = pytree.tree_leaves((args, kwargs))
+            self.inputs[i].append(
+                [t.detach().clone() for t in received if isinstance(t, torch.Tensor)]
+            )
             self.outputs[i].append(
                 pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), output)
             )
@@ -184,11 +197,16 @@ class _Checker:
     """Runs the plan stage by stage and compares each split point with the model's."""
 
     def __init__(
-        self, plan: PipelinePlan, targets: Sequence[str], expected: Sequence[Sequence[Any]]
+        self,
+        plan: PipelinePlan,
+        targets: Sequence[str],
+        expected: Sequence[Sequence[Any]],
+        received: Sequence[Sequence[Sequence[torch.Tensor]]],
     ) -> None:
         self._plan = plan
         self._targets = targets
         self._expected = expected
+        self._received = received
 
     def run(self, values: Mapping[str, Any], points: Sequence[nn.Module], expected: Any) -> None:
         """Raise :class:`PlanMismatchError` at the first stage whose output differs."""
@@ -258,8 +276,11 @@ class _Checker:
                 )
             return
         # The export path: every tensor this stage sends that the split point's code computed
-        # is one of the tensors the split point returns in the model.
+        # is one of the tensors the split point returns in the model, or one it was called with
+        # (a no-op such as ``x.float()`` on a float32 ``x`` inside it is ``x`` itself, and
+        # export may name later uses of ``x`` after it).
         real = [t for t in pytree.tree_leaves(expected[0]) if isinstance(t, torch.Tensor)]
+        real += self._received[k][0]
         for node, value in zip(nodes, sent, strict=True):
             if not isinstance(node, fx.Node) or not isinstance(value, torch.Tensor):
                 continue
@@ -270,7 +291,7 @@ class _Checker:
                 raise PlanMismatchError(
                     f"[Stage {k}] sends {node.name!r} (shape {list(value.shape)}), which split "
                     f"point {path!r} computed, but it equals none of the tensors {path!r} returns "
-                    "in the model",
+                    "or receives in the model",
                     stage=k,
                     path=path,
                 )

@@ -12,6 +12,7 @@ everything the library raises on purpose. Below it, one branch per concern::
     │   ├── SplitPointError
     │   ├── CaptureError
     │   ├── PlanMismatchError
+    │   ├── ActivationCheckpointError
     │   └── PlanDisagreementError (also a TopologyError)
     ├── CodecError
     │   ├── UnsupportedValueError
@@ -24,6 +25,7 @@ everything the library raises on purpose. Below it, one branch per concern::
     │   └── DataError
     │       └── DataExhaustedError (also a StopIteration)
     ├── CheckpointError
+    │   └── WeightsError
     ├── NonFiniteError
     ├── ExtensionBuildError
     └── LaunchError
@@ -36,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ActivationCheckpointError",
     "BrokenPluginError",
     "CaptureError",
     "CheckpointError",
@@ -61,6 +64,7 @@ __all__ = [
     "TieError",
     "TopologyError",
     "UnsupportedValueError",
+    "WeightsError",
     "WireError",
 ]
 
@@ -110,6 +114,10 @@ class SplitPointError(PartitionError, ValueError):
 
 class CaptureError(PartitionError):
     """torch.fx could not capture the model's forward, or a value broke what the capture assumed."""
+
+
+class ActivationCheckpointError(PartitionError, ValueError):
+    """A ``checkpoint=`` pattern matches no module, or names one a stage cannot recompute."""
 
 
 class PlanMismatchError(PartitionError):
@@ -173,6 +181,17 @@ class CheckpointError(PipeDialectError):
         super().__init__(message)
         #: The parameter whose saved value does not fit, if one is at fault.
         self.parameter = parameter
+
+
+class WeightsError(CheckpointError):
+    """A stage's weights are missing, misshapen, or still on the meta device after loading."""
+
+    def __init__(
+        self, message: str, *, stage: int | None = None, parameter: str | None = None
+    ) -> None:
+        super().__init__(message, parameter=parameter)
+        #: The stage being filled, if known.
+        self.stage = stage
 
 
 class DataError(ConfigError):

@@ -17,6 +17,7 @@ verification] in ``_verify``); ``partition`` does it before returning when it ha
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import hashlib
 import json
 import logging
@@ -27,7 +28,8 @@ from typing import Any, TypeVar, overload
 from torch import fx, nn
 
 from . import _export, _fx, _verify
-from .errors import PartitionError, SplitPointError
+from .balance import BalanceMethod, PlanCosts, profile_model
+from .errors import ActivationCheckpointError, ConfigError, PartitionError, SplitPointError
 from .liveness import compute_liveness
 from .stage import StageWrapper
 from .ties import TieGroup, find_tie_groups
@@ -70,6 +72,10 @@ class PipelinePlan:
     #: The forward arguments fixed at capture time (``concrete_args``), passed to the model
     #: by :meth:`verify`.
     concrete_args: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    #: Predicted per-stage costs when ``partition`` measured the model (``balance=``), else None.
+    costs: PlanCosts | None = field(default=None, compare=False)
+    #: The modules whose activations are recomputed in backward (``checkpoint=``), outermost.
+    checkpointed: tuple[str, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -128,6 +134,10 @@ class PipelinePlan:
         if self.tie_groups:
             lines.append("Tied parameters:")
             lines.extend(f"    {group}" for group in self.tie_groups)
+        if self.checkpointed:
+            lines.append(f"Recomputed in backward: {list(self.checkpointed)}")
+        if self.costs is not None:
+            lines.extend(self.costs.describe_lines())
         return "\n".join(lines)
 
     def verify(self, *args: Any, **kwargs: Any) -> None:
@@ -157,6 +167,7 @@ class PipelinePlan:
             "liveness": self.liveness,
             "ties": [(g.key, g.members) for g in self.tie_groups],
             "split_points": self.split_points,
+            "checkpointed": self.checkpointed,
             "code": [stage.code for stage in self.stages],
             "params": [
                 [(n, list(p.shape)) for n, p in stage.named_parameters()] for stage in self.stages
@@ -173,14 +184,19 @@ class PipelinePlan:
 
 def partition(
     model: nn.Module,
-    split_points: Sequence[str],
+    split_points: Sequence[str] | None = None,
     *,
+    num_stages: int | None = None,
+    balance: BalanceMethod | None = None,
+    micro_batches: int | None = None,
+    balance_inputs: Mapping[str, Any] | None = None,
+    checkpoint: Sequence[str] | str | None = None,
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     example_inputs: Mapping[str, Any] | Sequence[Any] | None = None,
     verify: bool = True,
 ) -> PipelinePlan:
-    """Cut ``model`` into ``len(split_points) + 1`` pipeline stages.
+    """Cut ``model`` into pipeline stages, after the given or the chosen split points.
 
     Args:
         model: the model; its forward is captured with torch.fx.
@@ -188,7 +204,25 @@ def partition(
             calls them; each stage ends after its split point's call. A split point runs as one
             call even if fx could trace through its code; the code after it still sees its
             output's real structure and constants (``None``, numbers), which the stage using
-            them checks on every micro-batch ([Note: split-point outputs] in ``_fx``).
+            them checks on every micro-batch ([Note: split-point outputs] in ``_fx``). With
+            ``num_stages``, the split points every answer must contain (default: none).
+        num_stages: how many stages; the split points not given are chosen by ``balance``
+            (:mod:`pipedialect.balance`), the same on every rank.
+        balance: the cost model that chooses split points for ``num_stages``: ``"parameters"``
+            (the default), ``"flops"``, ``"memory"`` or ``"time"``; all but ``"parameters"``
+            measure the model on ``balance_inputs`` (or ``example_inputs``). The plan's
+            :attr:`~PipelinePlan.costs` then hold every stage's predicted costs.
+        micro_batches: micro-batches per step, for the ``"memory"`` model (activations 1F1B
+            keeps in flight) and the predicted bubble; default: ``num_stages``.
+        balance_inputs: ``{parameter name: tensor}``, one micro-batch the cost model measures
+            (on fake tensors) when the forward is captured with torch.fx; default:
+            ``example_inputs``.
+        checkpoint: module paths or glob patterns (``"blocks.*"``) whose activations are
+            recomputed in backward (non-reentrant ``torch.utils.checkpoint``, dropout masks
+            replayed) instead of kept: the stage graphs call them through the checkpoint, so
+            it works alike on every dialect. Nested matches count once, at the outermost
+            module; each matched module runs as one call ([Note: checkpointed calls] in
+            ``_fx``). Only with the torch.fx capture (not with ``example_inputs``).
         concrete_args: values fixed at capture time for forward parameters that steer control
             flow (``{"use_cache": False}``); they are not plan inputs.
         leaf_modules: module paths or classes fx must call rather than trace through.
@@ -207,31 +241,70 @@ def partition(
 
     Raises:
         SplitPointError: a split point is unknown, never called, called more than once, out of
-            execution order, or leaves the last stage empty.
+            execution order, or leaves the last stage empty; or neither ``split_points`` nor
+            ``num_stages`` is given.
+        ConfigError: ``balance`` or ``micro_batches`` without ``num_stages``, an unknown
+            method, or one that needs inputs it was not given.
+        ActivationCheckpointError: a ``checkpoint`` pattern matches no module, a checkpointed
+            module contains a split point, or ``checkpoint`` with ``example_inputs``.
         CaptureError: torch.fx or torch.export cannot capture the forward (the message says
             what to try).
-        PartitionError: ``leaf_modules`` given together with ``example_inputs``.
+        PartitionError: ``leaf_modules`` given together with ``example_inputs``; no partition
+            into ``num_stages`` stages exists.
         PlanMismatchError: the plan built with ``example_inputs`` computes something else than
             the model on them; the message names the first stage that differs.
     """
-    points = _normalise_split_points(split_points)
+    if split_points is None and num_stages is None:
+        raise SplitPointError(
+            "partition needs split_points=[module paths], or num_stages=N (with balance=) to "
+            "choose them"
+        )
+    fixed = _normalise_split_points(split_points if split_points is not None else [])
+    named_inputs = None if example_inputs is None else _export.named(model, example_inputs)
+    if named_inputs is not None and leaf_modules:
+        raise PartitionError(
+            "leaf_modules steers the torch.fx capture; with example_inputs the forward is "
+            "captured with torch.export, which has no leaf modules. Drop one of them."
+        )
+    ckpt_paths = _resolve_checkpoint(model, checkpoint)
+    if ckpt_paths and named_inputs is not None:
+        raise ActivationCheckpointError(
+            "checkpoint= rewrites module calls of the torch.fx capture; with example_inputs the "
+            "forward is captured with torch.export, whose graph has no module calls. Drop "
+            "example_inputs (call plan.verify(...) on them afterwards) or drop checkpoint="
+        )
+    costs = None
+    if num_stages is None:
+        if balance is not None or micro_batches is not None:
+            raise ConfigError(
+                "balance= and micro_batches= choose split points for num_stages stages; pass "
+                "num_stages=N too"
+            )
+        points = fixed
+    else:
+        points, costs = _balanced(
+            model,
+            num_stages,
+            balance or "parameters",
+            fixed,
+            micro_batches,
+            balance_inputs if balance_inputs is not None else named_inputs,
+            concrete_args,
+            [*(leaf_modules or ()), *ckpt_paths],
+        )
     canonical = {id(m): name for name, m in model.named_modules()}
     point_modules = [_resolve_split_point(model, path) for path in points]
     targets = [canonical[id(m)] for m in point_modules]
-    named_inputs = None if example_inputs is None else _export.named(model, example_inputs)
+    _check_checkpoint_nesting(points, targets, ckpt_paths)
     if named_inputs is not None:
-        if leaf_modules:
-            raise PartitionError(
-                "leaf_modules steers the torch.fx capture; with example_inputs the forward is "
-                "captured with torch.export, which has no leaf modules. Drop one of them."
-            )
         captured = _export.capture(model, named_inputs, concrete_args or {})
     else:
         leaf_ids, leaf_types, leaf_paths = _resolve_leaves(model, leaf_modules or ())
         split_ids = frozenset(id(m) for m in point_modules)
+        ckpt_ids = frozenset(id(model.get_submodule(p)) for p in ckpt_paths)
         captured = _fx.capture(
             model,
-            leaf_ids=split_ids | leaf_ids,
+            leaf_ids=split_ids | leaf_ids | ckpt_ids,
             leaf_types=leaf_types,
             concrete_args=concrete_args,
             split_ids=split_ids,
@@ -240,7 +313,9 @@ def partition(
         if named_inputs is not None:
             split_nodes = _export.locate(captured.graph, points, targets)
         else:
-            split_nodes = _locate(model, captured.graph, points, targets, leaf_paths)
+            split_nodes = _locate(
+                model, captured.graph, points, targets, [*leaf_paths, *ckpt_paths]
+            )
         stage_of = _fx.assign_stages(captured.graph, split_nodes)
         _fx.label_guards(captured.guards, stage_of)
         num_stages = len(points) + 1
@@ -250,9 +325,14 @@ def partition(
                 f"split point {points[-1]!r} is the last computation in forward: the stage "
                 f"after it would compute nothing. Drop {points[-1]!r} from split_points."
             )
+        if ckpt_paths:
+            _check_checkpoint_called(model, captured.graph, ckpt_paths, leaf_paths)
         cut = _fx.split(model, captured.graph, stage_of, num_stages)
     finally:
         _fx.remove_attrs(model, captured.added_attrs)
+    if ckpt_paths:
+        for stage in cut.stages:
+            _fx.checkpoint_calls(stage, frozenset(ckpt_paths))
     liveness = compute_liveness(cut.input_names, cut.arg_names, cut.defined_by)
     plan = PipelinePlan(
         stages=tuple(cut.stages),
@@ -265,11 +345,98 @@ def partition(
         graph=cut.top,
         model=model,
         concrete_args=dict(concrete_args or {}),
+        costs=costs,
+        checkpointed=tuple(ckpt_paths),
     )
     logger.info("partitioned %s:\n%s", type(model).__name__, plan.describe())
     if named_inputs is not None and verify:
         plan.verify(**named_inputs)
     return plan
+
+
+def _balanced(
+    model: nn.Module,
+    num_stages: int,
+    balance: BalanceMethod,
+    fixed: Sequence[str],
+    micro_batches: int | None,
+    inputs: Mapping[str, Any] | None,
+    concrete_args: Mapping[str, Any] | None,
+    leaf_modules: Sequence[str | type[nn.Module]],
+) -> tuple[list[str], PlanCosts]:
+    """Split points chosen by the cost model around ``fixed``, and the plan's predicted costs."""
+    if balance != "parameters" and inputs is None:
+        raise ConfigError(
+            f"balance={balance!r} measures the model on one micro-batch: pass balance_inputs="
+            "{parameter name: tensor} (or example_inputs), or use balance='parameters'"
+        )
+    profile = profile_model(
+        model,
+        example_inputs=inputs,
+        concrete_args=concrete_args,
+        leaf_modules=leaf_modules,
+        measure_time=balance == "time",
+    )
+    points = profile.choose(num_stages, balance, split_points=fixed, micro_batches=micro_batches)
+    costs = profile.costs(
+        points, micro_batches=num_stages if micro_batches is None else micro_batches
+    )
+    return points, costs
+
+
+def _resolve_checkpoint(model: nn.Module, checkpoint: Sequence[str] | str | None) -> list[str]:
+    """The outermost modules the ``checkpoint`` patterns match, in ``named_modules`` order."""
+    if checkpoint is None:
+        return []
+    patterns = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
+    names = [name for name, _ in model.named_modules() if name]
+    matched: set[str] = set()
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise ActivationCheckpointError(
+                f"checkpoint entry {pattern!r} is not a module path or glob pattern (a "
+                "non-empty str)"
+            )
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ActivationCheckpointError(
+                f"checkpoint pattern {pattern!r} matches no module of {type(model).__name__}"
+                + _close_matches(pattern, names)
+            )
+        matched.update(hits)
+    outermost = [
+        n
+        for n in names
+        if n in matched and not any(n.startswith(o + ".") for o in matched if o != n)
+    ]
+    return outermost
+
+
+def _check_checkpoint_nesting(
+    points: Sequence[str], targets: Sequence[str], ckpt_paths: Sequence[str]
+) -> None:
+    for path, target in zip(points, targets, strict=True):
+        for outer in ckpt_paths:
+            if target.startswith(outer + "."):
+                raise ActivationCheckpointError(
+                    f"split point {path!r} is inside checkpointed module {outer!r}, which runs "
+                    "(and is recomputed) as one call; checkpoint the modules inside it instead, "
+                    "or choose a split point outside it"
+                )
+
+
+def _check_checkpoint_called(
+    model: nn.Module, graph: fx.Graph, ckpt_paths: Sequence[str], leaf_paths: Sequence[str]
+) -> None:
+    called = {str(n.target) for n in graph.nodes if n.op == "call_module"}
+    for path in ckpt_paths:
+        if path not in called:
+            raise ActivationCheckpointError(
+                f"checkpointed module {path!r}: "
+                + _never_called(model, path, path, [], [], leaf_paths).replace(
+                    f"split point {path!r} ", "it ", 1
+                )
+            )
 
 
 def _normalise_split_points(split_points: Sequence[str]) -> list[str]:

@@ -646,3 +646,49 @@ def checkpointing_run(steps: int = 3, gas: int = 2) -> list[dict[str, Any]]:
         }
     )
     return results
+
+
+#: ``partition(checkpoint=...)`` on DropNet: the split point itself, both dropouts (by glob)
+#: and the head are recomputed in backward.
+MODULE_CHECKPOINT = ["block0", "drop*", "head"]
+
+
+def _count_module_calls(stage: nn.Module, path: str) -> list[int]:
+    calls = [0]
+
+    def count(*_: Any) -> None:
+        calls[0] += 1
+
+    stage.get_submodule(path).register_forward_pre_hook(count)
+    return calls
+
+
+def module_checkpoint_run(steps: int = 3, gas: int = 2) -> dict[str, Any]:
+    """Train DropNet partitioned with ``checkpoint=MODULE_CHECKPOINT`` on 2 DeepSpeed stages;
+    record losses, gradients, parameters and how often the checkpointed modules ran."""
+    dialect = pipedialect.get_dialect("deepspeed")
+    dialect.init_distributed()
+    plan = partition(DROPNET.build(0), DROPNET.split_points_for(2), checkpoint=MODULE_CHECKPOINT)
+    config = ds_config("sgd", gas=gas, micro=2, dp=1)
+    module = dialect.pipe_engine(
+        plan, config=config, loss_fn=DROPNET.loss_fn, topology=dialect.make_topology(2, 1)
+    )
+    engine = dialect.runtime_engine(module, config=config)
+    (stage,) = dialect.local_stages(engine)
+    grads = _record_grads_before_each_step(engine, plan.stages[stage])
+    path = "block0" if stage == 0 else "head"
+    calls = _count_module_calls(plan.stages[stage], path)
+    torch.manual_seed(DROPOUT_SEED + stage)
+    data = data_stream(DROPNET, steps * gas, 2, 0)
+    losses, calls_after = [], []
+    for _ in range(steps):
+        losses.append(float(engine.train_batch(data_iter=data)))
+        calls_after.append(calls[0])
+    return {
+        "stage": stage,
+        "losses": losses,
+        "grads": grads,
+        "params": local_params(plan, stage),
+        "calls": calls_after,
+        "code": plan.stages[stage].code,
+    }

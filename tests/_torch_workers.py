@@ -240,3 +240,32 @@ def check_schedules(schedules: list[str], select: str) -> int:
 
     register_plugin(ScheduleVariants(schedules), name="torch-schedule-variants")
     return main(["check", *(f"torch-{s}" for s in schedules), "-k", select])
+
+
+def module_checkpoint_run(steps: int = 3, gas: int = 2) -> dict[str, Any]:
+    """DropNet partitioned with ``checkpoint=`` on 2 torch-dialect stages (1F1B); losses,
+    parameters and how often the checkpointed module of this rank's stage ran."""
+    import _ds_workers
+
+    spec = _ds_workers.DROPNET
+    dialect = pipedialect.get_dialect("torch")
+    dialect.init_distributed()
+    plan = partition(
+        spec.build(0), spec.split_points_for(2), checkpoint=_ds_workers.MODULE_CHECKPOINT
+    )
+    config = ds_config("sgd", gas=gas, micro=2)
+    module = dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn, schedule="1F1B")
+    engine = dialect.runtime_engine(module, config=config)
+    (stage,) = dialect.local_stages(engine)
+    calls = _ds_workers._count_module_calls(plan.stages[stage], "block0" if stage == 0 else "head")
+    torch.manual_seed(_ds_workers.DROPOUT_SEED + stage)
+    data = _ds_workers.data_stream(spec, steps * gas, 2, 0)
+    losses, calls_after = [], []
+    for _ in range(steps):
+        losses.append(float(engine.train_batch(data_iter=data)))
+        calls_after.append(calls[0])
+    params = {
+        n: p.detach().cpu().clone()
+        for n, p in plan.stages[stage].named_parameters(remove_duplicate=False)
+    }
+    return {"stage": stage, "losses": losses, "params": params, "calls": calls_after}

@@ -319,6 +319,52 @@ def test_bad_requests_are_refused_by_name() -> None:
         )
 
 
+def test_partition_chooses_what_choose_split_points_chooses_and_describes_the_costs() -> None:
+    """partition(num_stages=, balance=) keeps fixed split points, agrees with
+    choose_split_points, and its describe() prints every stage's costs and the bubble
+    (p - 1) / (m + p - 1) = 3 / 11 for p = 4, m = 8."""
+    model = TinyGPT()
+    ids = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
+    expected = choose_split_points(model, 4, "flops", example_inputs=ids, micro_batches=8)
+    plan = partition(model, num_stages=4, balance="flops", balance_inputs=ids, micro_batches=8)
+    assert list(plan.split_points) == expected
+    fixed = partition(model, ["blocks.0"], num_stages=4, balance="flops", balance_inputs=ids)
+    assert "blocks.0" in fixed.split_points and fixed.num_stages == 4
+    assert plan.costs is not None
+    text = plan.describe()
+    assert "predicted bubble 27.3% (m=8)" in text
+    for stage in plan.costs.stages:
+        assert stage.flops is not None and stage.flops > 0
+        line = next(
+            line
+            for line in text.splitlines()
+            if line.startswith(f"[Stage {stage.stage}] {stage.parameters:,} parameters")
+        )
+        assert f"{stage.flops:,.0f} FLOPs" in line and "in flight" in line
+        assert ("sends" in line) == (stage.stage < 3)
+    # Without a measurement: parameters only, the default method, m = num_stages.
+    by_params = partition(model, num_stages=2)
+    assert by_params.costs is not None and by_params.costs.micro_batches == 2
+    assert "FLOPs" not in by_params.describe() and "predicted bubble 33.3%" in by_params.describe()
+    assert partition(model, ["blocks.1"]).costs is None
+
+
+def test_bad_partition_balance_requests_are_refused_by_name() -> None:
+    model = TinyGPT()
+    with pytest.raises(SplitPointError, match="num_stages"):
+        partition(model)
+    with pytest.raises(ConfigError, match="num_stages"):
+        partition(model, ["blocks.1"], balance="flops")
+    with pytest.raises(ConfigError, match="num_stages"):
+        partition(model, ["blocks.1"], micro_batches=4)
+    with pytest.raises(ConfigError, match="balance_inputs"):
+        partition(model, num_stages=2, balance="flops")
+    with pytest.raises(SplitPointError, match="more than num_stages"):
+        partition(model, ["blocks.0", "blocks.2"], num_stages=2)
+    with pytest.raises(ConfigError, match="num_stages must be a positive int"):
+        partition(model, num_stages=0)
+
+
 def test_fixed_split_points_are_kept_and_the_rest_solved_around_them() -> None:
     model = TinyGPT()
     ids = torch.zeros(2, 8, dtype=torch.long)
@@ -423,27 +469,46 @@ def _train_reference(spec: ModelSpec, model: nn.Module, batches: Sequence[Any]) 
 
 
 @pytest.mark.parametrize(
-    ("name", "balance", "stages"),
+    ("name", "balance", "stages", "via"),
     [
-        ("gpt", "flops", 4),
-        ("skip", "memory", 3),
-        ("mixed", "flops", 3),
-        ("encdec", "parameters", 3),
+        ("gpt", "flops", 4, "choose"),
+        ("skip", "memory", 3, "choose"),
+        ("mixed", "flops", 3, "choose"),
+        ("encdec", "parameters", 3, "choose"),
+        ("skip", "memory", 3, "partition"),
+        ("encdec", "parameters", 3, "partition"),
+        ("gpt", "flops", 3, "partition-export"),
     ],
 )
-def test_balanced_plan_trains_like_the_unsplit_model(name: str, balance: str, stages: int) -> None:
+def test_balanced_plan_trains_like_the_unsplit_model(
+    name: str, balance: str, stages: int, via: str
+) -> None:
+    """Split points from choose_split_points, or chosen by partition(num_stages=, balance=)
+    itself (torch.fx with balance_inputs, or torch.export with example_inputs)."""
     spec = MODELS[name]
     model = spec.build()
     reference = copy.deepcopy(model)
-    points = choose_split_points(
-        model,
-        stages,
-        balance,
-        example_inputs=_example(spec),
-        micro_batches=GAS,  # type: ignore[arg-type]
-    )
-    assert len(points) == stages - 1
-    plan = partition(model, points)
+    if via == "choose":
+        points = choose_split_points(
+            model,
+            stages,
+            balance,  # type: ignore[arg-type]
+            example_inputs=_example(spec),
+            micro_batches=GAS,
+        )
+        assert len(points) == stages - 1
+        plan = partition(model, points)
+    else:
+        inputs = {"balance_inputs" if via == "partition" else "example_inputs": _example(spec)}
+        plan = partition(
+            model,
+            num_stages=stages,
+            balance=balance,  # type: ignore[arg-type]
+            micro_batches=GAS,
+            **inputs,  # type: ignore[arg-type]
+        )
+        assert plan.num_stages == stages
+        assert plan.costs is not None and list(plan.costs.split_points) == list(plan.split_points)
     config = {
         "train_batch_size": 2 * GAS,
         "train_micro_batch_size_per_gpu": 2,

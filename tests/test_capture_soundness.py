@@ -553,3 +553,33 @@ def test_stages_with_checks_survive_pickling() -> None:
     )
     with pytest.raises(pipedialect.StructureChangedError, match=r"input 'x' has shape \[3, 8\]"):
         first(_x(batch=3))
+
+
+class _NoOpCastBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(h) + x.float()  # float32 already: returns x itself
+
+
+class _NoOpCastModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _NoOpCastBlock()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x, x)) + x
+
+
+def test_export_verification_accepts_a_value_the_split_point_was_called_with() -> None:
+    # Found by the fuzzer: export records later uses of x as the no-op cast inside the split
+    # point; stage 0 sends that node, which is x itself, and the plan is right.
+    torch.manual_seed(0)
+    model = _NoOpCastModel()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    plan = pipedialect.partition(model, ["block"], example_inputs={"x": x})
+    torch.testing.assert_close(plan.graph(x), reference(x), rtol=0, atol=0)

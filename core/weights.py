@@ -1,0 +1,370 @@
+"""Filling the stages of a meta-device plan with real weights, one rank's stages at a time.
+
+A model built under ``with torch.device("meta")`` is partitioned without any memory; each rank
+then calls :func:`materialise_stages` on the stages it runs: they get storage on the rank's
+device (``to_empty``), the parameters they share are one Parameter again, and an
+``init_weights(stage_module)`` callable fills every parameter and buffer by its original name.
+This module provides ready loaders:
+
+- :func:`from_state_dict`: from a ``{name: tensor}`` mapping (the unsplit model's
+  ``state_dict()``, say);
+- :func:`from_safetensors`: from one or more ``.safetensors`` files, or a sharded checkpoint's
+  ``*.safetensors.index.json``; each stage opens only the files that hold its tensors and reads
+  only those tensors (``safe_open``), never the whole checkpoint;
+- :func:`from_pretrained`: a Hugging Face checkpoint directory written by ``save_pretrained``
+  (``model.safetensors`` or ``model.safetensors.index.json``).
+
+[Note: tied and missing names]
+``save_pretrained`` writes a tied weight once (``lm_head.weight`` is absent, tied to
+``transformer.wte.weight``), and a stage may hold only the absent name. Given the plan, a loader
+treats every name of a tie group as an alias of the others and reads whichever the file has;
+``ties={"lm_head.weight": "transformer.wte.weight"}`` adds aliases by hand. Non-persistent
+buffers (rotary frequency tables, causal masks) are in no file: the loader takes them from
+``buffers={name: tensor}`` (computed on the CPU, e.g. from the module that owns them) or
+refuses by name. Every other name a stage holds must be found (the error lists all that are
+not); names in the file that no stage holds are ignored, so each rank reads its own part.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .errors import WeightsError
+from .partition import PipelinePlan
+from .stage import StageWrapper
+
+__all__ = [
+    "InitWeights",
+    "from_pretrained",
+    "from_safetensors",
+    "from_state_dict",
+    "materialise_stages",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class InitWeights(Protocol):
+    """Fills every parameter and buffer of one materialised stage module, by name."""
+
+    def __call__(self, stage_module: nn.Module) -> None: ...
+
+
+class _Source(Protocol):
+    def keys(self) -> Iterable[str]: ...
+
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]: ...
+
+
+def _unwrap(stage_module: nn.Module) -> nn.Module:
+    return stage_module.mod if isinstance(stage_module, StageWrapper) else stage_module
+
+
+def _alias_groups(
+    plan: PipelinePlan | None, ties: Mapping[str, str] | None
+) -> dict[str, tuple[str, ...]]:
+    """For every tied name, all the names that hold the same weight (itself first)."""
+    groups: list[set[str]] = []
+    if plan is not None:
+        groups.extend({name for name, _ in g.members} for g in plan.tie_groups)
+    for a, b in (ties or {}).items():
+        groups.append({a, b})
+    merged: dict[str, set[str]] = {}
+    for group in groups:
+        union = set(group)
+        for name in group:
+            union |= merged.get(name, set())
+        for name in union:
+            merged[name] = union
+    return {n: (n, *sorted(g - {n})) for n, g in merged.items()}
+
+
+class _Loader:
+    """An :class:`InitWeights` reading from ``source``, honouring aliases and given buffers."""
+
+    def __init__(
+        self,
+        source: _Source,
+        plan: PipelinePlan | None,
+        ties: Mapping[str, str] | None,
+        buffers: Mapping[str, torch.Tensor] | None,
+        what: str,
+    ) -> None:
+        self._source = source
+        self._aliases = _alias_groups(plan, ties)
+        self._buffers = dict(buffers or {})
+        self._what = what
+        self._stage_of: dict[int, int] = {}
+        if plan is not None:
+            self._stage_of = {id(s): k for k, s in enumerate(plan.stages)}
+
+    def __call__(self, stage_module: nn.Module) -> None:
+        module = _unwrap(stage_module)
+        stage = self._stage_of.get(id(module))
+        where = f"[Stage {stage}] " if stage is not None else ""
+        targets = _named_state(module)
+        available = set(self._source.keys())
+        wanted: dict[str, str] = {}
+        given: dict[str, torch.Tensor] = {}
+        missing: list[str] = []
+        for name in targets:
+            key = next((a for a in self._aliases.get(name, (name,)) if a in available), None)
+            if key is not None:
+                wanted[name] = key
+            elif name in self._buffers:
+                given[name] = self._buffers[name]
+            else:
+                missing.append(name)
+        if missing:
+            hint = ""
+            if any(_is_non_persistent(module, n) for n in missing):
+                hint = (
+                    "; non-persistent buffers are in no checkpoint: pass buffers={name: tensor} "
+                    "(computed on the CPU by the module that owns them)"
+                )
+            raise WeightsError(
+                f"{where}{self._what} has no tensor for {missing}{hint}. Tied names need the "
+                "plan (plan=) or ties={name: name in the file}.",
+                stage=stage,
+                parameter=missing[0],
+            )
+        values = self._source.read(sorted(set(wanted.values())))
+        with torch.no_grad():
+            for name, tensor in targets.items():
+                value = values[wanted[name]] if name in wanted else given[name]
+                if tuple(value.shape) != tuple(tensor.shape):
+                    raise WeightsError(
+                        f"{where}{name!r} has shape {tuple(tensor.shape)} in the stage but "
+                        f"{tuple(value.shape)} in {self._what}"
+                        + (f" (as {wanted[name]!r})" if wanted.get(name, name) != name else ""),
+                        stage=stage,
+                        parameter=name,
+                    )
+                tensor.copy_(value)
+        logger.debug("%sloaded %d tensors from %s", where, len(targets), self._what)
+
+
+def _named_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` under each of its names."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out[name] = p
+    for name, b in module.named_buffers(remove_duplicate=False):
+        out[name] = b
+    return out
+
+
+def _is_non_persistent(module: nn.Module, name: str) -> bool:
+    owner_path, _, attr = name.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_path)
+    except AttributeError:
+        return False
+    return attr in owner._non_persistent_buffers_set
+
+
+class _StateDictSource:
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def keys(self) -> Iterable[str]:
+        return self._state.keys()
+
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        return {n: self._state[n] for n in names}
+
+
+class _SafetensorsSource:
+    """Tensor names of several files, each file opened only when one of its tensors is read."""
+
+    def __init__(self, where: Mapping[str, Path]) -> None:
+        self._where = where
+        self.files_opened: list[Path] = []
+
+    def keys(self) -> Iterable[str]:
+        return self._where.keys()
+
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._where[name], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for path in sorted(by_file):
+            self.files_opened.append(path)
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in by_file[path]:
+                    out[name] = f.get_tensor(name)
+        return out
+
+
+def _index(paths: Sequence[Path]) -> dict[str, Path]:
+    """Which file holds each tensor name (reading headers and index files only)."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for path in paths:
+        if not path.is_file():
+            raise WeightsError(f"weights file {str(path)!r} does not exist")
+        if path.name.endswith(".index.json"):
+            weight_map = json.loads(path.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise WeightsError(f"{str(path)!r} has no 'weight_map' of tensor names to files")
+            for name, file in weight_map.items():
+                where[name] = path.parent / file
+        else:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                    where[name] = path
+    return where
+
+
+def from_state_dict(
+    state: Mapping[str, torch.Tensor],
+    *,
+    plan: PipelinePlan | None = None,
+    ties: Mapping[str, str] | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
+) -> InitWeights:
+    """An ``init_weights`` copying each stage tensor from ``state[name]`` ([Note: tied and
+    missing names])."""
+    return _Loader(_StateDictSource(state), plan, ties, buffers, "the state dict")
+
+
+def from_safetensors(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    plan: PipelinePlan | None = None,
+    ties: Mapping[str, str] | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
+) -> InitWeights:
+    """An ``init_weights`` reading each stage's tensors from ``.safetensors`` files (or a
+    sharded checkpoint's ``.index.json``), only those of the stage ([Note: tied and missing
+    names])."""
+    items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    files = [Path(p) for p in items]
+    names = ", ".join(str(p) for p in files)
+    return _Loader(_SafetensorsSource(_index(files)), plan, ties, buffers, names)
+
+
+def from_pretrained(
+    directory: str | os.PathLike[str],
+    *,
+    plan: PipelinePlan | None = None,
+    ties: Mapping[str, str] | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
+) -> InitWeights:
+    """An ``init_weights`` for a Hugging Face ``save_pretrained`` directory: its
+    ``model.safetensors``, or the shards listed in ``model.safetensors.index.json``.
+
+    Pass the plan: its tie groups, and the ``_tied_weights_keys`` its transformers model
+    declares, let a stage that holds only ``lm_head.weight`` read the embedding it is tied to;
+    ``ties`` adds aliases by hand.
+    """
+    root = Path(directory)
+    index = root / "model.safetensors.index.json"
+    single = root / "model.safetensors"
+    if index.is_file():
+        target = index
+    elif single.is_file():
+        target = single
+    else:
+        found = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+        raise WeightsError(
+            f"{str(root)!r} has neither model.safetensors nor model.safetensors.index.json "
+            f"(it holds {found}); save the model with save_pretrained(safe_serialization=True)"
+        )
+    merged = dict(_hf_ties(plan))
+    merged.update(ties or {})
+    return from_safetensors(target, plan=plan, ties=merged, buffers=buffers)
+
+
+def _hf_ties(plan: PipelinePlan | None) -> dict[str, str]:
+    """``_tied_weights_keys`` of the plan's transformers model, as ``{tied name: source}``."""
+    model = plan.model if plan is not None else None
+    declared = getattr(model, "_tied_weights_keys", None)
+    return {str(k): str(v) for k, v in declared.items()} if isinstance(declared, dict) else {}
+
+
+def materialise_stages(
+    plan: PipelinePlan,
+    stage_ids: Iterable[int],
+    device: torch.device | str,
+    init_weights: InitWeights | Callable[[nn.Module], None],
+) -> None:
+    """Give the stages ``stage_ids`` of ``plan`` storage on ``device`` and fill them.
+
+    Only these stages are touched (the others stay on the meta device, costing nothing). After
+    ``to_empty``, a Parameter or buffer the stages shared is one object again (``to_empty``
+    makes a new one per owner), then ``init_weights(stage)`` runs for each stage in order and
+    must write every tensor (in place, or by assigning a new one).
+
+    Raises:
+        WeightsError: ``init_weights`` left a parameter or buffer of these stages unwritten or
+            on the meta device (the message lists them), a loader's error with the stage
+            named, or a stage id is out of range.
+    """
+    ids = sorted(set(stage_ids))
+    bad = [k for k in ids if not 0 <= k < plan.num_stages]
+    if bad:
+        raise WeightsError(f"stage ids {bad} are not stages of a {plan.num_stages}-stage plan")
+    stages = [plan.stages[k] for k in ids]
+    owners = _owners(stages)
+    for stage in stages:
+        stage.to_empty(device=device)
+    _retie(owners)
+    for k, stage in zip(ids, stages, strict=True):
+        empty = {n: _mark(t) for n, t in _named_state(stage).items()}
+        try:
+            init_weights(stage)
+        except WeightsError as exc:
+            if exc.stage is not None:
+                raise
+            raise WeightsError(f"[Stage {k}] {exc}", stage=k, parameter=exc.parameter) from exc
+        state = _named_state(stage)
+        left = [n for n, t in state.items() if t.is_meta or empty.get(n) == _mark(t)]
+        if left:
+            raise WeightsError(
+                f"[Stage {k}] init_weights left {left} as to_empty made them (uninitialised "
+                "memory) or on the meta device; it must fill every parameter and buffer of the "
+                "stage",
+                stage=k,
+                parameter=left[0],
+            )
+
+
+def _mark(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """Identity, storage and in-place version: unchanged means nothing wrote the tensor."""
+    return id(tensor), tensor.data_ptr(), tensor._version
+
+
+def _owners(stages: Sequence[nn.Module]) -> list[list[tuple[nn.Module, str, bool]]]:
+    """Groups of (module, attribute, is_parameter) that hold one tensor, in a stable order."""
+    groups: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    seen: set[tuple[int, str]] = set()
+    for stage in stages:
+        for module in stage.modules():
+            for table, is_param in ((module._parameters, True), (module._buffers, False)):
+                for attr, tensor in table.items():
+                    if tensor is None or (id(module), attr) in seen:
+                        continue
+                    seen.add((id(module), attr))
+                    groups.setdefault(id(tensor), []).append((module, attr, is_param))
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _retie(groups: Sequence[Sequence[tuple[nn.Module, str, bool]]]) -> None:
+    for group in groups:
+        module, attr, is_param = group[0]
+        shared: Any = (module._parameters if is_param else module._buffers)[attr]
+        for other, other_attr, other_is_param in group[1:]:
+            (other._parameters if other_is_param else other._buffers)[other_attr] = shared
