@@ -143,9 +143,12 @@ def test_a_refusal_counts_only_when_it_is_a_named_error(monkeypatch: pytest.Monk
 
 #: Seeds of the models each distributed dialect trains per run (one launch of two ranks each):
 #: the first eight, plus DeepSpeed seeds that found the stale wire metadata under dynamic shapes
-#: on f795e34 (126: a wrong eval loss; 94: evaluating first broke the next train_batch).
+#: on f795e34 (126: a wrong eval loss; 94: evaluating first broke the next train_batch), and
+#: torch seeds that found the zero-bubble schedules' split-backward bugs on f5064c4 (94: a
+#: stage output needing a gradient from no input that needs one lost its weight gradient;
+#: 91, 93, 138, 185, 186: a stage output also used inside its stage was detached in place).
 DEEPSPEED_SEEDS = (*range(8), 94, 126)
-TORCH_SEEDS = tuple(range(8))
+TORCH_SEEDS = (*range(8), 91, 93, 94, 138, 185, 186)
 
 
 def _check_distributed(dialect: fm.Dialect, seeds: tuple[int, ...], launched: list[Any]) -> None:

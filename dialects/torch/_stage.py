@@ -19,17 +19,40 @@ exactly the graph the unsplit model would have.
 
 [Note: wire tensors for torch]
 Every boundary tensor is sent as it is produced, except that torch needs plain tensors: p2p
-sends need contiguous memory, and the zero-bubble schedules detach stage outputs in place,
-which autograd refuses for views. A non-contiguous tensor is made contiguous (a copy), a view
-that needs no gradient is detached (no copy), and a view that needs one is cloned (a copy,
-rare: boundary values are usually fresh results).
+sends need contiguous memory, and the zero-bubble schedules detach stage outputs in place
+after the input-gradient pass. A non-contiguous tensor is made contiguous (a copy) and a view
+that needs no gradient is detached (no copy). A tensor that needs a gradient is sent as an
+alias: a new tensor object on the same memory whose autograd node passes the gradient through
+(no copy). Detaching the alias in place leaves the stage's own value attached, which matters
+when that value is also saved by a later operation of the stage whose weight gradient is
+computed in the weight pass (a split point's output used again inside the stage: detaching it
+made torch fail with "Trying to use a saved tensor that has been detached in-place"), and
+autograd refuses to detach views in place, which the alias is not.
+
+[Note: split backward without a gradient-carrying input]
+The zero-bubble schedules (``split_backward`` in ``_schedules``) compute a stage's input
+gradients first, then its weight gradients starting from the autograd nodes where the
+parameters' paths meet the paths of the stage inputs that need a gradient. A parameter path
+that reaches a stage output without meeting such an input (an embedding of integer ids sent on
+as it is, or a stage whose inputs need no gradient at all) is not followed, and torch's weight
+pass silently leaves that parameter's gradient out. Before each input-gradient pass, this
+dialect's stage checks whether some output that needs a gradient depends on no input that needs
+one; if so, that micro-batch's backward runs in full at once and its weight pass has nothing
+left to do. The gradients are exact; that stage only loses the zero-bubble overlap.
+
+Torch's weight pass also frees the graph as it goes, one parameter group after another. When a
+parameter is used at two places along the input path (a weight tied within the stage), its
+group's pass walks the graph between the two uses and frees it, and the next group, whose
+parameters lie on that stretch, fails with "Trying to backward through the graph a second
+time". This dialect's weight pass keeps the graph until the pass ends (torch's own function
+with ``retain_graph``); the graph is released with the micro-batch's backward state right after.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -84,10 +107,70 @@ def normalize_wire(wire: Any, prefix: str) -> tuple[torch.Tensor, ...]:
     for t in wire:
         if not t.is_contiguous():
             t = t.contiguous()
+        if t.requires_grad:
+            t = _alias(t)
         elif t._is_view():
-            t = t.clone() if t.requires_grad else t.detach()
+            t = t.detach()
         out.append(t)
     return tuple(out)
+
+
+class _Alias(torch.autograd.Function):
+    """Identity whose output is a new tensor on the input's memory; see the module notes."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        del ctx
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        del ctx
+        return grad
+
+
+def _alias(value: torch.Tensor) -> torch.Tensor:
+    return cast(torch.Tensor, _Alias.apply(value))  # type: ignore[no-untyped-call]
+
+
+def _grad_node(value: torch.Tensor) -> Any:
+    """The autograd node of ``value``: its ``grad_fn``, or its gradient accumulator if a leaf."""
+    if value.grad_fn is not None:
+        return value.grad_fn
+    view = value.view_as(value)
+    return view.grad_fn.next_functions[0][0] if view.grad_fn is not None else None
+
+
+def outputs_without_grad_input(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[int]:
+    """Indices of the ``outputs`` that need a gradient but depend on no ``inputs`` that need one.
+
+    See [Note: split backward without a gradient-carrying input].
+    """
+    sources = {_grad_node(t) for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad}
+    sources.discard(None)
+    return [
+        i
+        for i, out in enumerate(outputs)
+        if isinstance(out, torch.Tensor) and out.requires_grad and not _reaches(out, sources)
+    ]
+
+
+def _reaches(value: torch.Tensor, sources: set[Any]) -> bool:
+    """Whether the autograd graph of ``value`` contains one of the ``sources`` nodes."""
+    root = _grad_node(value)
+    if root is None:
+        return False
+    seen = {root}
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        if node in sources:
+            return True
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return False
 
 
 def index_of(index: torch.Tensor) -> int:
@@ -216,8 +299,13 @@ def pipeline_stage_class() -> type[Any]:
     backward action, and torch 2.13 asserts that the stage has a backward even when the
     backward itself was skipped. Without a backward there is nothing to hand over, so this
     subclass makes that hand-over a no-op then; with a backward it is torch's own.
+
+    It also runs the backward in full where the split one would lose weight gradients, and
+    keeps the graph through the weight pass ([Note: split backward without a
+    gradient-carrying input]).
     """
     from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._backward import stage_backward_weight
 
     class _PipeDialectStage(PipelineStage):
         def get_local_bwd_output(self, mb_index: int) -> Any:
@@ -229,5 +317,34 @@ def pipeline_stage_class() -> type[Any]:
             if not self.has_backward:
                 return
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+        def backward_maybe_with_nosync(
+            self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
+        ) -> Any:
+            """Torch's backward step, made exact for split backward (see the notes above).
+
+            The weight pass calls torch's function directly: this dialect never wraps a stage
+            in DDP or FSDP (replicas all-reduce their own gradients), so there is no sync to skip.
+            """
+            if backward_type == "input":
+                outputs = bwd_kwargs["stage_output"]
+                if isinstance(outputs, torch.Tensor):
+                    outputs = (outputs,)
+                lone = outputs_without_grad_input(outputs, bwd_kwargs["input_values"])
+                if lone:
+                    logger.debug(
+                        "[Stage %d] outputs %s need a gradient but depend on no input that "
+                        "needs one: full backward in place of the input pass",
+                        self.stage_index,
+                        lone,
+                    )
+                    grads, _ = super().backward_maybe_with_nosync("full", bwd_kwargs, last_backward)
+                    return grads, []
+            if backward_type == "weight":
+                weights = stage_backward_weight(
+                    self.submod.parameters(), bwd_kwargs["param_groups"], retain_graph=True
+                )
+                return weights, None
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     return _PipeDialectStage
