@@ -1,0 +1,344 @@
+"""DeepSpeed configuration semantics, for the engines that do not run DeepSpeed.
+
+Every dialect takes a DeepSpeed config dict, and the same config must give the same numbers
+on every dialect, so this module follows
+DeepSpeed 0.19.8 exactly where it matters:
+
+- the batch-size triple (``runtime/config.py``, ``_set_batch_related_parameters`` and
+  ``_batch_assertion``): ``train_batch_size = micro * gas * data-parallel size``; any two
+  derive the third with integer division, one alone sets ``gradient_accumulation_steps = 1``;
+- the optimizer (``runtime/engine.py``, ``_configure_basic_optimizer``): ``Adam`` means AdamW
+  unless ``adam_w_mode`` is false; ``torch_adam`` selects torch's class with torch's defaults
+  (AdamW's ``weight_decay`` is then 0.01), otherwise DeepSpeed's FusedAdam with its defaults
+  (``weight_decay`` 0); any other name is looked up in ``torch.optim``;
+- ``gradient_clipping`` defaults to 1.0 and clips with the norm over all parameters
+  (``runtime/utils.py``, ``clip_grad_norm_``).
+
+A ``scheduler`` section is checked here and built by :mod:`pipedialect.lr_schedules`.
+Keys that would change the numbers and are not implemented (fp16/bf16, ZeRO stage > 0,
+...) raise :class:`~pipedialect.ConfigError` naming the key; logging keys are ignored;
+keys DeepSpeed itself does not know are ignored with a warning, as DeepSpeed ignores them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+from .lr_schedules import check_schedule_section
+
+__all__ = ["TrainingConfig", "batch_triple", "build_optimizer", "clip_gradients", "parse_config"]
+
+logger = logging.getLogger(__name__)
+
+#: DeepSpeed 0.19.8's ``GRADIENT_CLIPPING_DEFAULT``.
+GRADIENT_CLIPPING_DEFAULT = 1.0
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+#: Keys that only affect logging, profiling, checkpoint layout or memory, never the numbers.
+_IGNORED = frozenset(
+    {
+        "activation_checkpointing",
+        "aio",
+        "autotuning",
+        "checkpoint",
+        "comet",
+        "comms_logger",
+        "csv_monitor",
+        "dataloader_drop_last",
+        "disable_allgather",
+        "dump_state",
+        "flops_profiler",
+        "load_universal_checkpoint",
+        "memory_breakdown",
+        "monitor_config",
+        "nebula",
+        "pipeline",
+        "prescale_gradients",
+        "steps_per_print",
+        "tensorboard",
+        "timers",
+        "use_node_local_storage",
+        "wall_clock_breakdown",
+        "wandb",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+    }
+)
+
+#: Sections that change the numbers when ``enabled`` is true.
+_ENABLED_SECTIONS = frozenset(
+    {
+        "amp",
+        "bf16",
+        "bfloat16",
+        "compile",
+        "curriculum_learning",
+        "data_efficiency",
+        "eigenvalue",
+        "elasticity",
+        "fp16",
+        "progressive_layer_drop",
+        "quantize_training",
+        "torch_autocast",
+    }
+)
+
+#: Sections that change the numbers whenever present.
+_UNSUPPORTED_SECTIONS = frozenset({"compression_training", "hybrid_engine", "sparse_attention"})
+
+#: DeepSpeed optimizer names with no torch equivalent here.
+_DS_ONLY_OPTIMIZERS = frozenset(
+    {
+        "lamb",
+        "lion",
+        "muadam",
+        "muadamw",
+        "musgd",
+        "muon",
+        "onebitadam",
+        "onebitlamb",
+        "zerooneadam",
+    }
+)
+
+_FUSED_ADAM_DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "bias_correction": True,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "amsgrad": False,
+    "set_grad_none": True,
+}
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What a DeepSpeed config dict asks of a training loop, resolved as DeepSpeed resolves it."""
+
+    #: Samples per optimizer step over all data-parallel replicas.
+    train_batch_size: int
+    #: Samples per micro-batch.
+    micro_batch_size: int
+    #: Micro-batches per optimizer step (each loss is scaled by its inverse).
+    gradient_accumulation_steps: int
+    #: Global gradient-norm limit; 0 disables clipping.
+    gradient_clipping: float
+    #: The optimizer's ``type`` as written in the config.
+    optimizer_type: str
+    #: The optimizer's ``params`` as written in the config.
+    optimizer_params: Mapping[str, Any] = field(default_factory=dict)
+    #: The checked ``scheduler`` section (``type`` and ``params``), or None.
+    scheduler: Mapping[str, Any] | None = None
+
+
+def _positive_int(config: Mapping[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config[{key!r}] must be an integer, got {value!r}")
+    return value
+
+
+def batch_triple(config: Mapping[str, Any], world_size: int) -> tuple[int, int, int]:
+    """``(train_batch_size, micro batch size, gradient_accumulation_steps)`` as DeepSpeed
+    derives them for ``world_size`` data-parallel replicas; inconsistent sizes raise
+    :class:`~pipedialect.ConfigError` with DeepSpeed's own rule."""
+    train, micro, gas = (_positive_int(config, key) for key in _BATCH_KEYS)
+    if train is not None and micro is not None and gas is not None:
+        pass
+    elif train is not None and micro is not None:
+        gas = train // micro // world_size
+    elif train is not None and gas is not None:
+        micro = train // world_size // gas
+    elif micro is not None and gas is not None:
+        train = micro * gas * world_size
+    elif train is not None:
+        gas = 1
+        micro = train // world_size
+    elif micro is not None:
+        train = micro * world_size
+        gas = 1
+    else:
+        raise ConfigError(
+            "config needs train_batch_size or train_micro_batch_size_per_gpu (as DeepSpeed does)"
+        )
+    for key, value in zip(_BATCH_KEYS, (train, micro, gas), strict=True):
+        if value <= 0:
+            raise ConfigError(f"config[{key!r}] resolves to {value}; it must be greater than 0")
+    if train != micro * gas * world_size:
+        raise ConfigError(
+            f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu ({micro}) * "
+            f"gradient_accumulation_steps ({gas}) * data-parallel size ({world_size}); fix the "
+            "batch-size entries of the config"
+        )
+    return train, micro, gas
+
+
+def _check_unsupported(config: Mapping[str, Any]) -> None:
+    for key in sorted(_ENABLED_SECTIONS & config.keys()):
+        section = config[key]
+        if isinstance(section, Mapping) and section.get("enabled", False):
+            raise ConfigError(
+                f"config[{key!r}] is enabled; this engine trains in fp32 without it. Disable it "
+                "(it would change the numbers)."
+            )
+    for key in sorted(_UNSUPPORTED_SECTIONS & config.keys()):
+        if config[key] is not None:
+            raise ConfigError(f"config[{key!r}] is not supported by this engine; remove it")
+    zero = config.get("zero_optimization")
+    if isinstance(zero, Mapping) and int(zero.get("stage", 0)) > 0:
+        raise ConfigError(
+            f"config['zero_optimization']['stage'] is {zero['stage']}; only stage 0 is supported"
+        )
+    data_types = config.get("data_types")
+    if isinstance(data_types, Mapping) and data_types.get("grad_accum_dtype") not in (
+        None,
+        "fp32",
+    ):
+        raise ConfigError(
+            "config['data_types']['grad_accum_dtype'] must be fp32 (or absent) on this engine"
+        )
+    if config.get("communication_data_type") not in (None, "fp32"):
+        raise ConfigError("config['communication_data_type'] must be fp32 (or absent)")
+    if float(config.get("gradient_predivide_factor", 1.0)) != 1.0:
+        raise ConfigError("config['gradient_predivide_factor'] must be 1.0 (or absent)")
+    if config.get("sparse_gradients", False):
+        raise ConfigError("config['sparse_gradients'] is not supported by this engine")
+
+
+def parse_config(config: Mapping[str, Any] | None, *, world_size: int = 1) -> TrainingConfig:
+    """Resolve a DeepSpeed config dict; ``world_size`` is the data-parallel size.
+
+    Raises:
+        ConfigError: the config is missing, inconsistent, or asks for something not implemented.
+    """
+    if config is None:
+        raise ConfigError("config is required: a DeepSpeed config dict (train_batch_size, ...)")
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config must be a dict, got {type(config).__name__}")
+    _check_unsupported(config)
+    known = (
+        set(_BATCH_KEYS)
+        | _IGNORED
+        | _ENABLED_SECTIONS
+        | _UNSUPPORTED_SECTIONS
+        | {"optimizer", "gradient_clipping", "zero_optimization", "data_types", "scheduler"}
+        | {"communication_data_type", "gradient_predivide_factor", "sparse_gradients"}
+    )
+    unknown = sorted(set(config) - known)
+    if unknown:
+        logger.warning("ignoring config keys this engine does not know: %s", unknown)
+    train, micro, gas = batch_triple(config, world_size)
+    clipping = config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
+    if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
+        raise ConfigError(f"config['gradient_clipping'] must be a number >= 0, got {clipping!r}")
+    optimizer = config.get("optimizer")
+    if not isinstance(optimizer, Mapping) or not isinstance(optimizer.get("type"), str):
+        raise ConfigError(
+            "config['optimizer'] must be a dict with a 'type' (Adam, AdamW, SGD, ...) and "
+            "optional 'params'"
+        )
+    params = optimizer.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError("config['optimizer']['params'] must be a dict")
+    return TrainingConfig(
+        train_batch_size=train,
+        micro_batch_size=micro,
+        gradient_accumulation_steps=gas,
+        gradient_clipping=float(clipping),
+        optimizer_type=str(optimizer["type"]),
+        optimizer_params=dict(params),
+        scheduler=check_schedule_section(config.get("scheduler")),
+    )
+
+
+def build_optimizer(
+    config: TrainingConfig, parameters: Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]]
+) -> torch.optim.Optimizer:
+    """Build the optimizer DeepSpeed would build for ``config`` (fp32, no ZeRO), over
+    parameters or over parameter groups (dicts with ``params``, as torch optimizers take)."""
+    params: list[Any] = [p for p in parameters if isinstance(p, Mapping) or p.requires_grad]
+    name = config.optimizer_type
+    options = dict(config.optimizer_params)
+    where = f"config['optimizer'] (type {name!r})"
+    if "max_grad_norm" in options:
+        raise ConfigError(
+            f"{where}: 'max_grad_norm' is not an optimizer parameter; use the top-level "
+            "'gradient_clipping' entry"
+        )
+    lowered = name.lower()
+    if lowered in ("adam", "adamw"):
+        return _build_adam(lowered, options, params, where)
+    if lowered in _DS_ONLY_OPTIMIZERS:
+        raise ConfigError(f"{where}: DeepSpeed's {name} optimizer is not implemented here")
+    cls: Any = torch.optim.Adagrad if lowered == "adagrad" else getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(
+            f"{where}: unknown optimizer; use Adam, AdamW or a torch.optim class name such as "
+            "SGD (case-sensitive, as in DeepSpeed)"
+        )
+    return _construct(cls, params, options, where)
+
+
+def _build_adam(
+    lowered: str, options: dict[str, Any], params: list[Any], where: str
+) -> torch.optim.Optimizer:
+    adam_w_mode = options.pop("adam_w_mode", True)
+    decoupled = lowered == "adamw" or bool(adam_w_mode)
+    torch_adam = options.pop("torch_adam", False)
+    options.pop("fp32_optimizer_states", None)
+    cls: type[torch.optim.Optimizer] = torch.optim.AdamW if decoupled else torch.optim.Adam
+    if torch_adam:
+        foreach = options.pop("foreach", None)
+        return _construct(cls, params, {**options, "foreach": foreach}, where)
+    unknown = sorted(set(options) - set(_FUSED_ADAM_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{where}: FusedAdam takes no parameter(s) {unknown}")
+    merged = {**_FUSED_ADAM_DEFAULTS, **options}
+    if merged["amsgrad"]:
+        raise ConfigError(f"{where}: FusedAdam does not support amsgrad")
+    if not merged["bias_correction"]:
+        raise ConfigError(f"{where}: bias_correction=False is not implemented")
+    kwargs = {k: merged[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    kwargs["betas"] = tuple(kwargs["betas"])
+    return _construct(cls, params, kwargs, where)
+
+
+def _construct(
+    cls: type[torch.optim.Optimizer],
+    params: list[Any],
+    options: Mapping[str, Any],
+    where: str,
+) -> torch.optim.Optimizer:
+    try:
+        return cls(params, **options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{where}: {cls.__name__} rejects its params {dict(options)}: {exc}"
+        ) from exc
+
+
+def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global 2-norm is at most ``max_norm``; return the norm.
+
+    As DeepSpeed (fp32, no ZeRO): ``coef = min(1, max_norm / (norm + 1e-6))``. Pass each
+    parameter once (a tied parameter counts once).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = torch.stack([g.detach().float().norm(2) for g in grads])
+    total = norms.pow(2).sum().pow(0.5)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
