@@ -16,6 +16,21 @@ The losses of both variants must be equal (the same maths, recomputed), and the 
 printed. Target: checkpointing lowers the peak by at least 40%.
 
     python benchmarks/memory.py [--seq 2048] [--dim 128] [--depth 16] [--batch 4] [--device cpu]
+
+``--pipeline`` measures instead a model bigger than one rank: TinyGPT (``--blocks`` blocks of
+width ``--dim``, the embedding tied to the LM head) on 4 DeepSpeed ranks (PP=4, gloo on CPUs),
+two variants launched one after the other, each in fresh processes, with the same weights and
+micro-batches:
+
+- ``hand-written``: a ``PipelineModule`` of ``LayerSpec``/``TiedLayerSpec`` (each rank builds
+  only its own layers, as DeepSpeed's users write it);
+- ``pipedialect``: the unmodified model built on the meta device, partitioned, and
+  ``pipe_engine(..., init_weights=fn)`` filling only the rank's stage.
+
+Printed per rank: the peak resident set (``ru_maxrss``; and ``torch.cuda.max_memory_allocated``
+on a GPU) of each and their ratio (target <= 1.05), and whether the losses are identical.
+
+    python benchmarks/memory.py --pipeline [--blocks 24] [--dim 1024] [--steps 2]
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ import torch
 from torch import nn
 
 from pipedialect import partition
+from pipedialect.testing.models import GPTBlock, TinyGPT, seeded_init
 
 
 class Block(nn.Module):
@@ -129,6 +145,185 @@ def _fresh(args: argparse.Namespace, checkpoint: bool) -> dict[str, Any]:
     return result
 
 
+# -- a model bigger than one rank: meta + init_weights against LayerSpec ------------------------
+
+PP = 4
+
+
+class _Embed(nn.Module):
+    """Token and position embedding; on the last stage, tied, it is the LM head."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(args.vocab, args.dim)
+        self.wpe = nn.Parameter(torch.zeros(args.seq, args.dim))
+        seeded_init(self, 10_000)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.wte(ids) + self.wpe[: ids.size(1)]
+        return out
+
+
+def _lm_head(embed: _Embed, h: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(h, embed.wte.weight)
+
+
+class _Block(GPTBlock):
+    def __init__(self, args: argparse.Namespace, index: int) -> None:
+        super().__init__(args.dim)
+        seeded_init(self, index)
+
+
+class _FinalNorm(nn.LayerNorm):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args.dim)
+        seeded_init(self, 20_000)
+
+
+def _layer_values(args: argparse.Namespace, names: list[str]) -> dict[str, torch.Tensor]:
+    """The hand-written layers' values under TinyGPT's names, building only the layers needed."""
+    out: dict[str, torch.Tensor] = {}
+    built: dict[str, nn.Module] = {}
+    for name in names:
+        if name in ("wte.weight", "lm_head.weight", "wpe"):
+            layer = built.setdefault("embed", _Embed(args))
+            out[name] = layer.get_parameter("wpe" if name == "wpe" else "wte.weight")
+        elif name.startswith("blocks."):
+            index, rest = name.split(".", 2)[1:]
+            layer = built.setdefault(index, _Block(args, int(index)))
+            out[name] = layer.get_parameter(rest)
+        else:
+            layer = built.setdefault("ln_f", _FinalNorm(args))
+            out[name] = layer.get_parameter(name.split(".", 1)[1])
+    return out
+
+
+def _fill(args: argparse.Namespace) -> Any:
+    def init_weights(stage: nn.Module) -> None:
+        names = [n for n, _ in stage.named_parameters(remove_duplicate=False)]
+        values = _layer_values(args, names)
+        with torch.no_grad():
+            for name in names:
+                stage.get_parameter(name).copy_(values[name])
+
+    return init_weights
+
+
+def _pipeline_rank(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    """One rank of one variant: build, train ``args.steps`` steps, report peak memory."""
+    import pipedialect
+    from pipedialect.testing.models import cross_entropy_loss
+
+    torch.set_num_threads(1)
+    dialect = pipedialect.get_dialect("deepspeed")
+    dialect.init_distributed()
+    topology = dialect.make_topology(PP, 1)
+    config = {
+        "train_batch_size": args.micro * args.gas,
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": args.gas,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }
+    if variant == "hand-written":
+        from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+        layers = [
+            TiedLayerSpec("embed", _Embed, args, tied_weight_attr="wte.weight"),
+            *(LayerSpec(_Block, args, i) for i in range(args.blocks)),
+            LayerSpec(_FinalNorm, args),
+            TiedLayerSpec(
+                "embed", _Embed, args, forward_fn=_lm_head, tied_weight_attr="wte.weight"
+            ),
+        ]
+        module: nn.Module = PipelineModule(
+            layers=layers, topology=topology, loss_fn=cross_entropy_loss, partition_method="uniform"
+        )
+        parts = list(module.parts)  # type: ignore[attr-defined]
+    else:
+        with torch.device("meta"):
+            model = TinyGPT(
+                vocab=args.vocab, dim=args.dim, max_len=args.seq, num_blocks=args.blocks
+            )
+        # The hand-written pipeline's uniform split: layer 0 is the embedding, 1.. the blocks,
+        # then the final norm and the tied head.
+        from deepspeed.runtime.utils import partition_uniform
+
+        parts = list(partition_uniform(args.blocks + 3, PP))
+        ends = [parts[k] - 1 for k in range(1, PP)]  # the last layer of each stage but one
+        points = [f"blocks.{e - 1}" if e <= args.blocks else "ln_f" for e in ends]
+        plan = partition(model, points)
+        module = dialect.pipe_engine(
+            plan,
+            config=config,
+            loss_fn=cross_entropy_loss,
+            topology=topology,
+            init_weights=_fill(args),
+        )
+    engine = dialect.runtime_engine(module, config=config)
+    gen = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(args.gas):
+        ids = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=gen)
+        data.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    losses = [float(engine.train_batch(iter(data))) for _ in range(args.steps)]
+    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return {
+        "stage": int(engine.stage_id),
+        "peak_rss": _rss_bytes(),
+        "cuda_peak": cuda,
+        "losses": losses,
+        "parts": parts,
+    }
+
+
+def pipeline_main(args: argparse.Namespace) -> None:
+    """Both variants, PP=4, one after the other; the table of per-rank peaks and ratios."""
+    from pipedialect.testing.launcher import launch
+
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    runs = {
+        v: sorted(launch(_pipeline_rank, PP, args, v, timeout=3600, env=env), key=_stage)
+        for v in ("hand-written", "pipedialect")
+    }
+    params = args.blocks * 12 * args.dim**2 + (args.vocab + args.seq) * args.dim
+    mib = 1024 * 1024
+    print(
+        f"TinyGPT {args.blocks} blocks, dim {args.dim}, vocab {args.vocab}, seq {args.seq} "
+        f"(~{params * 4 / mib:.0f} MiB of fp32 parameters); DeepSpeed PP={PP}, "
+        f"{args.steps} steps of {args.gas} micro-batches of {args.micro}; torch {torch.__version__}"
+    )
+    print(f"layer split (hand-written): {runs['hand-written'][0]['parts']}")
+    print()
+    print("| rank | hand-written peak RSS | pipedialect (meta) peak RSS | ratio |")
+    print("|-----:|----------------------:|----------------------------:|------:|")
+    worst = 0.0
+    for hand, ours in zip(runs["hand-written"], runs["pipedialect"], strict=True):
+        ratio = ours["peak_rss"] / hand["peak_rss"]
+        worst = max(worst, ratio)
+        extra = ""
+        if hand["cuda_peak"]:
+            extra = f" (CUDA {hand['cuda_peak'] / mib:.0f} vs {ours['cuda_peak'] / mib:.0f} MiB)"
+        print(
+            f"| {hand['stage']:>4} | {hand['peak_rss'] / mib:>17.0f} MiB | "
+            f"{ours['peak_rss'] / mib:>23.0f} MiB | {ratio:>5.2f} |{extra}"
+        )
+    print()
+    print(f"worst per-rank ratio: {worst:.3f} (target <= 1.05)")
+    last = [runs["hand-written"][-1], runs["pipedialect"][-1]]
+    same = last[0]["losses"] == last[1]["losses"]
+    print(f"losses hand-written {last[0]['losses']}")
+    print(f"losses pipedialect  {last[1]['losses']}")
+    print(f"identical losses: {same}")
+    if not same:
+        sys.exit("the two pipelines trained differently")
+
+
+def _stage(result: dict[str, Any]) -> int:
+    return int(result["stage"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, default=2048)
@@ -138,7 +333,20 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--one", choices=["plain", "ckpt"], help=argparse.SUPPRESS)
+    parser.add_argument("--pipeline", action="store_true", help="meta + init_weights vs LayerSpec")
+    parser.add_argument("--blocks", type=int, default=24, help="--pipeline: TinyGPT blocks")
+    parser.add_argument("--vocab", type=int, default=512, help="--pipeline: vocabulary")
+    parser.add_argument("--micro", type=int, default=2, help="--pipeline: micro-batch size")
+    parser.add_argument("--gas", type=int, default=4, help="--pipeline: micro-batches per step")
+    parser.add_argument("--steps", type=int, default=2, help="--pipeline: training steps")
     args = parser.parse_args()
+    if args.pipeline:
+        if "--dim" not in sys.argv:
+            args.dim = 1024
+        if "--seq" not in sys.argv:
+            args.seq = 64
+        pipeline_main(args)
+        return
     if args.one:
         print(json.dumps(measure(args, args.one == "ckpt")))
         return

@@ -47,6 +47,7 @@ __all__ = [
     "from_safetensors",
     "from_state_dict",
     "materialise_stages",
+    "prepare_local_stages",
 ]
 
 logger = logging.getLogger(__name__)
@@ -339,6 +340,46 @@ def materialise_stages(
                 "stage",
                 stage=k,
                 parameter=left[0],
+            )
+
+
+def prepare_local_stages(
+    plan: PipelinePlan,
+    stage_ids: Iterable[int],
+    device: torch.device | str,
+    init_weights: InitWeights | Callable[[nn.Module], None] | None,
+) -> None:
+    """The step every dialect's ``pipe_engine(..., init_weights=fn)`` runs on its local stages.
+
+    With ``init_weights``, :func:`materialise_stages` gives the stages ``stage_ids`` (the ones
+    this rank runs) storage on ``device`` and fills them; the other stages stay on meta. Without
+    it, a local stage still on the meta device is refused, as it could not run. Call it before
+    the runtime builds anything from the stages and before ties are synchronised across ranks.
+
+    Raises:
+        WeightsError: a local stage holds meta tensors and no ``init_weights`` was given (the
+            message lists them), ``init_weights`` is not callable, or
+            :func:`materialise_stages` refused.
+    """
+    ids = sorted(set(stage_ids))
+    if init_weights is not None:
+        if not callable(init_weights):
+            raise WeightsError(
+                f"init_weights must be a callable(stage_module), got {init_weights!r}; see "
+                "pipedialect.weights.from_state_dict / from_safetensors / from_pretrained"
+            )
+        materialise_stages(plan, ids, device, init_weights)
+        return
+    for k in ids:
+        on_meta = [n for n, t in _named_state(plan.stages[k]).items() if t.is_meta]
+        if on_meta:
+            raise WeightsError(
+                f"[Stage {k}] {on_meta} are on the meta device and no init_weights was given; "
+                "pass init_weights=<callable(stage_module)> to pipe_engine (e.g. "
+                "pipedialect.weights.from_state_dict(state)) so each rank materialises the "
+                "stages it runs",
+                stage=k,
+                parameter=on_meta[0],
             )
 
 
