@@ -59,7 +59,7 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from .errors import CaptureError
+from .errors import ActivationCheckpointError, CaptureError
 
 __all__: list[str] = []
 
@@ -92,11 +92,13 @@ class SplitTracer(fx.Tracer):
         leaf_ids: frozenset[int],
         leaf_types: tuple[type[nn.Module], ...],
         split_ids: frozenset[int] = frozenset(),
+        checkpoint_ids: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__()
         self._leaf_ids = leaf_ids
         self._leaf_types = leaf_types
         self._split_ids = split_ids
+        self._checkpoint_ids = checkpoint_ids - split_ids
         self._stack: list[str] = []
         self.failed_in: str | None = None
         #: One record per split-point call, in call order.
@@ -127,6 +129,8 @@ class SplitTracer(fx.Tracer):
             out = super().call_module(m, forward, args, kwargs)
             if id(m) in self._split_ids and isinstance(out, fx.Proxy):
                 out = self._split_output(m, path, out, args, kwargs)
+            elif id(m) in self._checkpoint_ids and isinstance(out, fx.Proxy):
+                self._check_checkpointed_output(m, path, out, args, kwargs)
             return out
         except Exception:
             if self.failed_in is None:
@@ -153,6 +157,35 @@ class SplitTracer(fx.Tracer):
             self._opaque[call.node] = record
             return _OpaqueProxy(call.node, self)
         return _build(result, call, ())
+
+    def _check_checkpointed_output(
+        self,
+        m: nn.Module,
+        path: str,
+        call: fx.Proxy,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Refuse a checkpointed module whose output is not one traced value.
+
+        A checkpointed module runs as one opaque call, so the code after it would see its output
+        as a single Proxy: ``None``, numbers and containers in it would be traced wrongly
+        ([Note: checkpointed calls]). Only a module that returns one tensor is safe.
+        """
+        _, spec, reason = _probe(self, m, call.node, args, kwargs)
+        if spec == _LEAF:
+            return
+        what = (
+            f"its output's structure is unknown ({reason})"
+            if spec is None
+            else ("it returns a container or a Python value, not one tensor")
+        )
+        raise ActivationCheckpointError(
+            f"checkpointed module {path!r} cannot be recomputed in backward: {what}, and the "
+            "code after an opaque checkpointed call could not see None, numbers or containers "
+            f"in it. Drop {path!r} from checkpoint=, checkpoint the modules inside it that "
+            "return a tensor, or make it a split point."
+        )
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         """Items and attributes of an opaque split-point output are opaque too."""
@@ -298,11 +331,13 @@ def capture(
     leaf_types: tuple[type[nn.Module], ...],
     concrete_args: Mapping[str, Any] | None,
     split_ids: frozenset[int] = frozenset(),
+    checkpoint_ids: frozenset[int] = frozenset(),
 ) -> Captured:
     """Trace ``model`` into one flat graph; failures become :class:`CaptureError`.
 
     ``split_ids`` are the split-point modules (also in ``leaf_ids``): their outputs get the
-    treatment of [Note: split-point outputs].
+    treatment of [Note: split-point outputs]; ``checkpoint_ids`` (also leaves) must return one
+    tensor.
     """
     accepted = list(inspect.signature(model.forward).parameters)
     unknown = sorted(set(concrete_args or {}) - set(accepted))
@@ -311,11 +346,11 @@ def capture(
             f"concrete_args names {unknown}, which {type(model).__name__}.forward does not take "
             f"(its parameters: {accepted})"
         )
-    tracer = SplitTracer(leaf_ids, leaf_types, split_ids)
+    tracer = SplitTracer(leaf_ids, leaf_types, split_ids, checkpoint_ids)
     before = _attr_names(model)
     try:
         graph = tracer.trace(model, dict(concrete_args) if concrete_args else None)
-    except CaptureError:
+    except (CaptureError, ActivationCheckpointError):
         remove_attrs(model, _attr_names(model) - before)
         raise
     except Exception as exc:
@@ -489,6 +524,8 @@ def _spec_of(value: Any, probe: fx.Tracer) -> Any:
         if value.tracer is not probe:
             raise _Unknown("it returns a traced value it did not compute")
         return _LEAF
+    if isinstance(value, torch.Tensor):  # a tensor the module holds (not a parameter/buffer)
+        return _LEAF
     kind = type(value)
     if kind in _CONSTANT_TYPES:
         return ("C", value)
@@ -507,7 +544,7 @@ def _spec_of(value: Any, probe: fx.Tracer) -> Any:
 def _build(value: Any, call: fx.Proxy, path: tuple[Any, ...]) -> Any:
     """The caller's view of a probed output: same containers, real constants, leaves reading
     ``call``."""
-    if isinstance(value, fx.Proxy):
+    if isinstance(value, fx.Proxy | torch.Tensor):  # a tensor is read from the call too
         return _LeafProxy(call, path) if path else call
     kind = type(value)
     if kind in (tuple, list):

@@ -308,6 +308,7 @@ def partition(
             leaf_types=leaf_types,
             concrete_args=concrete_args,
             split_ids=split_ids,
+            checkpoint_ids=ckpt_ids,
         )
     try:
         if named_inputs is not None:

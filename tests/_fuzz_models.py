@@ -7,7 +7,9 @@ earlier block or input (skip connections over several stages, values used only s
 later); what it does with them, as real Python in ``forward`` (arithmetic with boundary numbers,
 ``is None``, ``isinstance``, ``len``, dict membership, loops, comparisons, a recursive walk); ties
 between blocks; split points; capture path (torch.fx, or torch.export with example inputs);
-optimizer, gradient accumulation, dynamic shapes and the train/eval schedule.
+optimizer, gradient accumulation, dynamic shapes and the train/eval schedule; and the later
+features, drawn last so older seeds keep their models: ``num_stages`` with a balance method,
+checkpointed blocks and dropout, a meta-device model filled per stage, calls inside ``trace``.
 
 :class:`FuzzModel` runs a spec. Its forward is generic code that fx and export really trace: the
 control flow meets the boundary values as it would in user code. :func:`run_local` trains it on
@@ -25,7 +27,6 @@ A spec is drawn from a :class:`Source`: hypothesis (which shrinks a failing spec
 from __future__ import annotations
 
 import argparse
-import copy
 import random
 import sys
 import traceback
@@ -182,6 +183,16 @@ class FuzzSpec:
     schedule: tuple[str, ...] = ("train", "eval", "train")
     #: The torch dialect's schedule (``1f1b``, ``interleaved_1f1b``, ...).
     pipe_schedule: str = "1f1b"
+    #: ``partition(num_stages=..., balance=...)`` instead of ``split_points`` (local only).
+    num_stages: int | None = None
+    balance: str | None = None
+    #: Blocks recomputed in backward (``checkpoint=``, fx only) and blocks with dropout.
+    checkpoint: tuple[str, ...] = ()
+    dropout: tuple[int, ...] = ()
+    #: Build under ``torch.device("meta")`` and fill the stages from the reference's state.
+    meta: bool = False
+    #: Run the calls from this one on inside ``pipedialect.trace`` (local only).
+    trace_from: int | None = None
     #: The seed this spec was generated from, when a ``random.Random`` drew it.
     origin: int | None = field(default=None, compare=False)
 
@@ -192,7 +203,12 @@ class FuzzSpec:
             f"batch={self.batch}{' (varying)' if self.vary_batch else ''} "
             f"capture={self.capture} dynamic={self.dynamic} optimizer={self.optimizer} "
             f"gas={self.gas} schedule={list(self.schedule)} split={list(self.split_points)}"
-            + (f" pipe={self.pipe_schedule}" if self.pipe_schedule != "1f1b" else ""),
+            + (f" pipe={self.pipe_schedule}" if self.pipe_schedule != "1f1b" else "")
+            + (f" num_stages={self.num_stages} balance={self.balance}" if self.num_stages else "")
+            + (f" checkpoint={list(self.checkpoint)}" if self.checkpoint else "")
+            + (f" dropout={list(self.dropout)}" if self.dropout else "")
+            + (" meta" if self.meta else "")
+            + (f" trace_from={self.trace_from}" if self.trace_from is not None else ""),
             "  v0 = x, v1 = ids, v2 = tanh(stem(x)) + embed(ids)",
         ]
         for i, b in enumerate(self.blocks):
@@ -430,7 +446,7 @@ def generate(src: Source, dialect: Dialect = "local", origin: int | None = None)
             ("train", "eval", "eval", "train"),
         )
     )
-    return FuzzSpec(
+    spec = FuzzSpec(
         seed=src.integer(0, 2**16),
         dim=dim,
         vocab=vocab,
@@ -450,6 +466,54 @@ def generate(src: Source, dialect: Dialect = "local", origin: int | None = None)
         schedule=schedule,
         pipe_schedule=pipe_schedule,
         origin=origin,
+    )
+    return _draw_features(src, spec, dialect, candidates)
+
+
+#: Whether a checkpointed block may return a structure (containers, None, Python numbers). The
+#: code after an opaque checkpointed call could not see those (a silent wrong loss this fuzzer
+#: found), so the capture refuses such a block with ActivationCheckpointError; with this True
+#: most checkpoint cases would be refusals, so checkpointed blocks return one tensor and
+#: ``test_fuzz.py`` checks the refusal on seed 15's model.
+CHECKPOINT_STRUCTURES = False
+
+
+def _draw_features(
+    src: Source, spec: FuzzSpec, dialect: Dialect, candidates: list[str]
+) -> FuzzSpec:
+    """The later features, drawn after the rest so that older seeds keep their models."""
+    num_stages = balance = None
+    if dialect == "local" and src.chance(25):
+        num_stages = src.integer(2, min(4, len(candidates) + 1))
+        balance = src.choice(("parameters", "flops", "memory"))
+    checkpoint: tuple[str, ...] = ()
+    dropout: tuple[int, ...] = ()
+    if spec.capture == "fx" and src.chance(40):
+        free = [
+            i
+            for i in range(len(spec.blocks))
+            if f"blocks.{i}" not in spec.split_points
+            and f"blocks.{i}.lin" not in spec.split_points
+            and (CHECKPOINT_STRUCTURES or isinstance(spec.blocks[i].out, Leaf))
+        ]
+        checkpoint = tuple(f"blocks.{i}" for i in free if src.chance(70))
+        # Dropout masks must match the unsplit model's, drawn in the same order: one process,
+        # so local only (recomputation must replay them).
+        if dialect == "local" and src.chance(60):
+            dropout = tuple(i for i in range(len(spec.blocks)) if src.chance(50))
+    meta = src.chance(25)
+    trace_from = (
+        src.integer(0, len(spec.schedule) - 1) if dialect == "local" and src.chance(20) else None
+    )
+    return replace(
+        spec,
+        num_stages=num_stages,
+        balance=balance,
+        split_points=() if num_stages else spec.split_points,
+        checkpoint=checkpoint,
+        dropout=dropout,
+        meta=meta,
+        trace_from=trace_from,
     )
 
 
@@ -588,12 +652,13 @@ class FuzzBlock(nn.Module):
         super().__init__()
         self.lin = nn.Linear(spec.dim, spec.dim)
         self.block = spec.blocks[index]
+        self.drop = nn.Dropout(0.25) if index in spec.dropout else nn.Identity()
 
     def forward(self, h: torch.Tensor, *extras: Any) -> Any:
         inside = [u for u in self.block.uses if u.where == "inside"]
         for use, v in zip(inside, extras, strict=True):
             h = apply_use(h, v, use, None)
-        a = h + torch.tanh(self.lin(h))
+        a = h + torch.tanh(self.drop(self.lin(h)))
         return _realise(a, self.block.out)
 
 
@@ -699,6 +764,7 @@ def reference_optimizer(spec: FuzzSpec, params: Sequence[nn.Parameter]) -> torch
 def reference_run(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) -> list[float]:
     """Run the schedule on the unsplit model by hand; return each call's mean loss."""
     opt = reference_optimizer(spec, list(model.parameters()))
+    torch.manual_seed(spec.seed)  # dropout masks: the pipeline seeds alike before its calls
     results = []
     for op, chunk in zip(spec.schedule, chunks(spec, batches), strict=True):
         losses = []
@@ -722,10 +788,35 @@ def partition_spec(model: nn.Module, spec: FuzzSpec, batches: Sequence[Batch]) -
     """Partition ``model`` as ``spec`` says (torch.fx, or torch.export on the first batch)."""
     from pipedialect import partition
 
+    (x, ids), _ = batches[0]
+    kwargs: dict[str, Any] = {}
+    if spec.num_stages:
+        kwargs.update(num_stages=spec.num_stages, balance=spec.balance)
+        if spec.balance != "parameters":
+            kwargs["balance_inputs"] = {"x": x, "ids": ids}
+    if spec.checkpoint:
+        kwargs["checkpoint"] = list(spec.checkpoint)
+    points = list(spec.split_points) if spec.split_points else None
     if spec.capture == "export":
-        (x, ids), _ = batches[0]
-        return partition(model, list(spec.split_points), example_inputs={"x": x, "ids": ids})
-    return partition(model, list(spec.split_points))
+        return partition(model, points, example_inputs={"x": x, "ids": ids}, **kwargs)
+    return partition(model, points, **kwargs)
+
+
+def build_model(spec: FuzzSpec) -> nn.Module:
+    """The spec's model: real weights, or on the meta device when ``spec.meta``."""
+    if not spec.meta:
+        return FuzzModel(spec)
+    with torch.device("meta"):
+        return FuzzModel(spec)
+
+
+def init_weights(spec: FuzzSpec, plan: Any) -> Callable[[nn.Module], None] | None:
+    """For a meta model, the loader filling each local stage from a normally built model."""
+    if not spec.meta:
+        return None
+    from pipedialect.weights import from_state_dict
+
+    return from_state_dict(FuzzModel(spec).state_dict(), plan=plan)
 
 
 # -- running and comparing --------------------------------------------------------------------
@@ -798,8 +889,8 @@ def run_local(spec: FuzzSpec) -> Outcome:
     import pipedialect
     from pipedialect import PipeDialectError
 
-    model = FuzzModel(spec)
-    reference = copy.deepcopy(model)  # stages share Parameter objects with the model
+    reference = FuzzModel(spec)
+    model = build_model(spec)  # the stages share Parameter objects with it (unless on meta)
     batches = micro_batches(spec)
     try:
         expected = reference_run(spec, reference, batches)
@@ -812,14 +903,23 @@ def run_local(spec: FuzzSpec) -> Outcome:
         dialect = pipedialect.get_dialect("local")
         config = ds_config(spec)
         module = dialect.pipe_engine(
-            plan, config=config, loss_fn=fuzz_loss, dynamic_shapes=spec.dynamic
+            plan,
+            config=config,
+            loss_fn=fuzz_loss,
+            dynamic_shapes=spec.dynamic,
+            init_weights=init_weights(spec, plan),
         )
         engine = dialect.runtime_engine(module, config=config)
         losses: list[float] = []
+        torch.manual_seed(spec.seed)
         for k, (op, chunk) in enumerate(zip(spec.schedule, chunks(spec, batches), strict=True)):
             phase = f"call {k} ({op})"
             call = engine.train_batch if op == "train" else engine.eval_batch
-            losses.append(float(call(iter(chunk))))
+            if spec.trace_from is not None and k >= spec.trace_from:
+                with pipedialect.trace(engine, png=False):
+                    losses.append(float(call(iter(chunk))))
+            else:
+                losses.append(float(call(iter(chunk))))
     except PipeDialectError as exc:
         if phase.startswith("call") and not phase.startswith("call 0"):
             raise failure(
@@ -830,9 +930,16 @@ def run_local(spec: FuzzSpec) -> Outcome:
         raise failure(
             spec, f"{phase} raised {type(exc).__name__} (not a named pipedialect error): {exc}"
         ) from exc
-    params = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    params = {
+        n: p.detach()
+        for stage in plan.stages
+        for n, p in stage.named_parameters(remove_duplicate=False)
+    }
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     problems = compare_results(spec, losses, expected, params, ref_params)
+    moved = {n for n in ref_params if n not in params}
+    if moved:
+        problems.append(f"parameters held by no stage: {sorted(moved)}")
     if problems:
         raise failure(
             spec, "the pipeline disagrees with the unsplit model:\n" + "\n".join(problems)

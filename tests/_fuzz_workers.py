@@ -2,9 +2,11 @@
 
 Every rank joins one process group, then trains several generated models one after the other
 (a launch costs seconds on two shared cores; a model a fraction of one). For each seed it draws
-the spec, builds the whole model (identical weights on every rank: per-module seeded init),
-partitions it and runs the spec's train/eval schedule on the dialect; it returns the losses and
-the parameters of the stages it ran, by their original names. :func:`compare` runs the unsplit
+the spec, builds the whole model (identical weights on every rank: per-module seeded init; or
+on the meta device, each rank then filling the stages it runs from the state of a normally built
+model), partitions it (split points, checkpointed blocks) and runs the spec's train/eval
+schedule on the dialect; it returns the losses and the parameters of the stages it ran, by their
+original names. :func:`compare` runs the unsplit
 reference in the test process and compares.
 """
 
@@ -20,7 +22,7 @@ import pipedialect
 
 
 def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
-    model = fm.FuzzModel(spec)
+    model = fm.build_model(spec)  # on the meta device when spec.meta: each rank fills its own
     batches = fm.micro_batches(spec)
     try:
         plan = fm.partition_spec(model, spec, batches)
@@ -34,10 +36,15 @@ def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
             loss_fn=fm.fuzz_loss,
             topology=dialect.make_topology(plan.num_stages, 1),
             dynamic_shapes=spec.dynamic,
+            init_weights=fm.init_weights(spec, plan),
         )
     else:
         module = dialect.pipe_engine(
-            plan, config=config, loss_fn=fm.fuzz_loss, schedule=spec.pipe_schedule
+            plan,
+            config=config,
+            loss_fn=fm.fuzz_loss,
+            schedule=spec.pipe_schedule,
+            init_weights=fm.init_weights(spec, plan),
         )
     engine = dialect.runtime_engine(module, config=config)
     losses = []

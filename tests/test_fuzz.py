@@ -4,8 +4,10 @@ Hand-picked models miss silent wrong results, so hypothesis generates models
 (``_fuzz_models``): random boundary structures (nested dict/list/tuple, None, Python numbers and
 bools, int and bool tensors, float tensors with and without a gradient), skip connections over
 several stages, ties between random blocks, values used only stages later, Python control flow
-on boundary values, random split points, fx and export capture, SGD and Adam, with and without
-dynamic shapes, training and evaluation interleaved. Each is trained on a dialect and compared,
+on boundary values, random split points or ``num_stages`` with a random balance method, fx and
+export capture, checkpointed blocks (some with dropout), meta-device models filled per stage,
+calls inside ``pipedialect.trace``, SGD and Adam, with and without dynamic shapes, training and
+evaluation interleaved. Each is trained on a dialect and compared,
 loss by loss and parameter by parameter, with a deep copy of the model trained by a plain loop.
 A refusal counts only when it is a named pipedialect error raised before any batch ran.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import _fuzz_models as fm
@@ -68,6 +71,14 @@ def test_local_dialect_matches_the_unsplit_model_on_random_models() -> None:
     assert sum(s.dynamic and "eval" in s.schedule for s in ran) >= 15, _summary(outcomes)
     assert sum(bool(s.ties) or s.tie_head for s in ran) >= 20, _summary(outcomes)
     assert sum(len(s.split_points) >= 3 for s in ran) >= 10, _summary(outcomes)
+    # The features of 8ed2218 and d6ce582: balanced partitions, checkpointed blocks (some with
+    # dropout, whose masks recomputation must replay), meta-device models, traced calls.
+    assert sum(s.num_stages is not None for s in ran) >= 20, _summary(outcomes)
+    assert sum(bool(s.checkpoint) for s in ran) >= 20, _summary(outcomes)
+    replayed = [s for s in ran if {f"blocks.{i}" for i in s.dropout} & set(s.checkpoint)]
+    assert len(replayed) >= 3, _summary(outcomes)
+    assert sum(s.meta for s in ran) >= 10, _summary(outcomes)
+    assert sum(s.trace_from is not None for s in ran) >= 8, _summary(outcomes)
 
 
 #: Seeds whose local model found a bug on f795e34, the code before the fixes of issue #12 (the
@@ -87,6 +98,22 @@ FOUND = {
 @pytest.mark.parametrize("seed", sorted(FOUND), ids=lambda s: f"seed{s}")
 def test_models_that_found_bugs_now_train_like_the_unsplit_model(seed: int) -> None:
     assert fm.run_local(fm.spec_from_seed(seed)).ran, FOUND[seed]
+
+
+def test_a_checkpointed_block_returning_none_and_a_bool_is_refused_by_name() -> None:
+    """Seed 15's model: ``blocks.0`` returns ``False`` and ``None`` that later code branches on.
+
+    A checkpointed module runs as one opaque call, so the code after it would see those values
+    as a traced tensor and take other branches (a silent wrong loss, found by this fuzzer); the
+    capture refuses such a module by name instead.
+    """
+    spec = replace(
+        fm.spec_from_seed(15), checkpoint=("blocks.0",), dropout=(), meta=False, trace_from=None
+    )
+    outcome = fm.run_local(spec)
+    assert not outcome.ran
+    assert outcome.refused is not None
+    assert outcome.refused.startswith("ActivationCheckpointError: checkpointed module 'blocks.0'")
 
 
 def test_a_failure_names_the_spec_and_its_seed() -> None:
@@ -147,8 +174,10 @@ def test_a_refusal_counts_only_when_it_is_a_named_error(monkeypatch: pytest.Monk
 #: torch seeds that found the zero-bubble schedules' split-backward bugs on f5064c4 (94: a
 #: stage output needing a gradient from no input that needs one lost its weight gradient;
 #: 91, 93, 138, 185, 186: a stage output also used inside its stage was detached in place).
-DEEPSPEED_SEEDS = (*range(8), 94, 126)
-TORCH_SEEDS = (*range(8), 91, 93, 94, 138, 185, 186)
+#: Then seeds drawing checkpointed blocks and meta-device models (8ed2218): 26 and 54 both, 14
+#: and 17 checkpoint, 16 and 18 meta (DeepSpeed); 14 and 128 both, 27 checkpoint, 11 meta (torch).
+DEEPSPEED_SEEDS = (*range(8), 94, 126, 14, 16, 17, 18, 26, 54)
+TORCH_SEEDS = (*range(8), 91, 93, 94, 138, 185, 186, 11, 14, 27, 128)
 
 
 def _check_distributed(dialect: fm.Dialect, seeds: tuple[int, ...], launched: list[Any]) -> None:
