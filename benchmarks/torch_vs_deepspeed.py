@@ -10,6 +10,10 @@ One run, two ranks (PP=2, gloo, CPU), one model, the same weights and micro-batc
   tensors per rank, ``Schedule1F1B`` on the concatenated batch, the tied embedding's gradient
   all-reduced by hand before the optimizer step.
 
+With ``--data-parallel 2`` the run is PP=2 x DP=2 on four ranks: the torch and the DeepSpeed
+dialect each replicate the pipeline twice (``make_topology(stages, 2)``), each replica training
+on its own micro-batches; the hand-written engine, a single pipeline, is left out.
+
 All three engines live in the same processes and their steps alternate, so machine noise (the
 two cores are shared) hits each alike. A step is timed from a barrier to a barrier, so it is the
 slower rank's time. Printed: the median and the fastest step time of each, the ratios of the
@@ -17,6 +21,7 @@ torch dialect to the other two, and the largest difference between their losses 
 same model from the same weights on the same data, so it must be float noise).
 
     python benchmarks/torch_vs_deepspeed.py [--steps 20] [--dim 128] [--blocks 8] [--schedule 1f1b]
+                                            [--data-parallel 1]
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ def _model(args: argparse.Namespace) -> TinyGPT:
     return TinyGPT(vocab=args.vocab, dim=args.dim, max_len=args.seq, num_blocks=args.blocks, seed=0)
 
 
-def _batches(args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
+def _batches(args: argparse.Namespace, replica: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1 + replica)
     out = []
     for _ in range(args.gas):
         ids = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=gen)
@@ -49,7 +54,7 @@ def _batches(args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "train_batch_size": args.micro * args.gas,
+        "train_batch_size": args.micro * args.gas * args.data_parallel,
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": args.gas,
         "optimizer": {
@@ -160,8 +165,14 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     pieces = 2 * per_rank
     torch_split = [f"blocks.{args.blocks * (i + 1) // pieces - 1}" for i in range(pieces - 1)]
     torch_plan = partition(_model(args), torch_split)
+    dp = args.data_parallel
+    torch_topology = torch_dialect.make_topology(pieces, dp)
     torch_module = torch_dialect.pipe_engine(
-        torch_plan, config=config, loss_fn=cross_entropy_loss, schedule=args.schedule
+        torch_plan,
+        config=config,
+        loss_fn=cross_entropy_loss,
+        schedule=args.schedule,
+        topology=torch_topology,
     )
     torch_engine = torch_dialect.runtime_engine(torch_module, config=config)
 
@@ -170,17 +181,18 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         ds_plan,
         config=config,
         loss_fn=cross_entropy_loss,
-        topology=deepspeed_dialect.make_topology(2, 1),
+        topology=deepspeed_dialect.make_topology(2, dp),
     )
     ds_engine = deepspeed_dialect.runtime_engine(ds_module, config=config)
 
-    hand = _HandWritten(args, cut)
-    data = _batches(args)
+    data = _batches(args, int(torch_topology.get_coord(dist.get_rank()).data))
     steps: dict[str, Callable[[], torch.Tensor]] = {
         "torch dialect": lambda: torch_engine.train_batch(iter(data)),
         "deepspeed dialect": lambda: ds_engine.train_batch(iter(data)),
-        "hand-written torch": lambda: hand.train_batch(data),
     }
+    if dp == 1:
+        hand = _HandWritten(args, cut)
+        steps["hand-written torch"] = lambda: hand.train_batch(data)
     times: dict[str, list[float]] = {name: [] for name in steps}
     losses: dict[str, list[float]] = {name: [] for name in steps}
     for step in range(args.warmup + args.steps):
@@ -207,8 +219,10 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--gas", type=int, default=8)
     parser.add_argument("--schedule", default="1f1b", help="the torch dialect's schedule")
+    parser.add_argument("--data-parallel", type=int, default=1, help="pipeline replicas")
     args = parser.parse_args()
-    results = launch(worker, 2, args, timeout=1800)
+    ranks = 2 * args.data_parallel
+    results = launch(worker, ranks, args, timeout=1800)
     first = next(r for r in results if r["rank"] == 0)
     med = {name: statistics.median(values) * 1e3 for name, values in first["times"].items()}
     best = {name: min(values) * 1e3 for name, values in first["times"].items()}
@@ -219,9 +233,10 @@ def main() -> None:
         for a, b in zip(first["losses"]["torch dialect"], first["losses"][name], strict=True)
     )
     print(
-        f"PP=2, gloo, CPU (2 ranks): TinyGPT dim={args.dim} blocks={args.blocks} seq={args.seq} "
-        f"vocab={args.vocab}, micro-batch {args.micro} x {args.gas}, Adam; torch dialect "
-        f"schedule {args.schedule!r}; {args.steps} steps after {args.warmup} warm-up, alternating"
+        f"PP=2 x DP={args.data_parallel}, gloo, CPU ({ranks} ranks): TinyGPT dim={args.dim} "
+        f"blocks={args.blocks} seq={args.seq} vocab={args.vocab}, micro-batch {args.micro} x "
+        f"{args.gas} per replica, Adam; torch dialect schedule {args.schedule!r}; {args.steps} "
+        f"steps after {args.warmup} warm-up, alternating"
     )
     print()
     print(

@@ -46,9 +46,9 @@ def test_found_through_its_entry_point_with_honest_capabilities() -> None:
         caps.NON_FLOAT_TENSORS,
         caps.MULTI_GRAD_BOUNDARY,
     } <= info.capabilities
-    # torch fixes boundary shapes, and this dialect runs one pipeline replica
+    # torch fixes boundary shapes; pipelines are replicated over a data axis
     assert caps.DYNAMIC_SHAPES not in info.capabilities
-    assert caps.DATA_PARALLEL not in info.capabilities
+    assert caps.DATA_PARALLEL in info.capabilities
 
 
 def test_schedule_names_and_aliases() -> None:
@@ -128,8 +128,14 @@ def test_argument_errors_come_before_any_collective(gpt_plan: Any) -> None:
     assert "loss_fn" in _engine_error(gpt_plan, loss_fn="cross-entropy")
     assert "dynamic_shapes" in _engine_error(gpt_plan, dynamic_shapes=True)
     assert "optimizer" in _engine_error(gpt_plan, config={**_config(), "optimizer": None})
-    data = _engine_error(gpt_plan, topology=GridTopology(pipe=2, data=2))
-    assert data.startswith("TopologyError") and "data" in data
+    # A config whose batch triple counts one replica, on a topology of two.
+    one_replica = {**_config(), "train_batch_size": 8}
+    data = _engine_error(gpt_plan, config=one_replica, topology=GridTopology(pipe=2, data=2))
+    assert data.startswith("ConfigError") and "data-parallel size (2)" in data
+    fsdp = _engine_error(gpt_plan, data_parallel_mode="fsdp")
+    assert fsdp.startswith("ConfigError") and "data_parallel_mode='ddp'" in fsdp
+    mode = _engine_error(gpt_plan, data_parallel_mode="zero3")
+    assert mode.startswith("ConfigError") and "'ddp', 'fsdp'" in mode
     fits = _engine_error(gpt_plan, topology=GridTopology(pipe=4))
     assert fits.startswith("TopologyError") and "2 stages" in fits
     v_two = _engine_error(gpt_plan, topology=GridTopology(pipe=2), schedule="zbv")
@@ -145,8 +151,12 @@ def test_make_topology_counts_ranks_not_stages() -> None:
     assert TorchDialect("interleaved_1f1b").make_topology(4).get_dim("pipe") == 2
     assert TorchDialect("looped_bfs", stages_per_rank=3).make_topology(6).get_dim("pipe") == 2
     assert TorchDialect("zbv").make_topology(6).world_size() == 3
-    with pytest.raises(TopologyError, match="data_parallel=2"):
-        TorchDialect().make_topology(2, data_parallel=2)
+    grid = TorchDialect("interleaved_1f1b").make_topology(4, data_parallel=2)
+    assert (grid.get_dim("pipe"), grid.get_dim("data"), grid.world_size()) == (2, 2, 4)
+    # DeepSpeed's layout: the data axis varies fastest
+    assert [tuple(grid.get_coord(r)) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with pytest.raises(TopologyError, match="data_parallel must be a positive integer"):
+        TorchDialect().make_topology(2, data_parallel=0)
     with pytest.raises(TopologyError, match="5 stages"):
         TorchDialect("dualpipev").make_topology(5)
     with pytest.raises(ConfigError, match="stages_per_rank"):

@@ -32,6 +32,7 @@ _KNOWN_KWARGS = frozenset(
         "dynamic_shapes",
         "dynamic_shape",
         "activation_checkpoint_interval",
+        "init_weights",
     }
 )
 #: PipelineModule arguments about checkpointing that a whole-stage checkpoint cannot honour.
@@ -70,6 +71,7 @@ def build_pipeline_module(
     stages = list(stage_modules)
     _check_topology(topology, len(stages))
     _check_process_group(topology)
+    _materialise_local_stage(sch_metadata, topology, kwargs.get("init_weights"))
     ties = resolve_ties(tie_groups_of(sch_metadata), stages, topology)
 
     from ._module import PipeDialectPipelineModule
@@ -82,6 +84,33 @@ def build_pipeline_module(
         dynamic_shape=dynamic_shapes_of(kwargs),
         activation_checkpoint_interval=interval,
     )
+
+
+def _materialise_local_stage(plan: Any, topology: Topology, init_weights: Any) -> None:
+    """Fill this rank's stage (its pipe coordinate) of a meta plan before DeepSpeed sees it.
+
+    It runs before the ``PipelineModule`` is built (which moves its layers to the device) and
+    before tied weights are broadcast, so every rank sends and receives real values.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from pipedialect.partition import PipelinePlan
+    from pipedialect.weights import prepare_local_stages
+
+    if not isinstance(plan, PipelinePlan):
+        if init_weights is not None:
+            raise ConfigError(
+                "init_weights needs the PipelinePlan returned by pipedialect.partition, got "
+                f"{type(plan).__name__}; materialise the stage modules yourself instead"
+            )
+        return
+    stage = int(topology.get_coord(dist.get_rank()).pipe)
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        device = torch.device("cpu")
+    prepare_local_stages(plan, [stage], device, init_weights)
 
 
 def checkpoint_interval_of(config: Any, kwargs: Mapping[str, Any]) -> int:

@@ -205,6 +205,7 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
                 continue
             path = self.ckpt_layer_path(load_dir, local_idx)
             state = checkpoint_engine.load(path, map_location=lambda storage, _loc: storage)
+            self._check_shapes(layer, state, path)
             result = layer.load_state_dict(state, strict=False)
             missing = set(result.missing_keys) - self._replicated_names(layer)
             if strict and (missing or result.unexpected_keys):
@@ -215,3 +216,16 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
                     "load_module_strict=False."
                 )
         self._synchronize_tied_weights()
+
+    def _check_shapes(self, layer: nn.Module, state: Any, path: str) -> None:
+        """Refuse a saved tensor whose shape differs, naming it (torch would say less)."""
+        for name, value in layer.state_dict().items():
+            saved = state.get(name) if isinstance(state, dict) else None
+            if isinstance(saved, torch.Tensor) and saved.shape != value.shape:
+                short = name.removeprefix("mod.")
+                raise CheckpointError(
+                    f"[Stage {self.stage_id}] checkpoint {path} was saved from a differently "
+                    f"sized model: parameter {short!r} has shape {tuple(saved.shape)} there but "
+                    f"{tuple(value.shape)} here; build the model with the sizes it was saved with",
+                    parameter=short,
+                )

@@ -58,16 +58,21 @@ class DeepSpeedDialect(Dialect):
         Keyword arguments: ``config``, ``loss_fn`` and ``topology`` (required), ``fp16`` /
         ``bf16`` (must agree with the config), ``dynamic_shapes`` (boundary shapes may change
         between micro-batches; DeepSpeed then re-sends tensor metadata every time; DeepSpeed's
-        own spelling ``dynamic_shape`` is accepted too).
+        own spelling ``dynamic_shape`` is accepted too), ``init_weights(stage_module)`` (fills
+        this rank's stage of a meta-device plan; the others stay on meta).
         """
+        from pipedialect._agreement import check_plan_agreement
+
         from ._build import build_pipeline_module, dynamic_shapes_of
 
+        check_plan_agreement(plan, dialect=self.name, options=kwargs, stages=stage_modules)
         if stage_modules is None:
             stage_modules = plan.wrap(self.stage_wrapper, dynamic_shapes=dynamic_shapes_of(kwargs))
         return build_pipeline_module(plan, stage_modules, **kwargs)
 
     def runtime_engine(self, module: nn.Module, **kwargs: Any) -> RuntimeEngine:
-        """Return DeepSpeed's ``PipelineEngine`` for ``module`` (``deepspeed.initialize``)."""
+        """Return DeepSpeed's ``PipelineEngine`` for ``module`` (``deepspeed.initialize``);
+        ``check_finite=True`` refuses a step whose loss or gradients are not finite."""
         from .engine import init_ds_engine
 
         engine: RuntimeEngine = init_ds_engine(module, **kwargs)
@@ -87,9 +92,20 @@ class DeepSpeedDialect(Dialect):
         return topology
 
     def init_distributed(self, backend: str | None = None) -> None:
-        """``deepspeed.init_distributed``: NCCL with CUDA (on the local device), else gloo."""
+        """``deepspeed.init_distributed``: NCCL with CUDA (on the local device), else gloo.
+
+        On a CPU this builds DeepSpeed's shared-memory op the first time (cached in torch's
+        extensions directory). A build killed midway leaves a lock that would make this wait
+        forever: it is detected first (``_extensions`` [Note: stale build lock]).
+
+        Raises:
+            ExtensionBuildError: a killed build left its lock; the message names the file.
+        """
         import deepspeed
 
+        from ._extensions import check_build_locks
+
+        check_build_locks()
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":

@@ -67,6 +67,7 @@ from typing import Any
 
 from torch import nn
 
+from pipedialect._agreement import check_plan_agreement
 from pipedialect._codec_path import (
     PathCodec,
     WrappedTypeCode,
@@ -123,5 +124,7 @@ def deepspeed_pipe_engine(
         TopologyError: the topology's pipe axis differs from the number of stages, it has a
             model-parallel axis, or it does not match the world size.
         TieError: a tie cannot be honoured (two different Parameter objects on one stage).
+        PlanDisagreementError: the ranks built different plans, topologies or options.
     """
+    check_plan_agreement(sch_metadata, dialect="deepspeed", options=kwargs, stages=stage_modules)
     return build_pipeline_module(sch_metadata, stage_modules, **kwargs)

@@ -43,6 +43,7 @@ class LocalDialect(Dialect):
         loss_fn: Callable[[Any, Any], Any] | None = None,
         topology: Topology | None = None,
         dynamic_shapes: bool = False,
+        init_weights: Callable[[nn.Module], None] | None = None,
         **kwargs: Any,
     ) -> nn.Module:
         """Return a :class:`~pipedialect.dialects.local.engine.LocalPipeline` of ``plan``.
@@ -50,8 +51,11 @@ class LocalDialect(Dialect):
         ``stage_modules`` (already-wrapped stages) default to ``plan.wrap()``. ``config`` (a
         DeepSpeed config dict) and ``loss_fn(outputs, labels)`` are required; ``topology``, if
         given, must have one pipe coordinate per stage and no data parallelism.
+        ``init_weights(stage_module)`` fills the stages of a meta-device plan on the CPU
+        (:func:`pipedialect.weights.prepare_local_stages`; every stage is local here).
         """
         from pipedialect.ties import check_topology, retie_parameters
+        from pipedialect.weights import prepare_local_stages
 
         from .config import parse_config
         from .engine import LocalPipeline
@@ -82,18 +86,40 @@ class LocalDialect(Dialect):
                 raise ConfigError(
                     f"got {len(stages)} stage modules for a plan of {plan.num_stages} stages"
                 )
+        prepare_local_stages(plan, range(plan.num_stages), "cpu", init_weights)
         retie_parameters(plan.tie_groups, stages)  # every stage runs here: one object per tie
         return LocalPipeline(stages, plan=plan, loss_fn=loss_fn, config=config)
 
     def runtime_engine(
         self, module: nn.Module, *, config: dict[str, Any] | None = None, **kwargs: Any
     ) -> RuntimeEngine:
-        """Return the :class:`~pipedialect.dialects.local.engine.LocalEngine` that trains it."""
+        """Return the :class:`~pipedialect.dialects.local.engine.LocalEngine` that trains it;
+        ``check_finite=True`` refuses a step whose loss or gradients are not finite;
+        ``lr_scheduler`` (an object with ``step()``, or a callable building one from the
+        optimizer) replaces the config's ``scheduler`` section, as in ``deepspeed.initialize``;
+        ``param_groups`` (see :mod:`pipedialect.param_groups`) groups the optimizer's
+        parameters."""
         from .engine import build_engine
 
+        check_finite = bool(kwargs.pop("check_finite", False))
+        lr_scheduler = kwargs.pop("lr_scheduler", None)
+        param_groups = kwargs.pop("param_groups", None)
         if kwargs:
             raise ConfigError(f"the local runtime engine takes no argument(s) {sorted(kwargs)}")
-        return build_engine(module, config)
+        return build_engine(
+            module,
+            config,
+            check_finite=check_finite,
+            lr_scheduler=lr_scheduler,
+            param_groups=param_groups,
+        )
+
+    def init_distributed(self, backend: str | None = None) -> None:
+        """Do nothing: every stage runs in this process, with no launcher and no process group.
+
+        A script written for a multi-process dialect (``init_distributed()`` first) thus runs
+        unchanged under plain ``python`` with ``get_dialect("local")``.
+        """
 
     def local_stages(self, engine: RuntimeEngine) -> Sequence[int]:
         """Every stage: the local engine runs them all in this process."""

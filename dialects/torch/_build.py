@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from pipedialect import ConfigError, StageWrapper, Topology, TopologyError
-from pipedialect.dialects.local.config import parse_config
+from pipedialect.config import parse_config
 
+from ._replicas import check_data_parallel_mode
 from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
 
 if TYPE_CHECKING:
@@ -48,28 +49,31 @@ def resolve_placement(
     return stage_to_rank(spec, num_stages, num_ranks)
 
 
-def _pipe_ranks(topology: Topology | None) -> int | None:
+def _grid(topology: Topology | None) -> tuple[int, int] | None:
+    """The topology's ``(pipe, data)`` sizes; None without a topology."""
     if topology is None:
         return None
     if not isinstance(topology, Topology):
         raise TopologyError(
             f"topology must be a process topology (get_dim, filter_match, get_coord, "
-            f"world_size), such as dialect.make_topology(num_stages); got {topology!r}"
+            f"world_size), such as dialect.make_topology(num_stages, data_parallel); got "
+            f"{topology!r}"
         )
     pipe = topology.get_dim("pipe")
-    extra = {axis: topology.get_dim(axis) for axis in ("data", "model") if topology.get_dim(axis)}
-    if any(size > 1 for size in extra.values()):
+    data = topology.get_dim("data") or 1
+    model = topology.get_dim("model") or 1
+    if model > 1:
         raise TopologyError(
-            f"the torch dialect runs one pipeline (no data or model parallelism), but the "
-            f"topology has {extra}; use a topology with data=1, e.g. "
-            "dialect.make_topology(num_stages)"
+            f"the torch dialect runs pipeline and data parallelism, but the topology has a model "
+            f"axis of {model}; use a topology with model=1, e.g. "
+            "dialect.make_topology(num_stages, data_parallel)"
         )
-    if topology.world_size() != pipe:
+    if topology.world_size() != pipe * data:
         raise TopologyError(
-            f"the topology has {topology.world_size()} ranks but a pipe axis of {pipe}; the "
-            "torch dialect needs every rank on the pipe axis"
+            f"the topology has {topology.world_size()} ranks but a pipe axis of {pipe} and a "
+            f"data axis of {data}; the torch dialect needs every rank on the pipe x data grid"
         )
-    return pipe
+    return pipe, data
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -94,13 +98,18 @@ def build_pipeline(
     stages_per_rank: int | None,
     device: torch.device | str | None,
     dynamic_shapes: bool,
+    data_parallel_mode: object = None,
+    init_weights: Callable[[nn.Module], None] | None = None,
 ) -> TorchPipeline:
     """Validate everything, then build the :class:`~.engine.TorchPipeline` of this rank."""
     import torch.distributed as dist
 
     if config is None:
         raise ConfigError("config (a DeepSpeed config dict) is required to build an engine")
-    parse_config(config)
+    check_data_parallel_mode(data_parallel_mode)
+    grid = _grid(topology)
+    data = 1 if grid is None else grid[1]
+    parse_config(config, world_size=data)
     if loss_fn is None or not callable(loss_fn):
         raise ConfigError("loss_fn(outputs, labels) is required to build a pipeline engine")
     if dynamic_shapes:
@@ -110,21 +119,21 @@ def build_pipeline(
         )
     spec = resolve_schedule(schedule)
     num_stages = plan.num_stages
-    pipe = _pipe_ranks(topology)
-    if pipe is not None:
-        placement = resolve_placement(spec, num_stages, pipe, stages_per_rank)
+    if grid is not None:
+        placement = resolve_placement(spec, num_stages, grid[0], stages_per_rank)
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(
             "the process group is not initialised: call dialect.init_distributed() on every "
             "rank before building the engine"
         )
     world = dist.get_world_size()
-    if pipe is None:
+    if grid is None:
         placement = resolve_placement(spec, num_stages, world, stages_per_rank)
-    elif world != pipe:
+    elif world != grid[0] * grid[1]:
         raise TopologyError(
-            f"the topology describes {pipe} ranks but the process group has {world}; launch "
-            f"{pipe} processes"
+            f"the topology describes {grid[0] * grid[1]} ranks ({grid[0]} pipeline x {data} "
+            f"data parallel) but the process group has {world}; launch "
+            f"{grid[0] * grid[1]} processes"
         )
     if stage_modules is None:
         stages: list[nn.Module] = list(plan.wrap(wrapper))
@@ -135,31 +144,49 @@ def build_pipeline(
                 f"got {len(stages)} stage modules for a plan of {num_stages} stages; pass one "
                 "per stage (every rank passes all of them), or none"
             )
-    return _construct(plan, stages, spec, placement, loss_fn, config, device)
+    return _construct(
+        plan, stages, spec, placement, loss_fn, config, device, topology, data, init_weights
+    )
 
 
 def _construct(
     plan: PipelinePlan,
     stages: list[nn.Module],
     spec: ScheduleSpec,
-    placement: dict[int, int],
+    pipe_placement: dict[int, int],
     loss_fn: Callable[[Any, Any], Any],
     config: Mapping[str, Any],
     device: torch.device | str | None,
+    topology: Topology | None,
+    data: int,
+    init_weights: Callable[[nn.Module], None] | None = None,
 ) -> TorchPipeline:
+    import torch.distributed as dist
+
+    from pipedialect.weights import prepare_local_stages
+
+    from ._replicas import Replicas
     from ._ties import TieSync
     from .engine import TorchPipeline
 
-    ties = TieSync.build(plan.tie_groups, stages, placement)
+    pipe = len(set(pipe_placement.values()))
+    replicas = Replicas(pipe, data, topology if data > 1 else None)
+    placements = replicas.placements(pipe_placement)
+    rank = dist.get_rank()
+    local = [k for k, r in placements[replicas.replica].items() if r == rank]
+    prepare_local_stages(plan, local, _device(device), init_weights)
+    ties = TieSync.build(plan.tie_groups, stages, placements, replica=replicas.replica)
     pipeline = TorchPipeline(
         plan,
         stages,
         spec=spec,
-        placement=placement,
+        placement=placements[replicas.replica],
         loss_fn=loss_fn,
         config=config,
         ties=ties,
         device=_device(device),
+        replicas=replicas,
     )
+    replicas.broadcast_state(pipeline)
     ties.broadcast_weights()
     return pipeline

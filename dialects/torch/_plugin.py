@@ -27,6 +27,8 @@ _PIPE_ENGINE_KWARGS = frozenset(
         "device",
         "dynamic_shapes",
         "dynamic_shape",
+        "data_parallel_mode",
+        "init_weights",
     }
 )
 
@@ -59,6 +61,7 @@ class TorchDialect(Dialect):
             Capability.SKIP_CONNECTIONS,
             Capability.MULTI_PROCESS,
             Capability.CHECKPOINTS,
+            Capability.DATA_PARALLEL,
         }
     )
 
@@ -82,9 +85,14 @@ class TorchDialect(Dialect):
         Keyword arguments: ``config`` (a DeepSpeed config dict) and ``loss_fn(outputs, labels)``
         (required); ``schedule`` (a name, default this dialect's); ``topology`` (optional: a
         topology whose pipe axis is the number of ranks, e.g. :meth:`make_topology`; without
-        it every rank of the process group is a pipeline rank); ``stages_per_rank`` (optional,
+        it every rank of the process group is a pipeline rank; with a data axis every stage is
+        replicated over it, [Note: data parallel on torch]); ``data_parallel_mode`` (``"ddp"``,
+        the default: exact gradient averaging over the replicas; ``"fsdp"`` is refused by name
+        for now); ``stages_per_rank`` (optional,
         checked against the plan and the ranks); ``device`` (default: this rank's CUDA device
-        under NCCL, else the CPU). Every rank calls it with the same arguments.
+        under NCCL, else the CPU); ``init_weights(stage_module)`` (fills the stages this rank
+        runs of a meta-device plan, on that device; the others stay on meta). Every rank calls
+        it with the same arguments.
 
         Raises:
             ConfigError: a missing or unknown argument, an unknown schedule, no process group.
@@ -92,8 +100,11 @@ class TorchDialect(Dialect):
                 ([Note: stage placement]).
             TieError: tied parameters that cannot be kept in sync.
         """
+        from pipedialect._agreement import check_plan_agreement
+
         from ._build import build_pipeline
 
+        check_plan_agreement(plan, dialect=self.name, options={"schedule": self.schedule, **kwargs})
         unknown = set(kwargs) - _PIPE_ENGINE_KWARGS
         if unknown:
             raise ConfigError(
@@ -118,19 +129,29 @@ class TorchDialect(Dialect):
             stages_per_rank=stages_per_rank,
             device=kwargs.get("device"),
             dynamic_shapes=dynamic,
+            data_parallel_mode=kwargs.get("data_parallel_mode"),
+            init_weights=kwargs.get("init_weights"),
         )
 
     def runtime_engine(self, module: nn.Module, **kwargs: Any) -> RuntimeEngine:
         """Return the :class:`~pipedialect.dialects.torch.TorchEngine` that trains ``module``.
 
-        ``config`` defaults to the one given to :meth:`pipe_engine`.
+        ``config`` defaults to the one given to :meth:`pipe_engine`; ``check_finite=True``
+        refuses a step whose loss or gradients are not finite, on every rank;
+        ``lr_scheduler`` (an object with ``step()``, or a callable building one from the
+        optimizer) replaces the config's ``scheduler`` section, as in ``deepspeed.initialize``.
         """
+        from ._setup import leave_group_at_exit
         from .engine import build_engine
 
         config = kwargs.pop("config", None)
+        check_finite = bool(kwargs.pop("check_finite", False))
+        lr_scheduler = kwargs.pop("lr_scheduler", None)
         if kwargs:
             raise ConfigError(f"the torch runtime engine takes no argument(s) {sorted(kwargs)}")
-        return build_engine(module, config)
+        engine = build_engine(module, config, check_finite=check_finite, lr_scheduler=lr_scheduler)
+        leave_group_at_exit()  # _setup [Note: leaving the process group]
+        return engine
 
     def local_stages(self, engine: RuntimeEngine) -> Sequence[int]:
         """The stages this rank runs (several under looped and V-shaped schedules)."""
@@ -141,17 +162,23 @@ class TorchDialect(Dialect):
         return list(engine.stage_ids)
 
     def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
-        """A ``pipe`` axis of ``num_stages / stages_per_rank`` ranks (see the class arguments).
+        """A ``pipe`` axis of ``num_stages / stages_per_rank`` ranks (see the class arguments)
+        by a ``data`` axis of ``data_parallel`` replicas, laid out as DeepSpeed lays them out.
 
         Raises:
-            TopologyError: ``data_parallel`` is not 1, or the stages do not divide evenly.
+            TopologyError: ``data_parallel`` is not a positive integer, or the stages do not
+                divide evenly.
         """
         from pipedialect import GridTopology
 
-        if data_parallel != 1:
+        if (
+            isinstance(data_parallel, bool)
+            or not isinstance(data_parallel, int)
+            or data_parallel < 1
+        ):
             raise TopologyError(
-                f"the torch dialect runs one pipeline replica; data_parallel={data_parallel} "
-                "is not supported"
+                f"data_parallel must be a positive integer (replicas of the pipeline), got "
+                f"{data_parallel!r}"
             )
         per_rank = (
             self.stages_per_rank
@@ -164,7 +191,7 @@ class TorchDialect(Dialect):
                 f"schedule {self.schedule!r}; partition the model into a multiple of {per_rank} "
                 "stages"
             )
-        return GridTopology(pipe=ranks)
+        return GridTopology(pipe=ranks, data=data_parallel)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.version} schedule={self.schedule!r}>"

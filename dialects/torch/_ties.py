@@ -13,6 +13,11 @@ Gradient clipping uses the norm over all of the model's gradients, as the unspli
 each rank sums the squares of its own gradients, counting a tied parameter only on the group's
 lowest rank (after the all-reduce every copy holds the same gradient), and the sums are
 all-reduced. The clip coefficient is DeepSpeed's, ``min(1, max_norm / (norm + 1e-6))``.
+
+With data parallelism each replica's pipeline has its own tie groups; the sum over a group's
+ranks comes first, then the data-parallel sum of every gradient (``_replicas``
+[Note: data parallel on torch]), and the norm is all-reduced over one pipeline's ranks only,
+so that neither the tie nor the norm counts a replica twice.
 """
 
 from __future__ import annotations
@@ -71,12 +76,15 @@ class TieSync:
         cls,
         groups: Iterable[TieGroup],
         stages: Sequence[nn.Module],
-        placement: Mapping[int, int],
+        placements: Sequence[Mapping[int, int]],
+        replica: int = 0,
     ) -> TieSync:
         """Resolve each group on this rank and create the process groups (a collective).
 
-        Every rank must call this with the same groups and placement: each cross-rank group
-        becomes a ``dist.new_group``, which every rank takes part in.
+        ``placements[d]`` maps every stage to its global rank in data-parallel replica ``d``
+        (one map without data parallelism); this rank is in replica ``replica``. Every rank
+        must call this with the same groups and placements: each cross-rank group of every
+        replica becomes a ``dist.new_group``, which every rank takes part in.
 
         Raises:
             TieError: a member names no parameter of its stage, or copies of a tied weight
@@ -85,6 +93,7 @@ class TieSync:
         groups = tuple(groups)
         # Stages materialised one by one (to_empty() after a meta build) hold copies: one again.
         retie_parameters(groups, stages)
+        placement = placements[replica]
         rank = dist.get_rank()
         resolved: list[tuple[TieGroup, tuple[int, ...], nn.Parameter | None]] = []
         for group in groups:
@@ -114,8 +123,10 @@ class TieSync:
             mine = held.get(rank)
             resolved.append((group, ranks, mine[2] if mine else None))
         copies = []
-        for group, ranks, param in resolved:
-            pg = dist.new_group(ranks=list(ranks)) if len(ranks) > 1 else None
+        for (group, ranks, param), pgs in zip(
+            resolved, _replica_groups(groups, placements), strict=True
+        ):
+            pg = pgs[replica] if len(ranks) > 1 else None
             copies.append(TiedCopy(group.key, ranks, pg, param))
             if len(ranks) > 1 and param is not None:
                 logger.debug("tie group %s synchronised between ranks %s", group.key, ranks)
@@ -145,13 +156,37 @@ class TieSync:
         return {id(param) for copy, param in self._cross_rank() if copy.owner != rank}
 
 
+def _replica_groups(
+    groups: Sequence[TieGroup], placements: Sequence[Mapping[int, int]]
+) -> list[list[Any]]:
+    """For each tie group, its process group in every replica (None where one rank holds it).
+
+    Created in one order on every rank: group by group, replica by replica.
+    """
+    out: list[list[Any]] = []
+    for group in groups:
+        per_replica: list[Any] = []
+        for placement in placements:
+            first = placement[group.stages[0]]
+            ranks = [first, *sorted({placement[s] for s in group.stages} - {first})]
+            per_replica.append(dist.new_group(ranks=ranks) if len(ranks) > 1 else None)
+        out.append(per_replica)
+    return out
+
+
 def clip_global_norm(
-    parameters: Sequence[nn.Parameter], max_norm: float, skip: set[int], device: torch.device
+    parameters: Sequence[nn.Parameter],
+    max_norm: float,
+    skip: set[int],
+    device: torch.device,
+    group: Any = None,
 ) -> torch.Tensor:
     """Clip gradients to the global 2-norm ``max_norm``; return the norm (see the module note).
 
     ``parameters`` are this rank's, each once; ``skip`` holds the ids of those another rank
-    counts. Every rank must call this (the norm is all-reduced over the default group).
+    counts. Every rank of ``group`` (one pipeline's ranks; None: the default group) must call
+    this: the norm is all-reduced over it. With data parallelism every replica holds the
+    averaged gradient by then, so each pipeline finds the same, global, norm.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     counted = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
@@ -160,7 +195,7 @@ def clip_global_norm(
     else:
         local = torch.zeros((), device=device)
     total_sq = local.to(device=device, dtype=torch.float32)
-    dist.all_reduce(total_sq, op=dist.ReduceOp.SUM)
+    dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=group)
     total = total_sq.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:

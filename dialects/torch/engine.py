@@ -12,8 +12,14 @@ micro-batches, runs them through the schedule (each loss scaled by ``1/gradient_
 for its backward), sums tied-weight gradients across ranks ([Note: tied weights on torch] in
 ``_ties``), clips with the global norm, steps the optimizer once and returns the mean
 micro-batch loss on every rank. Only the ranks holding the first or the last stage read the data
-iterator, as in DeepSpeed. The configuration is a DeepSpeed config dict with DeepSpeed 0.19.8
-semantics (:mod:`pipedialect.dialects.local.config`), so one config gives the same numbers on
+iterator, as in DeepSpeed; they read the whole step first and every rank learns whether one of
+them failed (``pipedialect._agreement`` [Note: rank agreement]), so an iterator that runs out is a
+:class:`~pipedialect.DataExhaustedError` on every rank, never a hang or a partial step. With
+``check_finite`` the losses and gradients are checked before the optimizer steps, on every rank
+alike. With a data axis in the topology every replica runs this on its own pipeline and data,
+and gradients and the returned loss are averaged over the replicas (``_replicas``
+[Note: data parallel on torch]). The configuration is a DeepSpeed config dict with DeepSpeed 0.19.8
+semantics (:mod:`pipedialect.config`), so one config gives the same numbers on
 every dialect.
 """
 
@@ -28,11 +34,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedialect import CheckpointError, ConfigError, PipeDialectError, StageWrapper
-from pipedialect.dialects.local.config import TrainingConfig, parse_config
-from pipedialect.dialects.local.engine import DeepSpeedStyleEngine
+from pipedialect import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    PipeDialectError,
+    StageWrapper,
+    _ckpt_io,
+)
+from pipedialect._agreement import (
+    agree_on_error,
+    check_inputs,
+    first_nonfinite_loss,
+    nonfinite_loss_error,
+    root_nonfinite,
+)
+from pipedialect.config import TrainingConfig, parse_config
+from pipedialect.dialects.local.engine import (
+    DeepSpeedStyleEngine,
+    read_checkpoint_file,
+    shape_mismatch,
+)
 from pipedialect.partition import PipelinePlan
 
+from ._replicas import Replicas
 from ._schedules import ScheduleSpec
 from ._setup import StageExamples, infer_examples
 from ._stage import BatchContext, LossAdapter, StageRunner, pipeline_stage_class, to_device
@@ -61,9 +86,12 @@ class TorchPipeline(nn.Module):
         config: Mapping[str, Any],
         ties: TieSync,
         device: torch.device,
+        replicas: Replicas | None = None,
     ) -> None:
         super().__init__()
         rank = dist.get_rank()
+        #: The data-parallel replicas ([Note: data parallel on torch] in ``_replicas``).
+        self.replicas = replicas or Replicas(len(set(placement.values())), 1, None)
         self.plan = plan
         self.spec = spec
         self.placement = dict(placement)
@@ -130,6 +158,7 @@ class TorchPipeline(nn.Module):
                 self.device,
                 input_args=self._examples[runner.stage_id].inputs,
                 output_args=self._examples[runner.stage_id].outputs,
+                group=self.replicas.pipeline_group,
             )
             for runner in self._runners()
         ]
@@ -177,12 +206,14 @@ class TorchPipeline(nn.Module):
         used = getattr(schedule, "stage_index_to_group_rank", None)
         if used is None:
             used = self._stages[0].stage_index_to_group_rank
-        if dict(used) != self.placement:
+        # Torch counts ranks within this replica's pipeline group.
+        ours = {k: self.replicas.position_of(r) for k, r in self.placement.items()}
+        if dict(used) != ours:
             from pipedialect import TopologyError
 
             raise TopologyError(
                 f"torch's {type(schedule).__name__} places stages as {dict(used)}, but this "
-                f"dialect placed them as {self.placement}; this torch version changed its "
+                f"dialect placed them as {ours}; this torch version changed its "
                 "placement convention"
             )
 
@@ -199,7 +230,9 @@ class TorchPipeline(nn.Module):
         schedule = self.schedule(count)
         inputs = [b[0] for b in batches] if self.holds_first else []
         labels = [to_device(b[1], self.device) for b in batches] if self.holds_last else []
-        self.context.start(inputs, labels, count if train else 1)
+        # Each loss is divided by every replica's micro-batches: the data-parallel sum of the
+        # gradients is then their mean ([Note: data parallel on torch] in ``_replicas``).
+        self.context.start(inputs, labels, count * self.replicas.data if train else 1)
         index = torch.arange(count)
         args = (index,) if self.holds_first else ()
         target = index if self.holds_last else None
@@ -243,8 +276,15 @@ class TorchEngine(DeepSpeedStyleEngine):
 
     module: TorchPipeline
 
-    def __init__(self, module: TorchPipeline, config: TrainingConfig) -> None:
-        super().__init__(module, config)
+    def __init__(
+        self,
+        module: TorchPipeline,
+        config: TrainingConfig,
+        *,
+        check_finite: bool = False,
+        lr_scheduler: Any = None,
+    ) -> None:
+        super().__init__(module, config, check_finite=check_finite, lr_scheduler=lr_scheduler)
 
     @property
     def stage_ids(self) -> tuple[int, ...]:
@@ -261,7 +301,26 @@ class TorchEngine(DeepSpeedStyleEngine):
 
     # -- training ----------------------------------------------------------------------------
 
-    def _pull(self, data_iter: Iterator[Any] | None, count: int) -> list[tuple[Any, Any]]:
+    def _pull(
+        self, data_iter: Iterator[Any] | None, count: int, what: str, source: str
+    ) -> list[tuple[Any, Any]]:
+        """Read the step's micro-batches (on the ranks that read data); every rank raises if
+        any of them failed to."""
+        error: PipeDialectError | None = None
+        batches: list[tuple[Any, Any]] = []
+        try:
+            batches = self._read(data_iter, count, what, source)
+        except PipeDialectError as exc:
+            error = exc
+        except Exception as exc:
+            error = DataError(f"the data iterator raised {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+        agree_on_error(error, device=self.module.device, what=what)
+        return batches
+
+    def _read(
+        self, data_iter: Iterator[Any] | None, count: int, what: str, source: str
+    ) -> list[tuple[Any, Any]]:
         if not (self.module.holds_first or self.module.holds_last):
             return []
         if data_iter is None:
@@ -269,22 +328,50 @@ class TorchEngine(DeepSpeedStyleEngine):
         if data_iter is None:
             raise ConfigError(
                 f"rank {self.module.rank} runs stage(s) {list(self.stage_ids)}, which read the "
-                "data: pass a data_iter (or call set_dataiterator first)"
+                f"data: pass a data_iter to {what} (or call set_dataiterator first)"
             )
-        return [self.next_pair(data_iter) for _ in range(count)]
+        batches = self.pull_pairs(data_iter, count, what=what, source=source)
+        if self.module.holds_first:
+            for i, (inputs, _) in enumerate(batches):
+                check_inputs(inputs, self.module.plan.input_names, i)
+        return batches
+
+    def _check_finite(self, count: int, step: int) -> None:
+        """Raise :class:`~pipedialect.NonFiniteError` on every rank if a loss or a gradient of
+        this step is not finite anywhere (the loss takes precedence, then the earliest stage)."""
+        error: PipeDialectError | None = None
+        if self.module.holds_last:
+            losses = [self.module.context.losses[i] for i in range(count)]
+            bad = first_nonfinite_loss(losses)
+            if bad is not None:
+                error = nonfinite_loss_error(
+                    losses[bad], step=step, stage=self.module.num_stages - 1, micro_batch=bad
+                )
+        if error is None:
+            runners = self.module._runners()
+            error = self.check_finite_grads(((r.stage_id, r.stage) for r in runners), step)
+        agree_on_error(error, device=self.module.device, what=f"step {step}", choose=root_nonfinite)
 
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        loss = loss.detach().reshape(()).to(self.module.device, torch.float32).clone()
-        dist.broadcast(loss, src=self.module.last_rank)
-        return loss
+        """The mean loss over the replicas, on every rank."""
+        module = self.module
+        last = module.replicas.position_of(module.last_rank)
+        return module.replicas.mean_loss(loss, last, module.device)
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Train on ``gradient_accumulation_steps`` micro-batches; return their mean loss."""
         gas = self.config.gradient_accumulation_steps
-        batches = self._pull(data_iter, gas)
+        batches = self._pull(data_iter, gas, "train_batch", "gradient_accumulation_steps")
         self.module.train()
-        loss = self.module.run(batches, gas, train=True)
-        self.module.ties.all_reduce_grads()
+        try:
+            loss = self.module.run(batches, gas, train=True)
+            self.module.ties.all_reduce_grads()
+            self.module.replicas.sum_grads([p for p in self.module.parameters() if p.requires_grad])
+            if self.check_finite:
+                self._check_finite(gas, self.global_steps + 1)
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
         params = [p for p in self.module.parameters() if p.requires_grad]
         if self.config.gradient_clipping > 0.0:
             clip_global_norm(
@@ -292,9 +379,11 @@ class TorchEngine(DeepSpeedStyleEngine):
                 self.config.gradient_clipping,
                 self.module.ties.not_counted_here(),
                 self.module.device,
+                self.module.replicas.pipeline_group,
             )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step_lr_scheduler()
         self.global_steps += 1
         return self._broadcast_loss(loss)
 
@@ -312,7 +401,10 @@ class TorchEngine(DeepSpeedStyleEngine):
             count = num_micro_batches
         if count < 1:
             raise ConfigError(f"num_micro_batches must be at least 1, got {count}")
-        batches = self._pull(data_iter, count)
+        source = "num_micro_batches" if num_micro_batches is not None else None
+        batches = self._pull(
+            data_iter, count, "eval_batch", source or "gradient_accumulation_steps"
+        )
         self.module.eval()
         with torch.no_grad():
             loss = self.module.run(batches, count, train=False)
@@ -343,11 +435,10 @@ class TorchEngine(DeepSpeedStyleEngine):
         Every rank calls it (see [Note: torch checkpoints]); returns True as DeepSpeed does.
         """
         tag = tag or f"global_step{self.global_steps}"
-        _Checkpoints.save(self, save_dir, tag, client_state or {})
-        dist.barrier()
-        if save_latest and self.module.rank == 0:
-            (Path(save_dir) / _LATEST_FILE).write_text(tag)
-        dist.barrier()
+        staged = _ckpt_io.stage(save_dir, tag)
+        _Checkpoints.save(self, staged, client_state or {})
+        _ckpt_io.save_rng_state(staged)
+        _ckpt_io.publish(save_dir, tag, save_latest=save_latest)
         return True
 
     def load_checkpoint(
@@ -361,6 +452,7 @@ class TorchEngine(DeepSpeedStyleEngine):
         Without ``tag``, the one recorded in ``load_dir/latest``; ``(None, None)`` when there is
         none, as DeepSpeed returns. Every rank calls it.
         """
+        from_latest = tag is None
         if tag is None:
             latest = Path(load_dir) / _LATEST_FILE
             if not latest.is_file():
@@ -369,8 +461,9 @@ class TorchEngine(DeepSpeedStyleEngine):
                 )
                 return None, None
             tag = latest.read_text().strip()
-        path = Path(load_dir) / tag
-        client_state = _Checkpoints.load(self, path, load_optimizer_states)
+        client_state, path = _Checkpoints.load(
+            self, Path(load_dir), tag, load_optimizer_states, from_latest
+        )
         return str(path), client_state
 
 
@@ -386,68 +479,91 @@ class _Checkpoints:
 
     Each rank saves the state of the stages it runs (by stage id, parameters under their
     original names), its optimizer's state, the step count, the plan's fingerprint and the
-    placement; rank 0 records the tag in ``save_dir/latest``. Loading checks that the plan and
-    the placement are the same (the optimizer state is per rank), loads, and broadcasts the
-    tied weights again (every copy was saved, so this only guards against a mixed-up file).
+    placement, published once every rank is done (``_ckpt_io`` [Note: crash-safe
+    checkpoints]). Loading verifies the files, checks that the plan and the placement are the
+    same (the optimizer state is per rank), loads, and broadcasts the tied weights again (every
+    copy was saved, so this only guards against a mixed-up file).
     """
 
     @staticmethod
-    def save(
-        engine: TorchEngine, save_dir: str | Path, tag: str, client_state: Mapping[str, Any]
-    ) -> Path:
+    def save(engine: TorchEngine, path: Path, client_state: Mapping[str, Any]) -> None:
         module = engine.module
-        path = Path(save_dir) / tag
-        path.mkdir(parents=True, exist_ok=True)
         torch.save(
             {
                 "stages": {k: module.plan.stages[k].state_dict() for k in module.stage_ids},
                 "optimizer": engine.optimizer.state_dict(),
+                "lr_scheduler": engine.scheduler_state(),
                 "global_steps": engine.global_steps,
                 "client_state": dict(client_state),
                 "plan": module.plan.fingerprint(),
                 "placement": module.placement,
+                "data_parallel": module.replicas.data,
             },
             path / _rank_file(module.rank),
         )
-        return path
 
     @staticmethod
-    def load(engine: TorchEngine, path: Path, load_optimizer_states: bool) -> dict[str, Any]:
+    def load(
+        engine: TorchEngine, root: Path, tag: str, load_optimizer_states: bool, from_latest: bool
+    ) -> tuple[dict[str, Any], Path]:
         module = engine.module
         state: dict[str, Any] = {}
-        problem: str | None = None
+        error: CheckpointError | None = None
+        path = root / tag
         try:
-            state = _Checkpoints._read(module, path)
+            path = _ckpt_io.resolve(root, tag, from_latest=from_latest)
+            state = _Checkpoints._read(module, path, tag, from_latest)
         except CheckpointError as exc:
-            problem = str(exc)
+            error = exc
         # Every rank learns whether every other one can load, so none is left waiting in the
         # broadcast below while another has raised.
         problems: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
+        dist.all_gather_object(problems, None if error is None else str(error))
         failed = [p for p in problems if p is not None]
+        if error is not None:
+            raise error
         if failed:
-            raise CheckpointError(failed[0] if problem is None else problem)
+            raise CheckpointError(failed[0])
         for k in module.stage_ids:
             module.plan.stages[k].load_state_dict(state["stages"][k])
         if load_optimizer_states:
             engine.optimizer.load_state_dict(state["optimizer"])
+        engine.load_scheduler_state(state.get("lr_scheduler"))
         engine.global_steps = int(state["global_steps"])
         module.ties.broadcast_weights()
-        return dict(state["client_state"])
+        _ckpt_io.load_rng_state(path)
+        return dict(state["client_state"]), path
 
     @staticmethod
-    def _read(module: TorchPipeline, path: Path) -> dict[str, Any]:
+    def _read(module: TorchPipeline, path: Path, tag: str, from_latest: bool) -> dict[str, Any]:
         file = path / _rank_file(module.rank)
-        if not file.is_file():
+        if path.is_dir() and not file.is_file():
             raise CheckpointError(
                 f"rank {module.rank} finds no {file.name} in {path}; load a checkpoint saved by "
                 f"the same number of ranks ({module.num_ranks})"
             )
-        state: dict[str, Any] = torch.load(file, map_location=module.device, weights_only=True)
+        state = read_checkpoint_file(file, tag, module.device, from_latest=from_latest)
+        saved = state.get("stages", {})
+        for k in module.stage_ids:
+            mismatch = shape_mismatch(saved.get(k, {}), module.plan.stages[k].state_dict())
+            if mismatch is not None:
+                name, old, new = mismatch
+                raise CheckpointError(
+                    f"[Stage {k}] checkpoint {file} was saved from a differently sized model: "
+                    f"parameter {name!r} has shape {old} there but {new} here; build the model "
+                    "with the sizes it was saved with",
+                    parameter=name,
+                )
         if state.get("plan") != module.plan.fingerprint():
             raise CheckpointError(
                 f"checkpoint {file} was saved from a different pipeline plan; partition the same "
                 "model with the same split points before loading it"
+            )
+        saved_dp = int(state.get("data_parallel", 1))
+        if saved_dp != module.replicas.data:
+            raise CheckpointError(
+                f"checkpoint {file} was saved by {saved_dp} data-parallel replica(s), but this "
+                f"run has {module.replicas.data}; load it with the topology it was saved with"
             )
         if dict(state.get("placement", {})) != module.placement:
             raise CheckpointError(
@@ -458,11 +574,22 @@ class _Checkpoints:
         return state
 
 
-def build_engine(module: nn.Module, config: Mapping[str, Any] | None) -> TorchEngine:
+def build_engine(
+    module: nn.Module,
+    config: Mapping[str, Any] | None,
+    *,
+    check_finite: bool = False,
+    lr_scheduler: Any = None,
+) -> TorchEngine:
     """Return the :class:`TorchEngine` training ``module`` (``config`` defaults to its own)."""
     if not isinstance(module, TorchPipeline):
         raise ConfigError(
             f"the torch runtime engine trains what TorchDialect.pipe_engine built, got "
             f"{type(module).__name__}"
         )
-    return TorchEngine(module, parse_config(module.config if config is None else config))
+    return TorchEngine(
+        module,
+        parse_config(module.config if config is None else config, world_size=module.replicas.data),
+        check_finite=check_finite,
+        lr_scheduler=lr_scheduler,
+    )

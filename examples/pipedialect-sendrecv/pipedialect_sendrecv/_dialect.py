@@ -18,7 +18,7 @@ from pipedialect import (
     Topology,
     TopologyError,
 )
-from pipedialect.dialects.local.config import parse_config
+from pipedialect.config import parse_config
 from pipedialect.ties import check_topology
 
 from ._engine import SendRecvEngine, SendRecvPipeline
