@@ -55,7 +55,8 @@ def _table(infos: Sequence[DialectInfo]) -> str:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoSettings, run_demo
+    from .demo import DemoSettings, check_settings, run_demo
+    from .errors import ConfigError, DialectNotFoundError
 
     settings = DemoSettings(
         dialect=args.dialect,
@@ -64,7 +65,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         steps=args.steps,
         output=None if args.no_plot else args.output,
         cpu=args.cpu,
+        meta=args.meta,
     )
+    try:
+        check_settings(settings)
+    except (ConfigError, DialectNotFoundError) as exc:
+        args.parser.error(str(exc))  # usage, the message, exit status 2
     try:
         run_demo(settings)
     except KeyboardInterrupt:
@@ -98,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--output", default="pipedialect-demo.png", help="loss-curve PNG to write")
     p_demo.add_argument("--no-plot", action="store_true", help="write no PNG")
     p_demo.add_argument("--cpu", action="store_true", help="use gloo on CPUs even with GPUs")
-    p_demo.set_defaults(func=_cmd_demo)
+    p_demo.add_argument(
+        "--meta", action="store_true", help="build the model on meta; ranks fill their stages"
+    )
+    p_demo.set_defaults(func=_cmd_demo, parser=p_demo)
     add_check_parser(sub)
     return parser
 

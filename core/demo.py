@@ -6,7 +6,7 @@ partitions it into ``stages`` pipeline stages, starts ``stages x dp`` processes 
 CPUs, NCCL when there is one GPU per process), trains with the chosen dialect while a progress
 bar shows the loss, then trains the unsplit model in this process on the same micro-batches and
 prints both loss curves side by side with their largest difference. A PNG of the curves is
-written when matplotlib is installed. Ctrl-C stops every process the demo started.
+written when matplotlib is installed. Ctrl-C or SIGTERM stops every process the demo started.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any, TextIO
 import torch
 
 from .errors import ConfigError
-from .interfaces import Capability
+from .interfaces import Capability, Dialect
 from .testing.models import TinyGPT, cross_entropy_loss
 
-__all__ = ["DemoSettings", "demo_batches", "demo_config", "run_demo"]
+__all__ = ["DemoSettings", "check_settings", "demo_batches", "demo_config", "run_demo"]
 
 VOCAB = 48
 SEQ = 16
@@ -55,6 +55,8 @@ class DemoSettings:
     output: str | None = "pipedialect-demo.png"
     #: Force gloo on CPUs even when GPUs are present.
     cpu: bool = False
+    #: Build the model on the meta device; each rank materialises only its stages.
+    meta: bool = False
 
 
 def demo_config(dp: int) -> dict[str, Any]:
@@ -105,11 +107,23 @@ def _rank_worker(settings: DemoSettings, progress: str, backend: str) -> list[fl
     if multi:
         dialect.init_distributed(backend)
     rank = int(os.environ.get("RANK", "0"))
-    plan = partition(_model(), _split_points(settings.stages))
     topology = dialect.make_topology(settings.stages, settings.dp)
     config = demo_config(settings.dp)
-    module = dialect.pipe_engine(plan, config=config, loss_fn=cross_entropy_loss, topology=topology)
-    engine = dialect.runtime_engine(module, config=config)
+    kwargs: dict[str, Any] = {}
+    if settings.meta:
+        from .weights import from_state_dict
+
+        with torch.device("meta"):
+            model = _model()
+        plan = partition(model, _split_points(settings.stages))
+        # The reference's seeded weights; a real run reads its checkpoint (from_safetensors).
+        kwargs["init_weights"] = from_state_dict(_model().state_dict(), plan=plan)
+    else:
+        plan = partition(_model(), _split_points(settings.stages))
+    module = dialect.pipe_engine(
+        plan, config=config, loss_fn=cross_entropy_loss, topology=topology, **kwargs
+    )
+    engine = dialect.runtime_engine(module, config=config, check_finite=True)
     replica = int(topology.get_coord(rank).data) if multi else 0
     data = iter(demo_batches(settings.steps * GAS, replica))
     losses = []
@@ -209,8 +223,16 @@ def _plot(path: str, pipeline: Sequence[float], reference: Sequence[float], labe
     return f"loss curves written to {path}"
 
 
-def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> float:
-    """Run the demo; print progress and the comparison to ``out``; return the largest difference."""
+def check_settings(settings: DemoSettings) -> Dialect:
+    """Return the dialect ``settings`` name, or raise if the settings cannot run.
+
+    Everything a user can get wrong on the command line is found here, before any process
+    starts, so that ``pipedialect demo`` reports it as a usage error.
+
+    Raises:
+        ConfigError: a count is out of range, or data parallelism on a one-process dialect.
+        DialectNotFoundError: no installed dialect has the name.
+    """
     from . import get_dialect
 
     if not 1 <= settings.stages <= BLOCKS:
@@ -220,9 +242,21 @@ def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> float:
     if settings.dp < 1 or settings.steps < 1:
         raise ConfigError("--dp and --steps must be at least 1")
     dialect = get_dialect(settings.dialect)
+    if Capability.MULTI_PROCESS not in dialect.capabilities and settings.dp != 1:
+        raise ConfigError(
+            f"the {settings.dialect!r} dialect runs every stage in one process, so it has no "
+            f"data-parallel replicas: use --dp 1 (or a multi-process dialect such as deepspeed)"
+        )
+    return dialect
+
+
+def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> float:
+    """Run the demo; print progress and the comparison to ``out``; return the largest difference.
+
+    SIGTERM, like Ctrl-C, stops every process the demo started (the launcher sees to it).
+    """
+    dialect = check_settings(settings)
     multi = Capability.MULTI_PROCESS in dialect.capabilities
-    if not multi and settings.dp != 1:
-        raise ConfigError(f"the {settings.dialect!r} dialect runs in one process: use --dp 1")
     world = settings.stages * settings.dp if multi else 1
     backend, env = _choose_backend(settings, world)
     where = f"{world} process(es), {backend}" if multi else "this process"

@@ -35,6 +35,10 @@ __all__ = [
 ]
 
 
+#: What ``torch.distributed``'s default ``env://`` rendezvous reads; a launcher sets them.
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 class Capability(enum.StrEnum):
     """What a dialect declares it supports; the conformance suite tests exactly these."""
 
@@ -266,13 +270,31 @@ class Dialect(abc.ABC):
     def init_distributed(self, backend: str | None = None) -> None:
         """Join the process group described by the usual environment (RANK, WORLD_SIZE, ...).
 
-        ``backend`` defaults to ``nccl`` when CUDA is available, else ``gloo``. A dialect whose
-        runtime has its own initialisation overrides this.
+        ``backend`` defaults to ``nccl`` when CUDA is available, else ``gloo``. A dialect that
+        does not declare ``multi-process`` runs every stage in this process: there is nothing to
+        join, so the call does nothing and a script written for a multi-process dialect runs
+        unchanged under plain ``python``. A dialect whose runtime has its own initialisation
+        overrides this.
+
+        Raises:
+            ConfigError: the process was not started by a launcher (``torchrun``, the
+                conformance suite's): the environment lacks the variables that describe the
+                group.
         """
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if Capability.MULTI_PROCESS not in self.capabilities or dist.is_initialized():
             return
+        missing = [name for name in _LAUNCH_VARIABLES if name not in os.environ]
+        if missing:
+            from .errors import ConfigError
+
+            raise ConfigError(
+                f"dialect {self.name!r} runs one process per pipeline rank, but this process "
+                f"was not started by a launcher ({', '.join(missing)} not set): start the "
+                "script with `torchrun --nproc_per_node N script.py` (N = stages x replicas), "
+                "or use the 'local' dialect to run every stage in this process"
+            )
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":

@@ -83,3 +83,77 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, alive
     assert "interrupted" in proc.stderr.read()
+
+
+def _start_training_demo(cwd: Path) -> tuple[subprocess.Popen[str], list[psutil.Process]]:
+    """Start a long DeepSpeed demo; return it once every rank trains, with its processes."""
+    proc = subprocess.Popen(
+        [*CLI, "demo", "--steps", "100000", "--no-plot"],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 300
+    while "loss" not in proc.stdout.readline():  # training has started on every rank
+        assert time.monotonic() < deadline and proc.poll() is None
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 2
+    return proc, children
+
+
+@pytest.mark.distributed
+def test_sigterm_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    """SIGTERM to the demo alone (as a job scheduler sends it), not to its process group."""
+    proc, children = _start_training_demo(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs(children, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, alive
+    assert code == 128 + signal.SIGTERM
+
+
+@pytest.mark.distributed
+def test_ranks_leave_when_the_demo_is_killed_outright(tmp_path: Path) -> None:
+    """SIGKILL gives the demo no chance to clean up: its ranks notice and leave by themselves."""
+    proc, children = _start_training_demo(tmp_path)
+    proc.kill()
+    proc.wait(timeout=60)
+    _, alive = psutil.wait_procs(children, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, alive
+
+
+def test_data_parallel_on_a_one_process_dialect_is_a_usage_error(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [*CLI, "demo", "--dp", "2", "--dialect", "local"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("usage: pipedialect demo")
+    assert "pipedialect demo: error: the 'local' dialect runs every stage in one process" in (
+        proc.stderr
+    )
+    assert "use --dp 1" in proc.stderr and not proc.stdout
+    unknown = subprocess.run(
+        [*CLI, "demo", "--dialect", "no-such-dialect"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
+    assert "error: no dialect named 'no-such-dialect'" in unknown.stderr

@@ -5,7 +5,9 @@ interpreter (``spawn``) with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_W
 ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` set, and ``OMP_NUM_THREADS=1`` so that ranks
 sharing a few cores do not oversubscribe them. The first rank to fail stops the launch: the
 others are terminated and :class:`~pipedialect.errors.LaunchError` carries the failing rank's
-traceback. A launch that outlives ``timeout`` is stopped the same way, never left hanging.
+traceback. A launch that outlives ``timeout`` is stopped the same way, never left hanging. The
+ranks never outlive the launch: SIGTERM to the launching process stops them before it exits, and
+a rank whose launching process is gone (killed outright) exits by itself.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -35,6 +38,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _GRACE_SECONDS = 5.0
+#: How often a rank checks that the process that launched it is still there.
+_PARENT_POLL_SECONDS = 0.5
 
 
 def free_port() -> int:
@@ -54,6 +59,9 @@ def _rank_main(
     log: str | None,
 ) -> None:
     """Entry point of one rank: run ``fn`` and leave its result or traceback in ``out``."""
+    threading.Thread(
+        target=_exit_with_parent, args=(os.getppid(),), name="pipedialect-parent-watch", daemon=True
+    ).start()
     if log is not None:
         # Redirect at the file-descriptor level, so output of C++ code lands there too.
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -89,6 +97,37 @@ def _rank_main(
         if dist.is_initialized():
             dist.barrier()
     os._exit(0)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Leave at once when the launching process ``parent`` is gone (a rank must not linger)."""
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_SECONDS)
+    os._exit(1)
+
+
+@contextlib.contextmanager
+def _terminate_stops_ranks() -> Iterator[None]:
+    """While ranks run, make SIGTERM raise ``SystemExit(143)`` so that they are stopped first.
+
+    SIGTERM's default action ends this process on the spot, leaving its ranks running. A
+    handler someone else installed is kept; signal handlers can only be set in the main thread.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -131,7 +170,10 @@ def launch(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="pipedialect-launch-") as tmp:
+    with (
+        _terminate_stops_ranks(),
+        tempfile.TemporaryDirectory(prefix="pipedialect-launch-") as tmp,
+    ):
         procs: list[BaseProcess] = []
         outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world_size)]
         logs = [

@@ -2,7 +2,9 @@
 
 Each function returns a list of failure messages, empty when the contract holds. Messages start
 with the contract area and the case (``tied weights [gpt, 2 stages]: ...``), name the stage,
-rank, value or parameter, and say what the dialect must do. :func:`fail` ends a test with them.
+rank, value or parameter, and say what the dialect must do. A training case that differs from
+the unsplit model leads with the rule it broke, when one explains the numbers (``_rules``:
+clipping, loss scaling, the optimizer). :func:`fail` ends a test with them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ._cases import Case
 from ._compare import first_difference, relative_error
 from ._driver import CaseResult
 from ._reference import expected_receives, reference, tied_names
+from ._rules import broken_rule
 
 __all__ = [
     "LOSS_ATOL",
@@ -133,6 +136,10 @@ def training_failures(result: CaseResult) -> list[str]:
                 )
             )
     failures += [text for _, _, text in sorted(events, key=lambda e: (e[0], e[1]))]
+    if failures:
+        rule = broken_rule(case, result.records)
+        if rule is not None:
+            failures.insert(0, f"{head}: {rule}")
     return failures
 
 
