@@ -2,8 +2,9 @@
 
 - ``pipedialect list [--json]`` shows the installed dialects: name, version, distribution,
   capabilities and status (a broken plugin is listed with the reason it failed).
-- ``pipedialect demo [--dialect D] [--stages N] [--dp N] [--steps N]`` trains a small GPT over
-  pipeline stages and compares every step's loss with the unsplit model in one process.
+- ``pipedialect demo [--dialect D] [--stages N] [--dp N] [--steps N] [--meta] [--trace PATH]``
+  trains a small GPT over pipeline stages and compares every step's loss with the unsplit model
+  in one process.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         output=None if args.no_plot else args.output,
         cpu=args.cpu,
         meta=args.meta,
+        trace=args.trace,
     )
     try:
         check_settings(settings)
@@ -106,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--cpu", action="store_true", help="use gloo on CPUs even with GPUs")
     p_demo.add_argument(
         "--meta", action="store_true", help="build the model on meta; ranks fill their stages"
+    )
+    p_demo.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write the run's timeline as a Chrome trace JSON (and a PNG beside it)",
     )
     p_demo.set_defaults(func=_cmd_demo, parser=p_demo)
     add_check_parser(sub)

@@ -11,6 +11,7 @@ written when matplotlib is installed. Ctrl-C or SIGTERM stops every process the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -57,6 +58,9 @@ class DemoSettings:
     cpu: bool = False
     #: Build the model on the meta device; each rank materialises only its stages.
     meta: bool = False
+    #: Where to write the Chrome trace of the run (and a PNG of the last step's schedule, the
+    #: same path with ``.png``); None for no trace.
+    trace: str | None = None
 
 
 def demo_config(dp: int) -> dict[str, Any]:
@@ -127,11 +131,17 @@ def _rank_worker(settings: DemoSettings, progress: str, backend: str) -> list[fl
     replica = int(topology.get_coord(rank).data) if multi else 0
     data = iter(demo_batches(settings.steps * GAS, replica))
     losses = []
-    for step in range(settings.steps):
-        losses.append(float(engine.train_batch(data_iter=data)))
-        if rank == 0:
-            with Path(progress).open("a") as f:
-                f.write(json.dumps({"step": step + 1, "loss": losses[-1]}) + "\n")
+    recording: Any = contextlib.nullcontext()
+    if settings.trace:
+        from .trace import trace
+
+        recording = trace(engine, settings.trace, png=settings.output is not None)
+    with recording:
+        for step in range(settings.steps):
+            losses.append(float(engine.train_batch(data_iter=data)))
+            if rank == 0:
+                with Path(progress).open("a") as f:
+                    f.write(json.dumps({"step": step + 1, "loss": losses[-1]}) + "\n")
     return losses
 
 
@@ -301,4 +311,7 @@ def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> float:
     if settings.output:
         label = f"{settings.dialect}, {settings.stages} stages x {settings.dp}"
         print(_plot(settings.output, pipeline, reference, label), file=out)
+    if settings.trace:
+        picture = f" and {Path(settings.trace).with_suffix('.png')}" if settings.output else ""
+        print(f"timeline: {settings.trace}{picture} (open the JSON in Perfetto)", file=out)
     return largest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -48,6 +49,21 @@ def test_local_demo_matches_its_reference(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
+def test_trace_writes_the_timeline_and_changes_no_loss(tmp_path: Path) -> None:
+    out = run_cli(
+        "--dialect", "local", "--steps", "2", "--trace", "run.json", "--output", "p.png",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert largest_difference(out) < 1e-5  # the traced run still equals the unsplit model
+    events = json.loads((tmp_path / "run.json").read_text())["traceEvents"]
+    compute = [e for e in events if e["ph"] == "X" and e["cat"] in ("forward", "backward")]
+    seen = {(e["cat"], e["tid"], e["args"]["step"], e["args"]["micro_batch"]) for e in compute}
+    # 2 stages x 2 steps x GAS=4 micro-batches, a forward and a backward each
+    assert len(seen) == 2 * 2 * 2 * 4, sorted(seen)
+    assert (tmp_path / "run.png").stat().st_size > 0
+    assert "timeline: run.json and run.png" in out
+
+
 def test_deepspeed_demo_trains_two_stages_and_writes_the_plot(tmp_path: Path) -> None:
     out = run_cli("--stages", "2", "--steps", "4", "--output", "curve.png", cwd=tmp_path)
     assert "dialect 'deepspeed': 2 stage(s) x 1 replica(s) on 2 process(es), gloo" in out
