@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -180,28 +181,51 @@ DEEPSPEED_SEEDS = (*range(8), 94, 126, 14, 16, 17, 18, 26, 54)
 TORCH_SEEDS = (*range(8), 91, 93, 94, 138, 185, 186, 11, 14, 27, 128)
 
 
-def _check_distributed(dialect: fm.Dialect, seeds: tuple[int, ...], launched: list[Any]) -> None:
-    specs = [fm.spec_from_seed(s, dialect) for s in seeds]
+def _balanced(dialect: fm.Dialect) -> list[fm.FuzzSpec]:
+    """Plans whose two split points the balancer chooses (partition(num_stages=2, balance=...)),
+    one per cost model, so balanced plans are checked on the multi-process dialects too."""
+    return [
+        replace(
+            fm.spec_from_seed(seed, dialect),
+            num_stages=2,
+            balance=balance,
+            split_points=(),
+            pipe_schedule="1f1b",
+        )
+        for seed, balance in ((3, "parameters"), (4, "flops"), (5, "memory"))
+    ]
+
+
+def _check_distributed(
+    dialect: fm.Dialect, seeds: Sequence[int | fm.FuzzSpec], launched: list[Any]
+) -> None:
+    specs = [s if isinstance(s, fm.FuzzSpec) else fm.spec_from_seed(s, dialect) for s in seeds]
     problems: list[str] = []
     ran = 0
+    balanced_ran = 0
     per_spec = zip(*launched, strict=True)
     for spec, results in zip(specs, per_spec, strict=True):
         try:
             if workers.compare(spec, list(results)):
                 ran += 1
+                balanced_ran += spec.num_stages is not None
         except fm.FuzzFailure as exc:
             problems.append(str(exc))
     assert not problems, "\n\n".join(problems)
     assert ran >= len(specs) * 3 // 4, f"only {ran} of {len(specs)} models ran"
+    balanced = sum(spec.num_stages is not None for spec in specs)
+    assert balanced_ran == balanced, f"only {balanced_ran} of {balanced} balanced plans ran"
 
 
 @pytest.mark.distributed
 def test_deepspeed_matches_the_unsplit_model_on_random_models() -> None:
-    launched = launch(workers.run_specs, 2, "deepspeed", list(DEEPSPEED_SEEDS), timeout=300)
-    _check_distributed("deepspeed", DEEPSPEED_SEEDS, launched)
+    cases = [*DEEPSPEED_SEEDS, *_balanced("deepspeed")]
+    launched = launch(workers.run_specs, 2, "deepspeed", cases, timeout=300)
+    _check_distributed("deepspeed", cases, launched)
 
 
 @pytest.mark.distributed
 def test_torch_dialect_matches_the_unsplit_model_on_random_models() -> None:
-    launched = launch(workers.run_specs, 2, "torch", list(TORCH_SEEDS), timeout=300)
-    _check_distributed("torch", TORCH_SEEDS, launched)
+    cases = [*TORCH_SEEDS, *_balanced("torch")]
+    launched = launch(workers.run_specs, 2, "torch", cases, timeout=300)
+    _check_distributed("torch", cases, launched)
