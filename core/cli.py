@@ -56,7 +56,7 @@ def _table(infos: Sequence[DialectInfo]) -> str:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoSettings, check_settings, run_demo
+    from .demo import DemoFailedError, DemoSettings, check_settings, run_demo
     from .errors import ConfigError, DialectNotFoundError
 
     settings = DemoSettings(
@@ -75,6 +75,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         args.parser.error(str(exc))  # usage, the message, exit status 2
     try:
         run_demo(settings)
+    except DemoFailedError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "a rank failed"
+        print(
+            f"pipedialect demo failed: {first}; every rank's log is kept in {exc.log_dir}",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted: every process the demo started has been stopped", file=sys.stderr)
         return 130

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -24,11 +25,18 @@ from typing import Any, TextIO
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, LaunchError
 from .interfaces import Capability, Dialect
 from .testing.models import TinyGPT, cross_entropy_loss
 
-__all__ = ["DemoSettings", "check_settings", "demo_batches", "demo_config", "run_demo"]
+__all__ = [
+    "DemoFailedError",
+    "DemoSettings",
+    "check_settings",
+    "demo_batches",
+    "demo_config",
+    "run_demo",
+]
 
 VOCAB = 48
 SEQ = 16
@@ -260,10 +268,22 @@ def check_settings(settings: DemoSettings) -> Dialect:
     return dialect
 
 
+class DemoFailedError(LaunchError):
+    """A rank of the demo failed; :attr:`log_dir` keeps every rank's log."""
+
+    def __init__(self, message: str, *, log_dir: str) -> None:
+        super().__init__(message)
+        #: The directory holding ``rank<r>.log`` of every rank, kept for the user.
+        self.log_dir = log_dir
+
+
 def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> float:
     """Run the demo; print progress and the comparison to ``out``; return the largest difference.
 
     SIGTERM, like Ctrl-C, stops every process the demo started (the launcher sees to it).
+
+    Raises:
+        DemoFailedError: a rank failed; the rank logs stay in its ``log_dir``.
     """
     dialect = check_settings(settings)
     multi = Capability.MULTI_PROCESS in dialect.capabilities
@@ -276,7 +296,9 @@ def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> float:
         f"{settings.dp} replica(s) on {where}; {settings.steps} steps of {GAS} micro-batches",
         file=out,
     )
-    with tempfile.TemporaryDirectory(prefix="pipedialect-demo-") as tmp:
+    # Kept when a rank fails: its log is what the user reads next.
+    tmp = tempfile.mkdtemp(prefix="pipedialect-demo-")
+    try:
         progress_path = Path(tmp) / "progress.jsonl"
         progress = _Progress(progress_path, settings.steps, out)
         if multi:
@@ -297,6 +319,12 @@ def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> float:
         else:
             pipeline = _rank_worker(settings, str(progress_path), backend)
         progress.poll()
+    except LaunchError as exc:
+        raise DemoFailedError(str(exc), log_dir=tmp) from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
     reference = reference_losses(settings)
     print(f"\n{'step':>4}  {'pipeline':>10}  {'reference':>10}  {'difference':>10}", file=out)
     for step, (a, b) in enumerate(zip(pipeline, reference, strict=True), start=1):

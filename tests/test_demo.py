@@ -121,6 +121,29 @@ def _start_training_demo(cwd: Path) -> tuple[subprocess.Popen[str], list[psutil.
 
 
 @pytest.mark.distributed
+def test_a_rank_that_dies_leaves_one_clear_line_and_its_logs(tmp_path: Path) -> None:
+    proc, children = _start_training_demo(tmp_path)
+    ranks = [p for p in children if "spawn" in " ".join(p.cmdline())] or children
+    try:
+        ranks[-1].kill()  # a rank dies (the OOM killer, say)
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    for p in alive:
+        p.kill()
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    assert code == 1, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pipedialect demo failed: "), err
+    kept = Path(lines[0].rsplit("every rank's log is kept in ", 1)[1])
+    assert sorted(p.name for p in kept.glob("rank*.log")) == ["rank0.log", "rank1.log"]
+
+
+@pytest.mark.distributed
 def test_sigterm_stops_every_process_the_demo_started(tmp_path: Path) -> None:
     """SIGTERM to the demo alone (as a job scheduler sends it), not to its process group."""
     proc, children = _start_training_demo(tmp_path)
