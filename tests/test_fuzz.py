@@ -47,6 +47,19 @@ def _summary(outcomes: list[fm.Outcome]) -> str:
     return f"{sum(o.ran for o in outcomes)} of {len(outcomes)} ran; refusals {dict(refusals)}"
 
 
+def _checkpointed(spec: fm.FuzzSpec) -> fm.FuzzSpec:
+    """``spec`` with its single-tensor blocks checkpointed (every other one with dropout), when
+    it is captured with torch.fx; otherwise ``spec`` itself."""
+    leaves = [i for i, block in enumerate(spec.blocks) if isinstance(block.out, fm.Leaf)]
+    if spec.capture != "fx" or not leaves:
+        return spec
+    return replace(
+        spec,
+        checkpoint=tuple(f"blocks.{i}" for i in leaves[:2]),
+        dropout=tuple(leaves[:1]) if spec.seed % 2 else (),
+    )
+
+
 def test_local_dialect_matches_the_unsplit_model_on_random_models() -> None:
     outcomes: list[fm.Outcome] = []
 
@@ -73,7 +86,13 @@ def test_local_dialect_matches_the_unsplit_model_on_random_models() -> None:
     assert sum(bool(s.ties) or s.tie_head for s in ran) >= 20, _summary(outcomes)
     assert sum(len(s.split_points) >= 3 for s in ran) >= 10, _summary(outcomes)
     # The features of 8ed2218 and d6ce582: balanced partitions, checkpointed blocks (some with
-    # dropout, whose masks recomputation must replay), meta-device models, traced calls.
+    # dropout, whose masks recomputation must replay), meta-device models, traced calls. They
+    # are counted over the hypothesis run plus a fixed sweep of seeded models (random.Random,
+    # independent of hypothesis): inside the full suite the hypothesis run once drew far fewer
+    # checkpointed models than alone, for a reason not yet found.
+    swept = [fm.run_local(_checkpointed(fm.spec_from_seed(seed))) for seed in range(1000, 1060)]
+    ran += [o.spec for o in swept if o.ran]
+    outcomes += swept
     assert sum(s.num_stages is not None for s in ran) >= 20, _summary(outcomes)
     assert sum(bool(s.checkpoint) for s in ran) >= 20, _summary(outcomes)
     replayed = [s for s in ran if {f"blocks.{i}" for i in s.dropout} & set(s.checkpoint)]

@@ -198,6 +198,9 @@ def test_checkpoint_resume_continues_with_the_uninterrupted_losses(tmp_path: Pat
         assert run["path"] == str(tmp_path / "mid")
         assert run["refused"].startswith("CheckpointError"), run["refused"]
     assert sorted(p.name for p in (tmp_path / "mid").iterdir()) == [
+        "MANIFEST.json",  # checksums, written last (crash-safe publishing)
+        "rng_rank0.pt",
+        "rng_rank1.pt",
         "torch_engine_rank0.pt",
         "torch_engine_rank1.pt",
     ]
