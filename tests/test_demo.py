@@ -48,7 +48,6 @@ def test_local_demo_matches_its_reference(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.png"))
 
 
-@pytest.mark.distributed
 def test_trace_writes_the_timeline_and_changes_no_loss(tmp_path: Path) -> None:
     out = run_cli(
         "--dialect", "local", "--steps", "2", "--trace", "run.json", "--output", "p.png",
@@ -64,6 +63,7 @@ def test_trace_writes_the_timeline_and_changes_no_loss(tmp_path: Path) -> None:
     assert "timeline: run.json and run.png" in out
 
 
+@pytest.mark.distributed
 def test_deepspeed_demo_trains_two_stages_and_writes_the_plot(tmp_path: Path) -> None:
     out = run_cli("--stages", "2", "--steps", "4", "--output", "curve.png", cwd=tmp_path)
     assert "dialect 'deepspeed': 2 stage(s) x 1 replica(s) on 2 process(es), gloo" in out
@@ -71,34 +71,6 @@ def test_deepspeed_demo_trains_two_stages_and_writes_the_plot(tmp_path: Path) ->
     assert "SEED_LAYERS" not in out  # the ranks' own chatter goes to their logs
     png = (tmp_path / "curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-
-
-@pytest.mark.distributed
-def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [*CLI, "demo", "--steps", "100000", "--no-plot"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 300
-        while "loss" not in proc.stdout.readline():  # training has started on every rank
-            assert time.monotonic() < deadline and proc.poll() is None
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) >= 2
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert code == 130
-    _, alive = psutil.wait_procs(children, timeout=10)
-    assert not alive, alive
-    assert "interrupted" in proc.stderr.read()
 
 
 def _start_training_demo(cwd: Path) -> tuple[subprocess.Popen[str], list[psutil.Process]]:
@@ -111,13 +83,33 @@ def _start_training_demo(cwd: Path) -> tuple[subprocess.Popen[str], list[psutil.
         text=True,
         start_new_session=True,
     )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 300
-    while "loss" not in proc.stdout.readline():  # training has started on every rank
-        assert time.monotonic() < deadline and proc.poll() is None
-    children = psutil.Process(proc.pid).children(recursive=True)
-    assert len(children) >= 2
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 300
+        while "loss" not in proc.stdout.readline():  # training has started on every rank
+            assert time.monotonic() < deadline and proc.poll() is None
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return proc, children
+
+
+@pytest.mark.distributed
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    proc, children = _start_training_demo(tmp_path)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 130
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive
+    assert proc.stderr is not None
+    assert "interrupted" in proc.stderr.read()
 
 
 @pytest.mark.distributed
