@@ -40,8 +40,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipedialect import PipelinePlan, partition
 from pipedialect._balance_solver import spread_partition, uniform_partition
 from pipedialect.balance import profile_model
-from pipedialect.testing.launcher import launch
-from pipedialect.testing.models import CausalSelfAttention, cross_entropy_loss, seeded_init
+from pipedialect.launch import launch
+from pipedialect.models import CausalSelfAttention, cross_entropy_loss, seeded_init
 
 
 class Embed(nn.Module):

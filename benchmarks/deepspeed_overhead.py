@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedialect.testing.launcher import launch
-from pipedialect.testing.models import GPTBlock, TinyGPT, cross_entropy_loss
+from pipedialect.launch import launch
+from pipedialect.models import GPTBlock, TinyGPT, cross_entropy_loss
 
 
 def _reference(args: argparse.Namespace) -> TinyGPT:

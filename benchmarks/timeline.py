@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipedialect
-from pipedialect.testing.launcher import launch
+from pipedialect.launch import launch
 
 TARGET_POINTS = 5.0
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipedialect.testing.launcher import launch
-from pipedialect.testing.models import TinyGPT, cross_entropy_loss
+from pipedialect.launch import launch
+from pipedialect.models import TinyGPT, cross_entropy_loss
 
 
 def _model(args: argparse.Namespace) -> TinyGPT:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -47,8 +46,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .errors import CaptureError, PartitionError
 
 __all__: list[str] = []
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from torch import nn
 
 from . import _balance_profile as _profile
 from ._balance_solver import solve
+from ._leaves import resolve_leaves
 from .errors import ConfigError, PartitionError, SplitPointError
 
 __all__ = [
@@ -493,28 +494,6 @@ def _union_channel(
     return values, overlaps
 
 
-def _leaves(
-    model: nn.Module, leaf_modules: Sequence[str | type[nn.Module]]
-) -> tuple[frozenset[int], tuple[type[nn.Module], ...]]:
-    ids: set[int] = set()
-    types: list[type[nn.Module]] = []
-    for entry in leaf_modules:
-        if isinstance(entry, str):
-            try:
-                ids.add(id(model.get_submodule(entry)))
-            except AttributeError:
-                raise PartitionError(
-                    f"leaf module {entry!r} is not a module of {type(model).__name__}"
-                ) from None
-        elif isinstance(entry, type) and issubclass(entry, nn.Module):
-            types.append(entry)
-        else:
-            raise PartitionError(
-                f"leaf_modules entry {entry!r} is neither a module path nor an nn.Module class"
-            )
-    return frozenset(ids), tuple(types)
-
-
 def profile_model(
     model: nn.Module,
     *,
@@ -541,7 +520,7 @@ def profile_model(
             rank must call this, and all take rank 0's times.
         repeats: timed runs.
     """
-    leaf_ids, leaf_types = _leaves(model, leaf_modules or ())
+    leaf_ids, leaf_types, _ = resolve_leaves(model, leaf_modules or ())
     hidden = _profile._hidden_modules(model, leaf_ids, leaf_types)
     if example_inputs is None:
         if measure_time:

@@ -4,60 +4,8 @@ Between two pipeline stages only tensors travel. :class:`SchemaCodec` splits any
 into its tensor leaves, which go on the wire as they are (same objects: no copy, no cast, no
 device move), and a metadata string that holds everything else. ``decode`` puts them back
 together; a fresh instance decodes what any other encoded, because the metadata describes the
-whole value.
-
-What it carries exactly
-    tensors of every dtype (``torch.Tensor`` and its subclasses, passed through); ``None``;
-    ``bool`` (kept apart from ``int``); ``int`` of any size; ``float`` bit for bit, including
-    ``-0.0``, the infinities and NaN (a NaN's sign and payload bits are not kept); ``str``;
-    ``torch.Size``; ``list``, ``tuple`` and ``dict`` (keys and their order), nested and empty.
-    Dict keys may be ``str``, ``int``, ``bool``, ``float`` (not NaN) or ``None``.
-
-What it refuses
-    With :class:`~pipedialect.UnsupportedValueError` naming the value's path (e.g.
-    ``[1]['mask']``): subclasses of the builtin containers and scalars (namedtuples,
-    ``OrderedDict``, Hugging Face ``ModelOutput``, ``IntEnum``, numpy scalars), any other
-    object, a container that contains itself, and containers nested more than 100 deep. Their
-    class could not be restored.
-
-Metadata format (version 1)
-    Compact ASCII JSON: ``[1,<value>]``, where ``<value>`` is
-
-    =============================  ====================================================
-    ``"T"``                        a tensor: the next tensor leaf, in depth-first order
-    ``null``, ``true``, ``false``  ``None``, ``True``, ``False``
-    a JSON integer                 an ``int``
-    a JSON float                   a ``float``, written with ``float.__repr__``;
-                                   ``NaN``, ``Infinity``, ``-Infinity`` as JSON5 names
-    ``["s",<text>]``               a ``str``
-    ``["z",<int>,...]``            a ``torch.Size``
-    ``["l",<value>,...]``          a ``list``
-    ``["t",<value>,...]``          a ``tuple``
-    ``["d",<key>,<value>,...]``    a ``dict``; each key is a JSON string, integer,
-                                   float, ``true``, ``false`` or ``null``
-    =============================  ====================================================
-
-    For example ``(hidden, None, (mask, pos), 0.5, 3, True)`` is
-    ``[1,["t","T",null,["t","T","T"],0.5,3,true]]`` with the tensor leaves
-    ``(hidden, mask, pos)``. Non-tensor values live in the metadata, so a change of such a value
-    changes the metadata. Anything else is refused with :class:`~pipedialect.MetadataError`
-    naming the bad piece and where it sits.
-
-Speed
-    A structure is analysed once. The first ``encode`` of a structure walks the value; from the
-    second on, a generated function (straight-line Python, one per structure) checks types,
-    lengths, dict keys and constants while it picks out the leaves. The function of the last
-    structure is tried first; when the value does not fit it, the value is walked and the
-    function of its own structure, if known, takes over. ``decode`` of a metadata
-    string seen before is a dict lookup plus one call of a generated function; the first time,
-    the string is parsed and interpreted. Neither direction touches tensor data, so neither
-    forces a device-to-host sync. Caches are bounded (``SchemaCodec.MAX_STRUCTURES``).
-
-Frozen structures
-    ``SchemaCodec(freeze=True)`` fixes the structure (including the non-tensor values) at the
-    first ``encode``; a later value whose metadata differs raises
-    :class:`~pipedialect.StructureChangedError` naming the first differing path and what was
-    and is there. Runtimes that size their buffers from the first micro-batch need this.
+whole value. What it carries and refuses, the metadata format and how it stays fast are in
+docs/codec.rst ("The boundary codec").
 """
 
 from __future__ import annotations
@@ -70,8 +18,8 @@ from typing import Any, ClassVar
 import torch
 
 from . import _codec_schema as _schema
+from .contracts import TensorCodec
 from .errors import StructureChangedError
-from .interfaces import TensorCodec
 
 __all__ = ["SchemaCodec"]
 

@@ -1,6 +1,6 @@
 """``pipedialect demo``: a real pipeline-parallel training run, checked against one process.
 
-A small GPT-style model (:class:`~pipedialect.testing.models.TinyGPT`: token embedding tied to
+A small GPT-style model (:class:`~pipedialect.models.TinyGPT`: token embedding tied to
 the LM head) learns a toy language (every sequence counts up with its own stride). The demo
 partitions it into ``stages`` pipeline stages, starts ``stages x dp`` processes itself (gloo on
 CPUs, NCCL when there is one GPU per process), trains with the chosen dialect while a progress
@@ -25,9 +25,10 @@ from typing import Any, TextIO
 
 import torch
 
+from .contracts import Capability
+from .dialect import Dialect
 from .errors import ConfigError, LaunchError
-from .interfaces import Capability, Dialect
-from .testing.models import TinyGPT, cross_entropy_loss
+from .models import TinyGPT, cross_entropy_loss
 
 __all__ = [
     "DemoFailedError",
@@ -302,7 +303,7 @@ def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> float:
         progress_path = Path(tmp) / "progress.jsonl"
         progress = _Progress(progress_path, settings.steps, out)
         if multi:
-            from .testing.launcher import launch
+            from .launch import launch
 
             results = launch(
                 _rank_worker,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from .interfaces import Dialect
+    from .dialect import Dialect
 
 __all__ = ["hookimpl", "hookspec", "register_dialects"]
 

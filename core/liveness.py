@@ -14,7 +14,7 @@ values is either produced by stage ``k`` or received by it.
 
 The stage that defines a value is given explicitly (``defined_by``), never guessed from a name
 prefix: Slapo strips names starting with ``"submod_1"`` when it reaches stage 1, which would also
-match ``"submod_10"`` (research/slapo.md, section 9 item 16).
+match ``"submod_10"``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from .errors import PartitionError
 
-__all__ = ["compute_liveness", "stage_sends"]
+__all__ = ["compute_liveness"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,3 @@ def compute_liveness(
         receives[k] = own[k] + bypass
     logger.debug("liveness: %s", receives)
     return tuple(receives)
-
-
-def stage_sends(liveness: Sequence[Sequence[str]], stage_id: int) -> tuple[str, ...]:
-    """Return what stage ``stage_id`` sends to the next one (nothing for the last stage)."""
-    if stage_id + 1 >= len(liveness):
-        return ()
-    return tuple(liveness[stage_id + 1])

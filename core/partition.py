@@ -16,7 +16,6 @@ verification] in ``_verify``); ``partition`` does it before returning when it ha
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import hashlib
 import json
@@ -28,6 +27,7 @@ from typing import Any, TypeVar, overload
 from torch import fx, nn
 
 from . import _export, _fx, _verify
+from ._leaves import close_matches, resolve_leaves
 from .balance import BalanceMethod, PlanCosts, profile_model
 from .errors import ActivationCheckpointError, ConfigError, PartitionError, SplitPointError
 from .liveness import compute_liveness
@@ -299,7 +299,7 @@ def partition(
     if named_inputs is not None:
         captured = _export.capture(model, named_inputs, concrete_args or {})
     else:
-        leaf_ids, leaf_types, leaf_paths = _resolve_leaves(model, leaf_modules or ())
+        leaf_ids, leaf_types, leaf_paths = resolve_leaves(model, leaf_modules or ())
         split_ids = frozenset(id(m) for m in point_modules)
         ckpt_ids = frozenset(id(model.get_submodule(p)) for p in ckpt_paths)
         captured = _fx.capture(
@@ -402,7 +402,7 @@ def _resolve_checkpoint(model: nn.Module, checkpoint: Sequence[str] | str | None
         if not hits:
             raise ActivationCheckpointError(
                 f"checkpoint pattern {pattern!r} matches no module of {type(model).__name__}"
-                + _close_matches(pattern, names)
+                + close_matches(pattern, names)
             )
         matched.update(hits)
     outermost = [
@@ -462,14 +462,6 @@ def _normalise_split_points(split_points: Sequence[str]) -> list[str]:
     return points
 
 
-def _close_matches(path: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(path, candidates, n=5, cutoff=0.6)
-    if close:
-        return f"; close matches: {close}"
-    top = [c for c in candidates if "." not in c][:10]
-    return f"; the model's top-level modules are {top}"
-
-
 def _resolve_split_point(model: nn.Module, path: str) -> nn.Module:
     try:
         return model.get_submodule(path)
@@ -481,38 +473,11 @@ def _resolve_split_point(model: nn.Module, path: str) -> nn.Module:
     except AttributeError:
         raise SplitPointError(
             f"split point {path!r} is not a module of {type(model).__name__}"
-            + _close_matches(path, names)
+            + close_matches(path, names)
         ) from None
     raise SplitPointError(
         f"split point {path!r} is a parameter, not a module; name the module that uses it"
     )
-
-
-def _resolve_leaves(
-    model: nn.Module, leaf_modules: Sequence[str | type[nn.Module]]
-) -> tuple[frozenset[int], tuple[type[nn.Module], ...], list[str]]:
-    ids: set[int] = set()
-    types: list[type[nn.Module]] = []
-    paths: list[str] = []
-    names = [name for name, _ in model.named_modules() if name]
-    for entry in leaf_modules:
-        if isinstance(entry, str):
-            try:
-                ids.add(id(model.get_submodule(entry)))
-            except AttributeError:
-                raise PartitionError(
-                    f"leaf module {entry!r} is not a module of {type(model).__name__}"
-                    + _close_matches(entry, names)
-                ) from None
-            paths.append(entry)
-        elif isinstance(entry, type) and issubclass(entry, nn.Module):
-            types.append(entry)
-            paths.extend(name for name, m in model.named_modules() if isinstance(m, entry))
-        else:
-            raise PartitionError(
-                f"leaf_modules entry {entry!r} is neither a module path nor an nn.Module class"
-            )
-    return frozenset(ids), tuple(types), paths
 
 
 def _locate(

@@ -30,6 +30,8 @@ from typing import Any, Literal
 import pluggy
 
 from . import hookspecs
+from .contracts import Capability
+from .dialect import Dialect, option_descriptions
 from .errors import (
     BrokenPluginError,
     DialectNotFoundError,
@@ -37,7 +39,6 @@ from .errors import (
     PluginError,
     PluginWarning,
 )
-from .interfaces import Capability, Dialect
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -81,11 +82,21 @@ class DialectInfo:
     error: str | None = None
     #: The dialect's one-line description.
     description: str = ""
+    #: The ``pipe_engine`` options the dialect adds to the shared arguments: name, type,
+    #: default and doc of each (:attr:`Dialect.options`).
+    options: tuple[dict[str, Any], ...] = ()
+    #: The same for ``runtime_engine`` (:attr:`Dialect.engine_options`).
+    engine_options: tuple[dict[str, Any], ...] = ()
+    #: The shared ``runtime_engine`` arguments its engine honours (:attr:`Dialect.engine_features`).
+    engine_features: frozenset[str] = frozenset()
 
     def as_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict (capabilities sorted)."""
         data = dataclasses.asdict(self)
         data["capabilities"] = sorted(str(c) for c in self.capabilities)
+        data["options"] = [dict(o) for o in self.options]
+        data["engine_options"] = [dict(o) for o in self.engine_options]
+        data["engine_features"] = sorted(self.engine_features)
         return data
 
 
@@ -150,7 +161,6 @@ class _Registry:
         self.pm.add_hookspecs(hookspecs)
         self.entries: dict[str, list[_Registered]] = {}
         self.broken: dict[str, DialectInfo] = {}
-        self.origins: dict[str, tuple[str | None, str | None]] = {}
 
     # -- loading -------------------------------------------------------------------------
 
@@ -219,17 +229,17 @@ class _Registry:
             _check_dialect(dialect, name)
             found.append(_Registered(dialect, name, dist, dist_version))
 
+        # Call this plugin's hook alone, through pluggy, so its dialects are attributed to it.
+        others = [p for n, p in self.pm.list_name_plugin() if n != name]
+        only_this = self.pm.subset_hook_caller("register_dialects", remove_plugins=others)
         try:
-            for impl in self.pm.hook.register_dialects.get_hookimpls():
-                if impl.plugin_name == name:
-                    impl.function(register=register)
+            only_this(register=register)
         except BaseException as exc:
             self.pm.unregister(name=name)
             if isinstance(exc, KeyboardInterrupt):
                 raise
             self._mark_broken(name, dist, dist_version, exc, what="register_dialects")
             return
-        self.origins[name] = (dist, dist_version)
         for reg in found:
             self.entries.setdefault(_dialect_name(reg.dialect), []).append(reg)
         logger.debug("plugin %s (%s) registered %d dialect(s)", name, dist, len(found))
@@ -296,6 +306,7 @@ class _Registry:
                         status=status,
                         error=conflict or failure,
                         description=getattr(d, "description", ""),
+                        **_declared_options(d),
                     )
                 )
         out.extend(self.broken.values())
@@ -320,7 +331,6 @@ class _Registry:
         if self.pm.get_plugin(name) is None:
             raise PluginError(f"no plugin named {name!r} is registered")
         self.pm.unregister(name=name)
-        self.origins.pop(name, None)
         for dialect_name in list(self.entries):
             kept = [r for r in self.entries[dialect_name] if r.plugin != name]
             if kept:
@@ -362,13 +372,27 @@ def _check_dialect(dialect: object, plugin: str) -> None:
         raise PluginError(
             f"plugin {plugin!r} registered {dialect!r} without a non-empty string `name`"
         )
-    abstract = getattr(dialect, "__abstractmethods__", None) if is_class else None
+    cls: type[Dialect] = dialect if isinstance(dialect, type) else type(dialect)
+    abstract = sorted({*getattr(cls, "__abstractmethods__", ()), *cls.unimplemented()})
     if abstract:
-        missing = ", ".join(sorted(abstract))
+        missing = ", ".join(abstract)
         raise PluginError(
             f"plugin {plugin!r} registered dialect {name!r} whose class leaves abstract "
             f"methods unimplemented: {missing}"
         )
+
+
+def _declared_options(dialect: type[Dialect] | Dialect) -> dict[str, Any]:
+    """The options a dialect declares, for :class:`DialectInfo`; empty if unreadable."""
+    try:
+        return {
+            "options": tuple(option_descriptions(dialect.options)),
+            "engine_options": tuple(option_descriptions(dialect.engine_options)),
+            "engine_features": frozenset(dialect.engine_features),
+        }
+    except Exception:  # a third party's malformed declaration must not break `list`
+        logger.debug("cannot describe the options of %r", dialect, exc_info=True)
+        return {}
 
 
 def _conflict_message(name: str, regs: list[_Registered]) -> str:

@@ -3,8 +3,8 @@
 A :class:`StageWrapper` receives what crosses into its stage, runs the stage's
 ``fx.GraphModule`` and returns what must cross to the next one. Runtimes chain the wrappers
 (DeepSpeed's ``PipelineModule`` calls ``layer(x)`` for each), so every wrapper takes and returns
-a tuple of tensors; the codec and the wire layout (see ``_wire`` [Note: wire layout]) carry
-everything else.
+a tuple of tensors; the codec and the wire layout (:mod:`pipedialect.wire` [Note: wire layout])
+carry everything else.
 
 Values are named as in the plan's top-level graph: a model input by its parameter name, the
 output of stage ``k`` as ``submod_k``, and its ``i``-th item as ``submod_k.i`` when the stage
@@ -16,20 +16,17 @@ them.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from ._wire import WireDecoder, WireEncoder
+from .contracts import TensorCodec
 from .errors import ConfigError, WireError
-from .interfaces import TensorCodec
+from .wire import WireDecoder, WireEncoder
 
 __all__ = ["StageWrapper"]
-
-logger = logging.getLogger(__name__)
 
 
 class StageWrapper(nn.Module):

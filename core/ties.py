@@ -5,8 +5,8 @@ object, for example a GPT's token embedding on stage 0 and its LM head on the la
 process the shared object is the tie; across processes each rank holds a copy, and the runtime
 keeps the copies equal (same start, gradients summed every step). :func:`find_tie_groups`
 finds the groups in one pass over the parameters; :func:`analyze_tie_ranks` maps them onto the
-global ranks of a process topology, as Slapo's function of the same name does
-(research/slapo.md, section 4.6), but pairing ranks by their coordinates rather than by sorting.
+global ranks of a process topology, as Slapo's function of the same name does, but pairing
+ranks by their coordinates rather than by sorting.
 
 [Note: re-tying stages in one process]
 Anything that gives each stage module its own tensors gives each holder of a tied weight its own
@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .contracts import TieAnalyzer, Topology
 from .errors import TieError, TopologyError
-from .interfaces import TieAnalyzer, Topology
+from .stage import StageWrapper
 
 if TYPE_CHECKING:
     from .partition import PipelinePlan
@@ -45,6 +46,7 @@ __all__ = [
     "analyze_tie_ranks",
     "check_tie_objects",
     "check_topology",
+    "check_topology_object",
     "find_tie_groups",
     "retie_parameters",
 ]
@@ -91,8 +93,6 @@ class TieGroup:
 
 def _stage_root(stage: nn.Module) -> nn.Module:
     """The module whose parameter names are the original ones (a wrapper's ``mod``)."""
-    from .stage import StageWrapper
-
     return stage.mod if isinstance(stage, StageWrapper) else stage
 
 
@@ -150,7 +150,7 @@ def _axis_values(coord: Any) -> dict[str, int]:
 _TOPOLOGY_CALLS = ("get_dim", "filter_match", "get_coord")
 
 
-def _check_topology_object(topology: Any, calls: Sequence[str] = _TOPOLOGY_CALLS) -> int:
+def check_topology_object(topology: Any, calls: Sequence[str] = _TOPOLOGY_CALLS) -> int:
     """Raise :class:`TopologyError` unless ``topology`` answers ``calls``; return its pipe size.
 
     Checked up front so that a wrong object (a class instead of an instance, a topology of
@@ -199,7 +199,7 @@ def analyze_tie_ranks(
         TopologyError: the topology lacks one of the calls above, a member's stage is outside
             the topology's pipe axis, or the stages hold different sets of coordinates.
     """
-    num_pipe = _check_topology_object(topology)
+    num_pipe = check_topology_object(topology)
     tie_ranks: list[list[list[int]]] = []
     tie_stages: list[list[int]] = []
     for group in tie_weight_groups:
@@ -234,7 +234,7 @@ def analyze_tie_ranks(
 
 def check_topology(plan: PipelinePlan, topology: Topology) -> None:
     """Raise :class:`TopologyError` unless ``topology`` has one pipe coordinate per plan stage."""
-    num_pipe = _check_topology_object(topology, ("get_dim",))
+    num_pipe = check_topology_object(topology, ("get_dim",))
     if num_pipe != plan.num_stages:
         raise TopologyError(
             f"the topology's pipe axis has {num_pipe} coordinates but the plan has "

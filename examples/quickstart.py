@@ -1,6 +1,6 @@
 import pipedialect
 from pipedialect.demo import demo_batches
-from pipedialect.testing.models import TinyGPT, cross_entropy_loss
+from pipedialect.models import TinyGPT, cross_entropy_loss
 
 model = TinyGPT(vocab=48, dim=32, max_len=16, num_blocks=8)     # any nn.Module
 plan = pipedialect.partition(model, split_points=["blocks.3"])  # two stages

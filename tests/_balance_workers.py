@@ -11,7 +11,7 @@ def choose_everything() -> dict[str, list[str]]:
 
     from pipedialect import partition
     from pipedialect.balance import choose_split_points
-    from pipedialect.testing.models import TinyGPT
+    from pipedialect.models import TinyGPT
 
     torch.set_num_threads(1)
     model = TinyGPT()

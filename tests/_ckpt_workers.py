@@ -21,8 +21,8 @@ import torch.distributed as dist
 from _reliability_workers import _attempt, config, step_batches
 
 import pipedialect
+from pipedialect.models import get_model
 from pipedialect.partition import partition
-from pipedialect.testing.models import get_model
 
 KILL_ENV = "PIPEDIALECT_TEST_KILL_IN_SAVE"
 

@@ -17,8 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import pipedialect
-from pipedialect.partition import partition
-from pipedialect.testing.models import (
+from pipedialect.models import (
     ModelSpec,
     ResidualMLP,
     cross_entropy_loss,
@@ -26,6 +25,7 @@ from pipedialect.testing.models import (
     mse_loss,
     seeded_init,
 )
+from pipedialect.partition import partition
 
 DATA_SEED = 100
 
@@ -336,7 +336,7 @@ def build_errors(case: str) -> str:
     if case == "stages":
         kwargs["topology"] = dialect.make_topology(1, 2)
     elif case == "missing":
-        del kwargs["loss_fn"], kwargs["topology"]
+        del kwargs["loss_fn"], kwargs["config"]
     try:
         dialect.pipe_engine(plan, **kwargs)
     except pipedialect.PipeDialectError as exc:
@@ -399,7 +399,7 @@ def token_batches(count: int, length: int, seed: int) -> list[tuple[torch.Tensor
 
 def gpt16(seed: int = 0) -> nn.Module:
     """The gpt test model with room for 16 positions."""
-    from pipedialect.testing.models import TinyGPT
+    from pipedialect.models import TinyGPT
 
     return TinyGPT(max_len=16, seed=seed)
 

@@ -667,7 +667,7 @@ class FuzzModel(nn.Module):
 
     def __init__(self, spec: FuzzSpec) -> None:
         super().__init__()
-        from pipedialect.testing.models import seeded_init
+        from pipedialect.models import seeded_init
 
         self.spec = spec
         self.stem = nn.Linear(spec.dim, spec.dim)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import pipedialect
+from pipedialect.models import get_model
 from pipedialect.partition import partition
-from pipedialect.testing.models import get_model
 
 GAS, MICRO, DATA_SEED = 4, 2, 300
 _ATTRS = ("field", "ranks", "expected", "got", "step", "stage", "micro_batch", "parameter")

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 import pipedialect
+from pipedialect.models import ModelSpec, ResidualMLP, cross_entropy_loss, seeded_init
 from pipedialect.partition import partition
-from pipedialect.testing.models import ModelSpec, ResidualMLP, cross_entropy_loss, seeded_init
 
 DATA_SEED = 100
 GAS, MICRO = 4, 2

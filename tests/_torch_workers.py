@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import pipedialect
+from pipedialect.models import ModelSpec, get_model
 from pipedialect.partition import partition
-from pipedialect.testing.models import ModelSpec, get_model
 
 DATA_SEED = 100
 

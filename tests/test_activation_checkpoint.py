@@ -20,8 +20,8 @@ from torch import nn
 
 import pipedialect
 from pipedialect import ActivationCheckpointError, partition
-from pipedialect.testing.launcher import launch
-from pipedialect.testing.models import TinyGPT, cross_entropy_loss, seeded_init
+from pipedialect.launch import launch
+from pipedialect.models import TinyGPT, cross_entropy_loss, seeded_init
 
 
 class DropBlock(nn.Module):

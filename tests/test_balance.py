@@ -33,8 +33,8 @@ from pipedialect.balance import (
     predicted_bubble,
     profile_model,
 )
-from pipedialect.testing.launcher import launch
-from pipedialect.testing.models import MODELS, ModelSpec, TinyGPT
+from pipedialect.launch import launch
+from pipedialect.models import MODELS, ModelSpec, TinyGPT
 
 # -- the solver against brute force ------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from pipedialect import (
     PlanMismatchError,
     partition,
 )
-from pipedialect.testing.models import MODELS
+from pipedialect.models import MODELS
 
 VOCAB = 16
 DIM = 8

@@ -23,8 +23,8 @@ from test_reliability import reference
 
 import pipedialect
 from pipedialect import CheckpointError, LaunchError
+from pipedialect.launch import launch
 from pipedialect.partition import partition
-from pipedialect.testing.launcher import launch
 
 LAUNCH_TIMEOUT = 600.0
 #: How a launch with a SIGKILLed rank fails: that rank, or a peer that lost it first.

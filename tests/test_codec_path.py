@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipedialect import CodecError, MetadataError, UnsupportedValueError
-from pipedialect._wire import WireDecoder, WireEncoder
 from pipedialect.dialects.deepspeed import pipeline
 from pipedialect.dialects.deepspeed.pipeline import (
     PathCodec,
@@ -33,6 +32,7 @@ from pipedialect.dialects.deepspeed.pipeline import (
     get_simple_nested_list_str,
     unflatten,
 )
+from pipedialect.wire import WireDecoder, WireEncoder
 
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HELPER = Path(__file__).resolve().parents[1] / "benchmarks" / "_slapo.py"

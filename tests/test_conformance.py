@@ -22,14 +22,14 @@ import torch
 import pipedialect
 from pipedialect import Capability, ConfigError
 from pipedialect.cli import main
+from pipedialect.testing._harness._cases import CASES, get_case
+from pipedialect.testing._harness._checks import boundary_failures
+from pipedialect.testing._harness._compare import first_difference
+from pipedialect.testing._harness._data import train_stream
+from pipedialect.testing._harness._models import suite_model
+from pipedialect.testing._harness._reference import expected_receives, reference
 from pipedialect.testing._options import parse_dialect_options
 from pipedialect.testing._requirements import CAPABILITY_SKIP_PREFIX, missing_requirements
-from pipedialect.testing.suite._cases import CASES, get_case
-from pipedialect.testing.suite._checks import boundary_failures
-from pipedialect.testing.suite._compare import first_difference
-from pipedialect.testing.suite._data import train_stream
-from pipedialect.testing.suite._models import suite_model
-from pipedialect.testing.suite._reference import expected_receives, reference
 
 CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -250,6 +250,72 @@ def test_the_suite_catches_a_codec_that_loses_dict_keys(tmp_path: Path) -> None:
     assert "codec                1       2" in proc.stdout
     assert "decode(encode(value)) differs from the value" in proc.stdout
     assert "dict keys" in proc.stdout
+
+
+def test_the_suite_trains_through_the_codec_the_dialect_declares(tmp_path: Path) -> None:
+    """A dialect's ``codec`` is the one its engine uses: a lossy one fails the training area.
+
+    The codec rounds floats of 64 elements or more to bfloat16 on the way (small values survive,
+    so only a real training run through the engine can see it). Before the shared
+    ``Dialect.pipe_engine``, the local engine wrapped its stages with the default codec and this
+    dialect passed.
+    """
+    (tmp_path / "test_lossy_codec.py").write_text(
+        textwrap.dedent(
+            """
+            import pytest
+            import torch
+            from pipedialect import SchemaCodec
+            from pipedialect.dialects.local import LocalDialect
+            from pipedialect.testing.suite import TestTraining
+
+
+            def rounded(value):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.is_floating_point()
+                    and value.numel() >= 64
+                ):
+                    return value.to(torch.bfloat16).to(value.dtype)
+                if isinstance(value, dict):
+                    return {k: rounded(v) for k, v in value.items()}
+                if isinstance(value, (list, tuple)):
+                    return type(value)(rounded(v) for v in value)
+                return value
+
+
+            class Lossy(SchemaCodec):
+                def encode(self, obj, device=None):
+                    return super().encode(rounded(obj), device)
+
+
+            class LossyLocal(LocalDialect):
+                name = "lossy-local"
+
+                @property
+                def codec(self):
+                    return Lossy()
+
+
+            class TestLossyTraining(TestTraining):
+                @pytest.fixture
+                def dialect(self):
+                    return LossyLocal()
+            """
+        )
+    )
+    select = "matches_unsplit and plain-4"
+    proc = run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select], tmp_path
+    )
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "conformance of 'lossy-local': FAILED" in out
+    assert (
+        "boundary [plain, 4 stages]: [Stage 1] received 'submod_0' (value 1 of 1 crossing into "
+        "stage 1: ['submod_0']) differently from the unsplit model, at the top level: values "
+        "differ" in out
+    )
 
 
 def test_check_refuses_an_unknown_dialect_and_a_malformed_option(

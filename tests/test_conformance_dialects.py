@@ -150,6 +150,15 @@ def test_example_runs_the_suite_from_its_own_test_file(
                 "the boundary's values arrive reordered",
             ],
         ),
+        (
+            "lossy",
+            "codec or matches_unsplit and plain-2",
+            [
+                "[training] TestTraining::test_matches_unsplit[sendrecv-lossy-plain-2]",
+                "training equivalence [plain, 2 stages]: train_batch() of step 1 returned loss",
+                "differs from the unsplit model after step 1",
+            ],
+        ),
     ],
 )
 def test_broken_variant_fails_naming_the_broken_contract(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_deepspeed import reference
 
-from pipedialect.testing.launcher import launch
+from pipedialect.launch import launch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.distributed]
 

@@ -29,7 +29,7 @@ import _fuzz_workers as workers
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from pipedialect.testing.launcher import launch
+from pipedialect.launch import launch
 
 #: Generated models per run on the local dialect (the issue asks for at least 200).
 LOCAL_EXAMPLES = 200

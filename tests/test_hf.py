@@ -18,7 +18,7 @@ from _compare import ATOL, RTOL, assert_tensor_close
 from torch import nn
 
 import pipedialect
-from pipedialect.testing.launcher import launch
+from pipedialect.launch import launch
 
 STEPS = 3
 GAS = 2

@@ -9,7 +9,7 @@ import _launch_targets as targets
 import pytest
 
 from pipedialect import LaunchError
-from pipedialect.testing.launcher import launch
+from pipedialect.launch import launch
 
 pytestmark = pytest.mark.distributed
 

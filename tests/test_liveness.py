@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from pipedialect import PartitionError, TensorCodec, partition
-from pipedialect.liveness import compute_liveness, stage_sends
-from pipedialect.testing.models import MODELS
+from pipedialect.liveness import compute_liveness
+from pipedialect.models import MODELS
 
 HF_INPUTS = [
     "input_ids",
@@ -55,8 +55,6 @@ def test_slapo_gpt2_worked_example() -> None:
         ("submod_1.0", "submod_1.1", "submod_1.2"),
         ("submod_2", "submod_1.1", "submod_1.2"),
     )
-    assert stage_sends(liveness, 1) == ("submod_1.0", "submod_1.1", "submod_1.2")
-    assert stage_sends(liveness, 3) == ()
 
 
 def test_inputs_bypass_to_later_stages() -> None:

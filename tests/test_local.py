@@ -28,7 +28,7 @@ from pipedialect import (
 from pipedialect.dialects.local import LocalDialect
 from pipedialect.dialects.local.config import build_optimizer, parse_config
 from pipedialect.dialects.local.engine import LocalEngine, LocalPipeline
-from pipedialect.testing.models import MODELS, ModelSpec
+from pipedialect.models import MODELS, ModelSpec
 
 GAS = 4
 STEPS = 3

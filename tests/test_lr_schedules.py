@@ -19,8 +19,8 @@ from _compare import ATOL, RTOL
 
 import pipedialect
 from pipedialect import ConfigError, partition
+from pipedialect.launch import launch
 from pipedialect.lr_schedules import SCHEDULES, build_schedule
-from pipedialect.testing.launcher import launch
 
 ds_lr = pytest.importorskip("deepspeed.runtime.lr_schedules")
 

@@ -27,7 +27,7 @@ from pipedialect import (
     StageWrapper,
     partition,
 )
-from pipedialect.testing.models import MODELS, GPTBlock, ModelSpec
+from pipedialect.models import MODELS, GPTBlock, ModelSpec
 
 CASES = [(name, stages) for name in MODELS for stages in (2, 4)]
 
@@ -483,7 +483,7 @@ def test_plan_is_deterministic_across_builds_and_hash_seeds() -> None:
     assert first.describe() == second.describe()
     assert first.fingerprint() == second.fingerprint()
     code = (
-        "from pipedialect.testing.models import MODELS; import pipedialect; "
+        "from pipedialect.models import MODELS; import pipedialect; "
         "s = MODELS['encdec']; "
         "print(pipedialect.partition(s.build(), s.split_points_for(4)).fingerprint())"
     )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipedialect import ConfigError, partition
-from pipedialect.testing.models import MODELS, get_model
+from pipedialect.models import MODELS, get_model
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

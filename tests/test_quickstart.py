@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pipedialect.demo import demo_batches
-from pipedialect.testing.launcher import free_port
-from pipedialect.testing.models import TinyGPT, cross_entropy_loss
+from pipedialect.launch import free_port
+from pipedialect.models import TinyGPT, cross_entropy_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "quickstart.py"

@@ -32,8 +32,8 @@ from pipedialect import (
     partition,
 )
 from pipedialect.dialects.local import LocalDialect
-from pipedialect.testing.launcher import launch
-from pipedialect.testing.models import MODELS
+from pipedialect.launch import launch
+from pipedialect.models import MODELS
 from pipedialect.ties import check_tie_objects, check_topology, retie_parameters
 
 

@@ -17,7 +17,7 @@ import torch
 from _compare import ATOL, RTOL, assert_tensor_close
 
 from pipedialect import LaunchError
-from pipedialect.testing.launcher import launch
+from pipedialect.launch import launch
 
 pytestmark = pytest.mark.distributed
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
 
-from pipedialect.testing.launcher import launch
+from pipedialect.launch import launch
 
 pytestmark = pytest.mark.distributed
 

@@ -23,8 +23,8 @@ import torch
 from _compare import assert_tensor_close
 
 import pipedialect
-from pipedialect.testing.launcher import launch
-from pipedialect.testing.models import MODELS
+from pipedialect.launch import launch
+from pipedialect.models import MODELS
 from pipedialect.trace import Span, Timeline
 
 GAS, STEPS, STAGES = 4, 2, 4

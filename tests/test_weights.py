@@ -22,7 +22,7 @@ from torch import nn
 
 import pipedialect
 from pipedialect import WeightsError, partition
-from pipedialect.testing.models import TinyGPT
+from pipedialect.models import TinyGPT
 from pipedialect.weights import (
     from_pretrained,
     from_safetensors,

@@ -20,9 +20,9 @@ from torch import nn
 
 import pipedialect
 from pipedialect import StructureChangedError, partition
-from pipedialect._wire import WireDecoder, WireEncoder
 from pipedialect.codec import SchemaCodec
-from pipedialect.testing.models import cross_entropy_loss, mse_loss
+from pipedialect.models import cross_entropy_loss, mse_loss
+from pipedialect.wire import WireDecoder, WireEncoder
 
 GAS = 2
 RTOL = 1e-6
@@ -157,7 +157,7 @@ def test_torch_engine_reset_activation_shape_accepts_a_new_sequence_length() -> 
     import _ds_workers as workers
     from _compare import ATOL, assert_tensor_close
 
-    from pipedialect.testing.launcher import launch
+    from pipedialect.launch import launch
 
     results = launch(workers.wire_state_run, 2, "torch", ("static", "reset"), timeout=600)
     cases = {c[0]: c for c in workers.WIRE_STATE_CASES}

@@ -1,6 +1,6 @@
 """Helpers for testing pipedialect and its dialects.
 
-:mod:`pipedialect.testing.models` holds small deterministic models, each with its loss
+:mod:`pipedialect.models` holds small deterministic models, each with its loss
 function, recommended split points and micro-batch generator; the project's tests, the
 conformance suite and the demo all train these.
 """

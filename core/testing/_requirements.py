@@ -15,7 +15,8 @@ from collections.abc import Iterable
 
 import pytest
 
-from ..interfaces import Capability, Dialect
+from ..contracts import Capability
+from ..dialect import Dialect
 
 __all__ = [
     "CAPABILITY_SKIP_PREFIX",

@@ -1,32 +1,28 @@
 """The conformance suite's per-session state, kept in ``config.stash`` by the pytest plugin.
 
 It records which cases the selected tests need (so that one launch serves them all), holds one
-:class:`~pipedialect.testing.suite._driver.DialectRun` per dialect and option set, and collects
+:class:`~pipedialect.testing._harness._driver.DialectRun` per dialect and option set, and collects
 test outcomes by contract area for the summary :mod:`pipedialect.testing._report` prints.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
-    from ..interfaces import Dialect
+    from ..dialect import Dialect
+    from ._harness._driver import DialectRun
     from ._options import EngineOptions
-    from .suite._driver import DialectRun
 
 __all__ = [
     "AREA_MARKER",
     "DIALECT_FIXTURE",
     "Outcome",
     "SuiteSession",
-    "remember_terminal",
     "session",
-    "terminal_fd",
 ]
 
 #: The marker naming a suite test's contract area.
@@ -78,7 +74,7 @@ class SuiteSession:
         self, dialect: Dialect, options: EngineOptions, request: pytest.FixtureRequest
     ) -> DialectRun:
         """The session's run of ``dialect`` with ``options`` (created on first use)."""
-        from .suite._driver import DialectRun
+        from ._harness._driver import DialectRun
 
         cls = type(dialect)
         key = (dialect.name, f"{cls.__module__}.{cls.__qualname__}", options.key())
@@ -114,24 +110,3 @@ def area_of(item: Any) -> str | None:
     """The contract area of a collected item, or None if it is not a suite test."""
     mark = item.get_closest_marker(AREA_MARKER)
     return None if mark is None else str(mark.args[0])
-
-
-_terminal: list[int] = []
-
-
-def remember_terminal() -> None:
-    """Keep a copy of this process's stderr, before pytest captures it for a test.
-
-    The suite's in-process watchdog writes there when it must end the process: whatever a test
-    writes while it is captured is lost when the process ends.
-    """
-    if not _terminal:
-        try:
-            _terminal.append(os.dup(sys.stderr.fileno()))
-        except (AttributeError, OSError, ValueError):  # no real stderr (a notebook, say)
-            _terminal.append(-1)
-
-
-def terminal_fd() -> int | None:
-    """The descriptor :func:`remember_terminal` kept, or None."""
-    return _terminal[0] if _terminal and _terminal[0] >= 0 else None

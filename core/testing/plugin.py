@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from ._session import AREA_MARKER, DIALECT_FIXTURE, Outcome, area_of, remember_terminal, session
+from ._session import AREA_MARKER, DIALECT_FIXTURE, Outcome, area_of, session
+from ._terminal import remember_terminal
 
 __all__ = [
     "pipedialect_name",

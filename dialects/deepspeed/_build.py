@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from pipedialect import ConfigError, TieError, Topology, TopologyError
-from pipedialect.ties import TieGroup, analyze_tie_ranks, retie_parameters
+from pipedialect import ConfigError, TieAnalyzer, TieError, Topology, TopologyError
+from pipedialect.ties import DefaultTieAnalyzer, TieGroup, retie_parameters
 
 if TYPE_CHECKING:
     from ._module import PipeDialectPipelineModule, TieSpec
@@ -40,9 +40,17 @@ _REFUSED_CHECKPOINT_KWARGS = frozenset({"activation_checkpoint_func", "checkpoin
 
 
 def build_pipeline_module(
-    sch_metadata: Any, stage_modules: Sequence[nn.Module], **kwargs: Any
+    sch_metadata: Any,
+    stage_modules: Sequence[nn.Module],
+    *,
+    tie_analyzer: TieAnalyzer | None = None,
+    **kwargs: Any,
 ) -> PipeDialectPipelineModule:
-    """Validate everything, then build the ``PipelineModule`` (see ``deepspeed_pipe_engine``)."""
+    """Validate everything, then build the ``PipelineModule`` (see ``deepspeed_pipe_engine``).
+
+    ``tie_analyzer`` maps tied parameters onto ranks (the dialect's; the default analyzer for
+    the seed's ``deepspeed_pipe_engine``).
+    """
     refused = sorted(set(kwargs) & _REFUSED_CHECKPOINT_KWARGS)
     if refused:
         raise ConfigError(
@@ -72,7 +80,7 @@ def build_pipeline_module(
     _check_topology(topology, len(stages))
     _check_process_group(topology)
     _materialise_local_stage(sch_metadata, topology, kwargs.get("init_weights"))
-    ties = resolve_ties(tie_groups_of(sch_metadata), stages, topology)
+    ties = resolve_ties(tie_groups_of(sch_metadata), stages, topology, tie_analyzer)
 
     from ._module import PipeDialectPipelineModule
 
@@ -237,6 +245,7 @@ def resolve_ties(
     groups: Sequence[tuple[str, Sequence[tuple[str, int]]]],
     stages: Sequence[nn.Module],
     topology: Topology,
+    tie_analyzer: TieAnalyzer | None = None,
 ) -> list[TieSpec]:
     """Find the module and attribute holding each tied weight on each stage.
 
@@ -252,8 +261,10 @@ def resolve_ties(
     if not cross:
         return []
     # Stages materialised one by one (to_empty() after a meta build) hold copies: one again.
-    retie_parameters([TieGroup(key, tuple(members)) for key, members in cross], stages)
-    tie_ranks, tie_stages = analyze_tie_ranks([m for _, m in cross], topology)
+    cross_groups = [TieGroup(key, tuple(members)) for key, members in cross]
+    retie_parameters(cross_groups, stages)
+    analyzer = tie_analyzer if tie_analyzer is not None else DefaultTieAnalyzer()
+    tie_ranks, tie_stages = analyzer.analyze_ranks(cross_groups, topology)
     for (key, members), rank_lists, stage_ids in zip(cross, tie_ranks, tie_stages, strict=True):
         owners: dict[int, tuple[nn.Module, str]] = {}
         held: dict[int, tuple[str, nn.Parameter]] = {}

@@ -28,7 +28,6 @@ Importing this module imports deepspeed.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +43,6 @@ from pipedialect import ConfigError, Topology
 from pipedialect.errors import CheckpointError
 
 __all__ = ["PipeDialectPipelineModule", "TieSpec", "checkpoint_stage"]
-
-logger = logging.getLogger(__name__)
 
 
 def checkpoint_stage(function: Callable[..., Any], *args: Any) -> Any:

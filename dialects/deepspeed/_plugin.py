@@ -2,22 +2,59 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import field
+from typing import Any
 
 import torch
 from torch import nn
 
 import pipedialect
 from pipedialect import Capability, Dialect, RuntimeEngine, Topology
+from pipedialect.dialect import EngineRequest, PipelineRequest
 
 from ._stage import DeepSpeedPipeStageWrapper
 
-if TYPE_CHECKING:
-    from pipedialect.partition import PipelinePlan
+__all__ = [
+    "DeepSpeedDialect",
+    "DeepSpeedEngineOptions",
+    "DeepSpeedOptions",
+    "register_dialects",
+]
 
-__all__ = ["DeepSpeedDialect", "register_dialects"]
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedOptions:
+    """What the DeepSpeed dialect's ``pipe_engine`` takes beyond the shared arguments."""
+
+    fp16: bool | None = field(
+        default=None, metadata={"doc": "must agree with the config's fp16.enabled"}
+    )
+    bf16: bool | None = field(
+        default=None, metadata={"doc": "must agree with the config's bf16.enabled"}
+    )
+    activation_checkpoint_interval: int | None = field(
+        default=None,
+        metadata={"doc": "any value >= 1 checkpoints each whole stage (one DeepSpeed layer)"},
+    )
+    activation_checkpoint_func: Any = field(
+        default=None, metadata={"doc": "refused: stages are checkpointed whole, non-reentrant"}
+    )
+    checkpointable_layers: Any = field(
+        default=None, metadata={"doc": "refused: stages are checkpointed whole, non-reentrant"}
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedEngineOptions:
+    """What ``runtime_engine`` passes on to ``deepspeed.initialize``."""
+
+    optimizer: Any = field(default=None, metadata={"doc": "a client optimizer"})
+    training_data: Any = field(
+        default=None, metadata={"doc": "a dataset DeepSpeed wraps in its data loader"}
+    )
 
 
 class DeepSpeedDialect(Dialect):
@@ -29,8 +66,11 @@ class DeepSpeedDialect(Dialect):
     """
 
     name = "deepspeed"
+    options = DeepSpeedOptions
+    engine_options = DeepSpeedEngineOptions
     version = pipedialect.__version__
     description = "DeepSpeed PipelineEngine (NCCL on GPUs, gloo on CPUs)"
+    engine_features = frozenset({"check_finite", "lr_scheduler"})
     capabilities = frozenset(
         {
             Capability.TIED_WEIGHTS,
@@ -50,32 +90,48 @@ class DeepSpeedDialect(Dialect):
         """:class:`~pipedialect.dialects.deepspeed.pipeline.DeepSpeedPipeStageWrapper`."""
         return DeepSpeedPipeStageWrapper
 
-    def pipe_engine(
-        self, plan: PipelinePlan, stage_modules: Sequence[nn.Module] | None = None, **kwargs: Any
-    ) -> nn.Module:
-        """Wrap the plan's stages (unless given) and build the ``PipelineModule``.
+    def _build_pipeline(self, request: PipelineRequest[DeepSpeedOptions]) -> nn.Module:
+        """Build DeepSpeed's ``PipelineModule`` of the wrapped stages.
 
-        Keyword arguments: ``config``, ``loss_fn`` and ``topology`` (required), ``fp16`` /
-        ``bf16`` (must agree with the config), ``dynamic_shapes`` (boundary shapes may change
-        between micro-batches; DeepSpeed then re-sends tensor metadata every time; DeepSpeed's
-        own spelling ``dynamic_shape`` is accepted too), ``init_weights(stage_module)`` (fills
-        this rank's stage of a meta-device plan; the others stay on meta).
+        ``topology`` is required (one of DeepSpeed's topology classes, e.g.
+        :meth:`make_topology`); ``init_weights`` fills this rank's stage of a meta-device plan,
+        the others stay on meta.
         """
-        from pipedialect._agreement import check_plan_agreement
+        from ._build import build_pipeline_module
 
-        from ._build import build_pipeline_module, dynamic_shapes_of
+        opts = request.options
+        given = {
+            f.name: getattr(opts, f.name)
+            for f in dataclasses.fields(opts)
+            if getattr(opts, f.name) is not None
+        }
+        return build_pipeline_module(
+            request.plan,
+            request.stages,
+            config=request.config,
+            loss_fn=request.loss_fn,
+            topology=request.topology,
+            dynamic_shapes=request.dynamic_shapes,
+            init_weights=request.init_weights,
+            tie_analyzer=self.tie_analyzer,
+            **given,
+        )
 
-        check_plan_agreement(plan, dialect=self.name, options=kwargs, stages=stage_modules)
-        if stage_modules is None:
-            stage_modules = plan.wrap(self.stage_wrapper, dynamic_shapes=dynamic_shapes_of(kwargs))
-        return build_pipeline_module(plan, stage_modules, **kwargs)
-
-    def runtime_engine(self, module: nn.Module, **kwargs: Any) -> RuntimeEngine:
-        """Return DeepSpeed's ``PipelineEngine`` for ``module`` (``deepspeed.initialize``);
-        ``check_finite=True`` refuses a step whose loss or gradients are not finite."""
+    def _build_engine(self, request: EngineRequest[DeepSpeedEngineOptions]) -> RuntimeEngine:
+        """DeepSpeed's ``PipelineEngine`` for the module (``deepspeed.initialize``)."""
         from .engine import init_ds_engine
 
-        engine: RuntimeEngine = init_ds_engine(module, **kwargs)
+        opts = request.options
+        extra = {
+            f.name: getattr(opts, f.name)
+            for f in dataclasses.fields(opts)
+            if getattr(opts, f.name) is not None
+        }
+        if request.lr_scheduler is not None:
+            extra["lr_scheduler"] = request.lr_scheduler
+        engine: RuntimeEngine = init_ds_engine(
+            request.module, config=request.config, check_finite=request.check_finite, **extra
+        )
         return engine
 
     def local_stages(self, engine: RuntimeEngine) -> Sequence[int]:

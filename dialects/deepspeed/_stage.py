@@ -2,10 +2,10 @@
 
 DeepSpeed's ``PipelineEngine`` (0.19) sends a tuple of tensors between stages and decides who gets
 a gradient by ``is_floating_point()``. The generic wire already puts gradient-carrying floats
-first and disguises floats that need no gradient (``_wire`` [Note: wire layout]). This wrapper adds
-what only DeepSpeed needs, checked once per boundary at the first micro-batch so that a payload
-DeepSpeed cannot carry is refused here, naming the value, instead of crashing or hanging inside
-the engine:
+first and disguises floats that need no gradient (:mod:`pipedialect.wire` [Note: wire layout]).
+This wrapper adds what only DeepSpeed needs, checked once per boundary at the first
+micro-batch so that a payload DeepSpeed cannot carry is refused here, naming the value,
+instead of crashing or hanging inside the engine:
 
 - every wire dtype must be one DeepSpeed's tensor-meta table knows;
 - the tuple's description must fit DeepSpeed's 256-int tensor-meta buffer;
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pipedialect import StageWrapper, WireError
-from pipedialect._wire import leaf_paths
+from pipedialect.wire import leaf_paths
 
 __all__ = ["DeepSpeedPipeStageWrapper"]
 

@@ -7,11 +7,11 @@ enough; a middle stage that sends more gradient-carrying floats than it receives
 encoder-decoder stage forwarding the encoder output next to its own activation) would then get a
 float gradient in a bool or integer slot, which gloo rejects and NCCL corrupts. And
 ``reset_activation_shape()``, DeepSpeed's way to change the sequence length, also resets the
-stage wrappers' frozen wire layouts and shapes (``_wire`` [Note: wire state]).
+stage wrappers' frozen wire layouts and shapes (``pipedialect.wire`` [Note: wire state]).
 
 ``train_batch`` and ``eval_batch`` read the step's micro-batches (on the first and last stages)
 before DeepSpeed runs its schedule, check that DeepSpeed can load them, and tell every rank
-whether one of them failed (``pipedialect._agreement`` [Note: rank agreement]): a data iterator
+whether one of them failed (``pipedialect.agreement`` [Note: rank agreement]): a data iterator
 that runs out is a :class:`~pipedialect.DataExhaustedError` on every rank, not a
 ``StopIteration`` on one and a hang on the others, and nothing was computed. A failed step stops
 the timers DeepSpeed started (so the next call can start them again) and drops the gradients.
@@ -23,10 +23,8 @@ Importing this module imports deepspeed.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import deepspeed
@@ -41,9 +39,9 @@ from pipedialect import (
     DataError,
     PipeDialectError,
     StageWrapper,
-    _ckpt_io,
+    checkpoint_files,
 )
-from pipedialect._agreement import (
+from pipedialect.agreement import (
     agree_on_error,
     check_inputs,
     first_nonfinite_grad,
@@ -55,8 +53,6 @@ from pipedialect._agreement import (
 )
 
 __all__ = ["PipeDialectEngine", "init_ds_engine"]
-
-logger = logging.getLogger(__name__)
 
 
 class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
@@ -255,15 +251,15 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
         **kwargs: Any,
     ) -> bool:
         """DeepSpeed's ``save_checkpoint`` into a staging directory, published as ``tag`` once
-        every rank wrote its files, with each rank's random number generators (``_ckpt_io``
+        every rank wrote its files, with each rank's random number generators (``checkpoint_files``
         [Note: crash-safe checkpoints]); ``latest`` only ever names a complete checkpoint."""
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        staged = _ckpt_io.stage(save_dir, tag)
+        staged = checkpoint_files.stage(save_dir, tag)
         super().save_checkpoint(
             save_dir, staged.name, dict(client_state or {}), save_latest=False, **kwargs
         )
-        _ckpt_io.save_rng_state(staged)
-        _ckpt_io.publish(save_dir, tag, save_latest=save_latest)
+        checkpoint_files.save_rng_state(staged)
+        checkpoint_files.publish(save_dir, tag, save_latest=save_latest)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
@@ -273,13 +269,12 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
         or a load of wrong weights. The random number generators are restored too."""
         if self.load_universal_checkpoint():
             return super().load_checkpoint(load_dir, tag, **kwargs)
-        latest = Path(load_dir) / "latest"
-        if tag is None and not latest.is_file():
+        found = checkpoint_files.latest_tag(load_dir, tag)
+        if found is None:
             return super().load_checkpoint(load_dir, tag, **kwargs)
-        resolved = latest.read_text().strip() if tag is None else str(tag)
-        path = _ckpt_io.resolve(load_dir, resolved, from_latest=tag is None)
+        path = checkpoint_files.resolve(load_dir, found[0], from_latest=found[1])
         result = super().load_checkpoint(load_dir, path.name, **kwargs)
-        _ckpt_io.load_rng_state(path)
+        checkpoint_files.load_rng_state(path)
         return result
 
 

@@ -55,7 +55,7 @@ DeepSpeed (no fork) and drop nothing:
 - tied weights across stages are registered with DeepSpeed's own tie machinery: equal at start,
   gradients all-reduced every step, counted once in gradient norms, saved once in checkpoints;
 - the stage wrappers use :class:`~pipedialect.SchemaCodec` (lossless) and the wire layout of
-  ``pipedialect._wire`` (floats that need no gradient are bit-cast, so DeepSpeed gives none to
+  ``pipedialect.wire`` (floats that need no gradient are bit-cast, so DeepSpeed gives none to
   them); several gradient-carrying tensors may cross one boundary;
 - every argument, the topology and the ties are checked before the first collective call.
 """
@@ -67,8 +67,11 @@ from typing import Any
 
 from torch import nn
 
-from pipedialect._agreement import check_plan_agreement
-from pipedialect._codec_path import (
+from pipedialect.agreement import check_plan_agreement
+from pipedialect.ties import analyze_tie_ranks
+
+from ._build import build_pipeline_module
+from ._codec_path import (
     PathCodec,
     WrappedTypeCode,
     decode_metadata,
@@ -78,9 +81,6 @@ from pipedialect._codec_path import (
     get_simple_nested_list_str,
     unflatten,
 )
-from pipedialect.ties import analyze_tie_ranks
-
-from ._build import build_pipeline_module
 from ._stage import DeepSpeedPipeStageWrapper
 
 __all__ = [

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 import pipedialect
-from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine, Topology, TopologyError
-
-if TYPE_CHECKING:
-    from pipedialect.partition import PipelinePlan
+from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine, TopologyError
+from pipedialect.dialect import EngineRequest, NoOptions, PipelineRequest
 
 __all__ = ["LocalDialect", "register_dialects"]
 
@@ -22,6 +19,7 @@ class LocalDialect(Dialect):
     name = "local"
     version = pipedialect.__version__
     description = "All stages in one process: the reference and the debugger"
+    engine_features = frozenset({"check_finite", "lr_scheduler", "param_groups"})
     capabilities = frozenset(
         {
             Capability.TIED_WEIGHTS,
@@ -34,39 +32,21 @@ class LocalDialect(Dialect):
         }
     )
 
-    def pipe_engine(
-        self,
-        plan: PipelinePlan,
-        stage_modules: Sequence[nn.Module] | None = None,
-        *,
-        config: dict[str, Any] | None = None,
-        loss_fn: Callable[[Any, Any], Any] | None = None,
-        topology: Topology | None = None,
-        dynamic_shapes: bool = False,
-        init_weights: Callable[[nn.Module], None] | None = None,
-        **kwargs: Any,
-    ) -> nn.Module:
-        """Return a :class:`~pipedialect.dialects.local.engine.LocalPipeline` of ``plan``.
+    def _build_pipeline(self, request: PipelineRequest[NoOptions]) -> nn.Module:
+        """A :class:`~pipedialect.dialects.local.engine.LocalPipeline` of every stage.
 
-        ``stage_modules`` (already-wrapped stages) default to ``plan.wrap()``. ``config`` (a
-        DeepSpeed config dict) and ``loss_fn(outputs, labels)`` are required; ``topology``, if
-        given, must have one pipe coordinate per stage and no data parallelism.
-        ``init_weights(stage_module)`` fills the stages of a meta-device plan on the CPU
-        (:func:`pipedialect.weights.prepare_local_stages`; every stage is local here).
+        A ``topology``, if given, must have one pipe coordinate per stage and no data
+        parallelism. ``init_weights(stage_module)`` fills every stage of a meta-device plan on
+        the CPU (every stage is local here).
         """
+        from pipedialect.config import parse_config
         from pipedialect.ties import check_topology, retie_parameters
         from pipedialect.weights import prepare_local_stages
 
-        from .config import parse_config
         from .engine import LocalPipeline
 
-        if kwargs:
-            raise ConfigError(f"the local dialect takes no argument(s) {sorted(kwargs)}")
-        if config is None:
-            raise ConfigError("config (a DeepSpeed config dict) is required to build an engine")
-        parse_config(config)
-        if loss_fn is None or not callable(loss_fn):
-            raise ConfigError("loss_fn(outputs, labels) is required to build a pipeline engine")
+        plan, topology = request.plan, request.topology
+        parse_config(request.config)
         if topology is not None:
             check_topology(plan, topology)
             if topology.world_size() != plan.num_stages:
@@ -76,42 +56,21 @@ class LocalDialect(Dialect):
                     f"(data axis {topology.get_dim('data')}). Use a topology with data=1, or "
                     "none."
                 )
-        if stage_modules is None:
-            stages: list[nn.Module] = list(
-                plan.wrap(self.stage_wrapper, dynamic_shapes=dynamic_shapes)
-            )
-        else:
-            stages = list(stage_modules)
-            if len(stages) != plan.num_stages:
-                raise ConfigError(
-                    f"got {len(stages)} stage modules for a plan of {plan.num_stages} stages"
-                )
-        prepare_local_stages(plan, range(plan.num_stages), "cpu", init_weights)
+        stages = list(request.stages)
+        prepare_local_stages(plan, range(plan.num_stages), "cpu", request.init_weights)
         retie_parameters(plan.tie_groups, stages)  # every stage runs here: one object per tie
-        return LocalPipeline(stages, plan=plan, loss_fn=loss_fn, config=config)
+        return LocalPipeline(stages, plan=plan, loss_fn=request.loss_fn, config=request.config)
 
-    def runtime_engine(
-        self, module: nn.Module, *, config: dict[str, Any] | None = None, **kwargs: Any
-    ) -> RuntimeEngine:
-        """Return the :class:`~pipedialect.dialects.local.engine.LocalEngine` that trains it;
-        ``check_finite=True`` refuses a step whose loss or gradients are not finite;
-        ``lr_scheduler`` (an object with ``step()``, or a callable building one from the
-        optimizer) replaces the config's ``scheduler`` section, as in ``deepspeed.initialize``;
-        ``param_groups`` (see :mod:`pipedialect.param_groups`) groups the optimizer's
-        parameters."""
+    def _build_engine(self, request: EngineRequest[NoOptions]) -> RuntimeEngine:
+        """The :class:`~pipedialect.dialects.local.engine.LocalEngine` that trains the module."""
         from .engine import build_engine
 
-        check_finite = bool(kwargs.pop("check_finite", False))
-        lr_scheduler = kwargs.pop("lr_scheduler", None)
-        param_groups = kwargs.pop("param_groups", None)
-        if kwargs:
-            raise ConfigError(f"the local runtime engine takes no argument(s) {sorted(kwargs)}")
         return build_engine(
-            module,
-            config,
-            check_finite=check_finite,
-            lr_scheduler=lr_scheduler,
-            param_groups=param_groups,
+            request.module,
+            request.config,
+            check_finite=request.check_finite,
+            lr_scheduler=request.lr_scheduler,
+            param_groups=request.param_groups,
         )
 
     def init_distributed(self, backend: str | None = None) -> None:

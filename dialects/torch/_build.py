@@ -9,19 +9,20 @@ every rank alike (they all see the same arguments), never a hang.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from pipedialect import ConfigError, StageWrapper, Topology, TopologyError
+from pipedialect import ConfigError, Topology, TopologyError
 from pipedialect.config import parse_config
 
 from ._replicas import check_data_parallel_mode
 from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
 
 if TYPE_CHECKING:
+    from pipedialect.dialect import PipelineRequest
     from pipedialect.partition import PipelinePlan
 
     from .engine import TorchPipeline
@@ -87,32 +88,25 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 
 def build_pipeline(
-    plan: PipelinePlan,
-    stage_modules: Sequence[nn.Module] | None,
+    request: PipelineRequest[Any],
     *,
-    wrapper: type[StageWrapper],
-    config: Mapping[str, Any] | None,
-    loss_fn: Callable[[Any, Any], Any] | None,
     schedule: str,
-    topology: Topology | None,
     stages_per_rank: int | None,
     device: torch.device | str | None,
-    dynamic_shapes: bool,
     data_parallel_mode: object = None,
-    init_weights: Callable[[nn.Module], None] | None = None,
 ) -> TorchPipeline:
-    """Validate everything, then build the :class:`~.engine.TorchPipeline` of this rank."""
+    """Validate what is torch's own, then build the :class:`~.engine.TorchPipeline` of this rank.
+
+    The shared arguments were checked by :meth:`pipedialect.Dialect.pipe_engine`.
+    """
     import torch.distributed as dist
 
-    if config is None:
-        raise ConfigError("config (a DeepSpeed config dict) is required to build an engine")
+    plan, topology = request.plan, request.topology
     check_data_parallel_mode(data_parallel_mode)
     grid = _grid(topology)
     data = 1 if grid is None else grid[1]
-    parse_config(config, world_size=data)
-    if loss_fn is None or not callable(loss_fn):
-        raise ConfigError("loss_fn(outputs, labels) is required to build a pipeline engine")
-    if dynamic_shapes:
+    parse_config(request.config, world_size=data)
+    if request.dynamic_shapes:
         raise ConfigError(
             "torch.distributed.pipelining fixes boundary shapes at the first micro-batch; the "
             "torch dialect does not support dynamic_shapes (pad boundary values to one shape)"
@@ -135,17 +129,17 @@ def build_pipeline(
             f"data parallel) but the process group has {world}; launch "
             f"{grid[0] * grid[1]} processes"
         )
-    if stage_modules is None:
-        stages: list[nn.Module] = list(plan.wrap(wrapper))
-    else:
-        stages = list(stage_modules)
-        if len(stages) != num_stages:
-            raise ConfigError(
-                f"got {len(stages)} stage modules for a plan of {num_stages} stages; pass one "
-                "per stage (every rank passes all of them), or none"
-            )
     return _construct(
-        plan, stages, spec, placement, loss_fn, config, device, topology, data, init_weights
+        plan,
+        list(request.stages),
+        spec,
+        placement,
+        request.loss_fn,
+        request.config,
+        device,
+        topology,
+        data,
+        request.init_weights,
     )
 
 

@@ -2,35 +2,41 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import field
+from typing import Any
 
 from torch import nn
 
 import pipedialect
 from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine, Topology, TopologyError
+from pipedialect.dialect import EngineRequest, NoOptions, PipelineRequest
 
 from ._schedules import resolve_schedule
 
-if TYPE_CHECKING:
-    from pipedialect.partition import PipelinePlan
+__all__ = ["TorchDialect", "TorchOptions", "register_dialects"]
 
-__all__ = ["TorchDialect", "register_dialects"]
 
-_PIPE_ENGINE_KWARGS = frozenset(
-    {
-        "config",
-        "loss_fn",
-        "schedule",
-        "topology",
-        "stages_per_rank",
-        "device",
-        "dynamic_shapes",
-        "dynamic_shape",
-        "data_parallel_mode",
-        "init_weights",
-    }
-)
+@dataclasses.dataclass(frozen=True)
+class TorchOptions:
+    """What the torch dialect's ``pipe_engine`` takes beyond the shared arguments."""
+
+    schedule: str | None = field(
+        default=None, metadata={"doc": "a schedule name; default: the dialect's (1f1b)"}
+    )
+    stages_per_rank: int | None = field(
+        default=None,
+        metadata={"doc": "stages per pipeline rank; default: derived from the ranks"},
+    )
+    device: Any = field(
+        default=None,
+        metadata={"doc": "this rank's device; default: its CUDA device under NCCL, else CPU"},
+    )
+    data_parallel_mode: str | None = field(
+        default=None,
+        metadata={"doc": "'ddp' (default, exact gradient averaging); 'fsdp' is refused"},
+    )
 
 
 class TorchDialect(Dialect):
@@ -50,8 +56,10 @@ class TorchDialect(Dialect):
     """
 
     name = "torch"
+    options = TorchOptions
     version = pipedialect.__version__
     description = "torch.distributed.pipelining (GPipe, 1F1B, interleaved, zero bubble)"
+    engine_features = frozenset({"check_finite", "lr_scheduler"})
     capabilities = frozenset(
         {
             Capability.TIED_WEIGHTS,
@@ -77,79 +85,50 @@ class TorchDialect(Dialect):
             )
         self.stages_per_rank = stages_per_rank
 
-    def pipe_engine(
-        self, plan: PipelinePlan, stage_modules: Sequence[nn.Module] | None = None, **kwargs: Any
-    ) -> nn.Module:
-        """Check everything, then build this rank's stages of ``plan``.
+    def _build_pipeline(self, request: PipelineRequest[TorchOptions]) -> nn.Module:
+        """Check torch's own options, then build this rank's stages of the plan.
 
-        Keyword arguments: ``config`` (a DeepSpeed config dict) and ``loss_fn(outputs, labels)``
-        (required); ``schedule`` (a name, default this dialect's); ``topology`` (optional: a
-        topology whose pipe axis is the number of ranks, e.g. :meth:`make_topology`; without
-        it every rank of the process group is a pipeline rank; with a data axis every stage is
-        replicated over it, [Note: data parallel on torch]); ``data_parallel_mode`` (``"ddp"``,
-        the default: exact gradient averaging over the replicas; ``"fsdp"`` is refused by name
-        for now); ``stages_per_rank`` (optional,
-        checked against the plan and the ranks); ``device`` (default: this rank's CUDA device
-        under NCCL, else the CPU); ``init_weights(stage_module)`` (fills the stages this rank
-        runs of a meta-device plan, on that device; the others stay on meta). Every rank calls
-        it with the same arguments.
+        ``topology`` is optional: without it every rank of the process group is a pipeline
+        rank; its pipe axis is the number of pipeline ranks (e.g. :meth:`make_topology`), and
+        with a data axis every stage is replicated over it ([Note: data parallel on torch]).
+        ``init_weights`` fills the stages this rank runs, on its device; the others stay on
+        meta.
 
         Raises:
-            ConfigError: a missing or unknown argument, an unknown schedule, no process group.
+            ConfigError: an unknown schedule, dynamic shapes, no process group.
             TopologyError: the plan's stages do not fit the ranks under the schedule
                 ([Note: stage placement]).
             TieError: tied parameters that cannot be kept in sync.
         """
-        from pipedialect._agreement import check_plan_agreement
-
         from ._build import build_pipeline
 
-        check_plan_agreement(plan, dialect=self.name, options={"schedule": self.schedule, **kwargs})
-        unknown = set(kwargs) - _PIPE_ENGINE_KWARGS
-        if unknown:
-            raise ConfigError(
-                f"unknown argument(s) {sorted(unknown)} for the torch pipeline engine; accepted: "
-                f"{', '.join(sorted(_PIPE_ENGINE_KWARGS - {'dynamic_shape'}))}"
-            )
-        dynamic = bool(kwargs.get("dynamic_shapes", False) or kwargs.get("dynamic_shape", False))
-        stages_per_rank = kwargs.get("stages_per_rank")
-        schedule = kwargs.get("schedule")
-        if schedule is None:
-            schedule = self.schedule
+        opts = request.options
+        schedule = opts.schedule if opts.schedule is not None else self.schedule
+        stages_per_rank = opts.stages_per_rank
         if stages_per_rank is None and resolve_schedule(schedule).name == self.schedule:
             stages_per_rank = self.stages_per_rank
         return build_pipeline(
-            plan,
-            stage_modules,
-            wrapper=self.stage_wrapper,
-            config=kwargs.get("config"),
-            loss_fn=kwargs.get("loss_fn"),
+            request,
             schedule=schedule,
-            topology=kwargs.get("topology"),
             stages_per_rank=stages_per_rank,
-            device=kwargs.get("device"),
-            dynamic_shapes=dynamic,
-            data_parallel_mode=kwargs.get("data_parallel_mode"),
-            init_weights=kwargs.get("init_weights"),
+            device=opts.device,
+            data_parallel_mode=opts.data_parallel_mode,
         )
 
-    def runtime_engine(self, module: nn.Module, **kwargs: Any) -> RuntimeEngine:
-        """Return the :class:`~pipedialect.dialects.torch.TorchEngine` that trains ``module``.
+    def _build_engine(self, request: EngineRequest[NoOptions]) -> RuntimeEngine:
+        """The :class:`~pipedialect.dialects.torch.TorchEngine` that trains the module.
 
-        ``config`` defaults to the one given to :meth:`pipe_engine`; ``check_finite=True``
-        refuses a step whose loss or gradients are not finite, on every rank;
-        ``lr_scheduler`` (an object with ``step()``, or a callable building one from the
-        optimizer) replaces the config's ``scheduler`` section, as in ``deepspeed.initialize``.
+        ``config`` defaults to the one given to :meth:`pipe_engine`.
         """
         from ._setup import leave_group_at_exit
         from .engine import build_engine
 
-        config = kwargs.pop("config", None)
-        check_finite = bool(kwargs.pop("check_finite", False))
-        lr_scheduler = kwargs.pop("lr_scheduler", None)
-        if kwargs:
-            raise ConfigError(f"the torch runtime engine takes no argument(s) {sorted(kwargs)}")
-        engine = build_engine(module, config, check_finite=check_finite, lr_scheduler=lr_scheduler)
+        engine = build_engine(
+            request.module,
+            request.config,
+            check_finite=request.check_finite,
+            lr_scheduler=request.lr_scheduler,
+        )
         leave_group_at_exit()  # _setup [Note: leaving the process group]
         return engine
 

@@ -8,7 +8,7 @@ micro-batch: each rank runs its own stages once, in stage order, on the real val
 stage runs on the micro-batch's inputs; a later stage on the wire its predecessor produced,
 passed in-process when both stages are on this rank and sent with ``send_object_list`` (once,
 a few tensors) otherwise. Only the rank holding the first stage needs data. Every stage runs
-with gradients enabled, so its wire layout is the one training uses (``_wire``
+with gradients enabled, so its wire layout is the one training uses (``pipedialect.wire``
 [Note: wire layout]) and the ``requires_grad`` of each example tells torch which boundary
 tensors carry gradients; the RNG state is restored afterwards, so the extra forward does not
 change what the training steps draw.
@@ -28,7 +28,7 @@ that stack). So building an engine registers an exit hook: after a normal exit e
 for the others (a barrier, by which time the worker threads are idle) and destroys the process
 group while the interpreter is whole. After an uncaught exception the hook does nothing: the
 peers may be anywhere, and waiting for them could hang. The launcher of
-:mod:`pipedialect.testing.launcher` leaves through ``os._exit`` after its own barrier, so the hook
+:mod:`pipedialect.launch` leaves through ``os._exit`` after its own barrier, so the hook
 never runs there.
 """
 

@@ -13,7 +13,7 @@ for its backward), sums tied-weight gradients across ranks ([Note: tied weights 
 ``_ties``), clips with the global norm, steps the optimizer once and returns the mean
 micro-batch loss on every rank. Only the ranks holding the first or the last stage read the data
 iterator, as in DeepSpeed; they read the whole step first and every rank learns whether one of
-them failed (``pipedialect._agreement`` [Note: rank agreement]), so an iterator that runs out is a
+them failed (``pipedialect.agreement`` [Note: rank agreement]), so an iterator that runs out is a
 :class:`~pipedialect.DataExhaustedError` on every rank, never a hang or a partial step. With
 ``check_finite`` the losses and gradients are checked before the optimizer steps, on every rank
 alike. With a data axis in the topology every replica runs this on its own pipeline and data,
@@ -25,7 +25,6 @@ every dialect.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,9 @@ from pipedialect import (
     DataError,
     PipeDialectError,
     StageWrapper,
-    _ckpt_io,
+    checkpoint_files,
 )
-from pipedialect._agreement import (
+from pipedialect.agreement import (
     agree_on_error,
     check_inputs,
     first_nonfinite_loss,
@@ -50,11 +49,7 @@ from pipedialect._agreement import (
     root_nonfinite,
 )
 from pipedialect.config import TrainingConfig, parse_config
-from pipedialect.dialects.local.engine import (
-    DeepSpeedStyleEngine,
-    read_checkpoint_file,
-    shape_mismatch,
-)
+from pipedialect.engine import DeepSpeedStyleEngine, read_checkpoint_file, shape_mismatch
 from pipedialect.partition import PipelinePlan
 
 from ._replicas import Replicas
@@ -64,8 +59,6 @@ from ._stage import BatchContext, LossAdapter, StageRunner, pipeline_stage_class
 from ._ties import TieSync, clip_global_norm
 
 __all__ = ["TorchEngine", "TorchPipeline"]
-
-logger = logging.getLogger(__name__)
 
 
 class TorchPipeline(nn.Module):
@@ -435,10 +428,10 @@ class TorchEngine(DeepSpeedStyleEngine):
         Every rank calls it (see [Note: torch checkpoints]); returns True as DeepSpeed does.
         """
         tag = tag or f"global_step{self.global_steps}"
-        staged = _ckpt_io.stage(save_dir, tag)
+        staged = checkpoint_files.stage(save_dir, tag)
         _Checkpoints.save(self, staged, client_state or {})
-        _ckpt_io.save_rng_state(staged)
-        _ckpt_io.publish(save_dir, tag, save_latest=save_latest)
+        checkpoint_files.save_rng_state(staged)
+        checkpoint_files.publish(save_dir, tag, save_latest=save_latest)
         return True
 
     def load_checkpoint(
@@ -452,22 +445,14 @@ class TorchEngine(DeepSpeedStyleEngine):
         Without ``tag``, the one recorded in ``load_dir/latest``; ``(None, None)`` when there is
         none, as DeepSpeed returns. Every rank calls it.
         """
-        from_latest = tag is None
-        if tag is None:
-            latest = Path(load_dir) / _LATEST_FILE
-            if not latest.is_file():
-                logger.warning(
-                    "no checkpoint tag given and no %s file in %s", _LATEST_FILE, load_dir
-                )
-                return None, None
-            tag = latest.read_text().strip()
+        found = checkpoint_files.latest_tag(load_dir, tag)
+        if found is None:
+            return None, None
+        tag, from_latest = found
         client_state, path = _Checkpoints.load(
             self, Path(load_dir), tag, load_optimizer_states, from_latest
         )
         return str(path), client_state
-
-
-_LATEST_FILE = "latest"
 
 
 def _rank_file(rank: int) -> str:
@@ -479,7 +464,7 @@ class _Checkpoints:
 
     Each rank saves the state of the stages it runs (by stage id, parameters under their
     original names), its optimizer's state, the step count, the plan's fingerprint and the
-    placement, published once every rank is done (``_ckpt_io`` [Note: crash-safe
+    placement, published once every rank is done (``checkpoint_files`` [Note: crash-safe
     checkpoints]). Loading verifies the files, checks that the plan and the placement are the
     same (the optimizer state is per rank), loads, and broadcasts the tied weights again (every
     copy was saved, so this only guards against a mixed-up file).
@@ -511,7 +496,7 @@ class _Checkpoints:
         error: CheckpointError | None = None
         path = root / tag
         try:
-            path = _ckpt_io.resolve(root, tag, from_latest=from_latest)
+            path = checkpoint_files.resolve(root, tag, from_latest=from_latest)
             state = _Checkpoints._read(module, path, tag, from_latest)
         except CheckpointError as exc:
             error = exc
@@ -531,7 +516,7 @@ class _Checkpoints:
         engine.load_scheduler_state(state.get("lr_scheduler"))
         engine.global_steps = int(state["global_steps"])
         module.ties.broadcast_weights()
-        _ckpt_io.load_rng_state(path)
+        checkpoint_files.load_rng_state(path)
         return dict(state["client_state"]), path
 
     @staticmethod

@@ -24,9 +24,9 @@ reported as such. Subclass a class to pin the dialect or the engine options with
 
 from __future__ import annotations
 
+from .._harness._base import SuiteBase
 from .._options import EngineOptions
 from .._requirements import refuses, requires, runs_dialect
-from ._base import SuiteBase
 from .test_codec import TestCodec
 from .test_errors import TestErrors
 from .test_registration import TestRegistration

@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from ...contracts import Capability
+from ...dialect import Dialect
 from ...errors import PipeDialectError
-from ...interfaces import Capability, Dialect
 
 try:
     from hypothesis import HealthCheck, given, settings
@@ -25,8 +26,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "the pipedialect conformance suite needs hypothesis: pip install hypothesis"
     ) from exc
 
-from ._base import SuiteBase
-from ._compare import describe, first_difference
+from .._harness._base import SuiteBase
+from .._harness._compare import describe, first_difference
 
 __all__ = ["TestCodec", "boundary_values"]
 

@@ -12,16 +12,17 @@ from typing import ClassVar
 
 import pytest
 
+from ...contracts import Capability
+from ...dialect import Dialect
 from ...errors import PipeDialectError
-from ...interfaces import Capability, Dialect
 from ...partition import partition
+from .._harness._base import SuiteBase
+from .._harness._cases import case_params, get_case
+from .._harness._checks import build_error_failures, fail_if, run_error_failures
+from .._harness._data import suite_config
+from .._harness._driver import DialectRun
+from .._harness._models import suite_model
 from .._requirements import requires
-from ._base import SuiteBase
-from ._cases import case_params, get_case
-from ._checks import build_error_failures, fail_if, run_error_failures
-from ._data import suite_config
-from ._driver import DialectRun
-from ._models import suite_model
 
 __all__ = ["TestErrors"]
 

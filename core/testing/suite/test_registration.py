@@ -6,13 +6,14 @@ from typing import Any, ClassVar
 
 import pytest
 
-from ...interfaces import Capability, Dialect, TensorCodec, TieAnalyzer, Topology
+from ...contracts import Capability, TensorCodec, TieAnalyzer, Topology
+from ...dialect import Dialect
 from ...partition import partition
 from ...plugins import ENTRY_POINT_GROUP, get_dialect, list_dialects
 from ...stage import StageWrapper
-from ._base import SuiteBase
-from ._checks import fail, fail_if
-from ._models import suite_model
+from .._harness._base import SuiteBase
+from .._harness._checks import fail, fail_if
+from .._harness._models import suite_model
 
 __all__ = ["TestRegistration"]
 

@@ -12,15 +12,16 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from ...interfaces import Capability, Dialect
+from ...contracts import Capability
+from ...dialect import Dialect
 from ...partition import partition
-from ._base import SuiteBase
-from ._cases import Case, case_params, get_case
-from ._checks import RTOL, boundary_failures, fail, fail_if
-from ._compare import first_difference
-from ._data import train_stream
-from ._models import suite_model
-from ._runner import Probe, one_thread
+from .._harness._base import SuiteBase
+from .._harness._cases import Case, case_params, get_case
+from .._harness._checks import RTOL, boundary_failures, fail, fail_if
+from .._harness._compare import first_difference
+from .._harness._data import train_stream
+from .._harness._models import suite_model
+from .._harness._runner import Probe, one_thread
 
 __all__ = ["TestStages"]
 

@@ -10,13 +10,14 @@ from typing import ClassVar
 
 import pytest
 
-from ...interfaces import Capability, Dialect
+from ...contracts import Capability
+from ...dialect import Dialect
 from ...partition import partition
-from ._base import SuiteBase
-from ._cases import case_params
-from ._checks import build_error_failures, fail_if, training_failures
-from ._driver import DialectRun
-from ._models import suite_model
+from .._harness._base import SuiteBase
+from .._harness._cases import case_params
+from .._harness._checks import build_error_failures, fail_if, training_failures
+from .._harness._driver import DialectRun
+from .._harness._models import suite_model
 
 __all__ = ["TestTies"]
 

@@ -13,10 +13,10 @@ from typing import ClassVar
 
 import pytest
 
-from ._base import SuiteBase
-from ._cases import case_params
-from ._checks import checkpoint_failures, fail_if, training_failures
-from ._driver import DialectRun
+from .._harness._base import SuiteBase
+from .._harness._cases import case_params
+from .._harness._checks import checkpoint_failures, fail_if, training_failures
+from .._harness._driver import DialectRun
 
 __all__ = ["TestTraining"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from ...interfaces import Dialect
+from ...dialect import Dialect
 from ...plugins import get_dialect
 from .._options import EngineOptions
 from .._requirements import item_requirements, missing_requirements

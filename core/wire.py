@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from .contracts import TensorCodec
 from .errors import MetadataError, StructureChangedError, WireError
-from .interfaces import TensorCodec
 
 __all__: list[str] = []
 

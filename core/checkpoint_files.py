@@ -40,7 +40,9 @@ import torch.distributed as dist
 from .errors import CheckpointError
 
 __all__ = [
+    "LATEST_FILE",
     "MANIFEST_FILE",
+    "latest_tag",
     "load_rng_state",
     "publish",
     "resolve",
@@ -119,6 +121,21 @@ def publish(save_dir: str | Path, tag: str, *, save_latest: bool) -> Path:
             shutil.rmtree(old)
     _barrier()
     return final
+
+
+def latest_tag(load_dir: str | Path, tag: str | None) -> tuple[str, bool] | None:
+    """``(tag, from_latest)``: ``tag`` itself, or the one ``load_dir/latest`` records.
+
+    None (logged) when no tag is given and there is no ``latest`` file: DeepSpeed's
+    ``load_checkpoint`` then returns ``(None, None)``, and so do ours.
+    """
+    if tag is not None:
+        return str(tag), False
+    latest = Path(load_dir) / LATEST_FILE
+    if not latest.is_file():
+        logger.warning("no checkpoint tag given and no %s file in %s", LATEST_FILE, load_dir)
+        return None
+    return latest.read_text().strip(), True
 
 
 def resolve(load_dir: str | Path, tag: str, *, from_latest: bool) -> Path:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import pytest
 
-from ...interfaces import Capability
+from ...contracts import Capability
 from .._requirements import refuses, requires, runs_dialect
 
 __all__ = ["CASES", "Case", "case_params", "get_case"]

@@ -1,4 +1,4 @@
-"""The conformance suite's own models, next to the shared ones of :mod:`pipedialect.testing.models`.
+"""The conformance suite's own models, next to the shared ones of :mod:`pipedialect.models`.
 
 - ``plain``: an MLP over a sequence whose every boundary carries one float tensor: the model
   every dialect must train, whatever it declares. Its micro-batches can vary the sequence length
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import MODELS, ModelSpec, ResidualMLP, mse_loss, seeded_init
+from ...models import MODELS, ModelSpec, ResidualMLP, mse_loss, seeded_init
 
 __all__ = ["SUITE_MODELS", "ComplexBoundaryNet", "PlainNet", "ToComplex", "suite_model"]
 

@@ -41,8 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...contracts import Capability, RuntimeEngine, Topology
+from ...dialect import Dialect
 from ...errors import PipeDialectError
-from ...interfaces import Capability, Dialect, RuntimeEngine, Topology
 from ...partition import PipelinePlan, partition
 from ...stage import StageWrapper
 from .._options import EngineOptions
@@ -218,7 +219,7 @@ def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
 
 def _terminal_fd() -> int:
     """The terminal's stderr, from before pytest captured it, if the plugin kept it."""
-    from .._session import terminal_fd
+    from .._terminal import terminal_fd
 
     fd = terminal_fd()
     return 2 if fd is None else fd

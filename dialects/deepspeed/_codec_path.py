@@ -13,8 +13,8 @@ from typing import Any, Final
 
 import torch
 
-from .errors import MetadataError, UnsupportedValueError
-from .interfaces import TensorCodec
+from pipedialect.contracts import TensorCodec
+from pipedialect.errors import MetadataError, UnsupportedValueError
 
 __all__: list[str] = []
 

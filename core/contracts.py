@@ -1,0 +1,126 @@
+"""The contracts a runtime ("dialect") implements: abstract, and importing no implementation.
+
+This module is the leaf of the package: the codec, the stage wrapper, tie analysis and the
+:class:`~pipedialect.dialect.Dialect` base all depend on it, and it depends on none of them.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .ties import TieGroup, TieRanks
+
+__all__ = [
+    "Capability",
+    "RuntimeEngine",
+    "TensorCodec",
+    "TieAnalyzer",
+    "Topology",
+]
+
+
+class Capability(enum.StrEnum):
+    """What a dialect declares it supports; the conformance suite tests exactly these."""
+
+    #: Parameters shared between stages are kept equal and their gradients summed.
+    TIED_WEIGHTS = "tied-weights"
+    #: A boundary may carry several float tensors that need gradients.
+    MULTI_GRAD_BOUNDARY = "multi-grad-boundary"
+    #: A boundary may carry int and bool tensors and float tensors that need no gradient.
+    NON_FLOAT_TENSORS = "non-float-tensors"
+    #: A boundary may carry None, Python numbers, strings, dicts, lists and tuples.
+    PYTHON_VALUES = "python-values"
+    #: A value computed on one stage may be used several stages later.
+    SKIP_CONNECTIONS = "skip-connections"
+    #: Boundary shapes may change between micro-batches.
+    DYNAMIC_SHAPES = "dynamic-shapes"
+    #: Stages run in several processes (torch.distributed).
+    MULTI_PROCESS = "multi-process"
+    #: Pipelines may be replicated over a data-parallel axis.
+    DATA_PARALLEL = "data-parallel"
+    #: Engines can save a checkpoint and resume from it.
+    CHECKPOINTS = "checkpoints"
+    #: The dialect only runs on CUDA devices.
+    CUDA_ONLY = "cuda-only"
+
+
+@runtime_checkable
+class Topology(Protocol):
+    """A process grid with a ``pipe`` axis, as DeepSpeed's ``ProcessTopology`` provides.
+
+    Only the calls tie analysis and stage placement need are part of the contract.
+    """
+
+    def get_dim(self, axis: str) -> int:
+        """Return the size of ``axis`` (``"pipe"``, ``"data"``, ...); 0 if it does not exist."""
+        ...
+
+    def filter_match(self, **filter_kwargs: int) -> list[int]:
+        """Return the global ranks whose coordinates match every ``axis=value`` given."""
+        ...
+
+    def get_coord(self, rank: int) -> Any:
+        """Return the coordinate of ``rank``: a named tuple with one field per axis."""
+        ...
+
+    def world_size(self) -> int:
+        """Return the number of ranks in the grid."""
+        ...
+
+
+class TensorCodec(abc.ABC):
+    """Turns a boundary value into tensors plus a metadata string, and back.
+
+    ``decode(*encode(obj))`` must give back ``obj``; a fresh instance must be able to decode
+    what another encoded (the metadata string carries everything but the tensors).
+    """
+
+    @abc.abstractmethod
+    def encode(
+        self, obj: object, device: torch.device | None = None
+    ) -> tuple[tuple[torch.Tensor, ...], str]:
+        """Return the tensors to put on the wire and the metadata that restores ``obj``.
+
+        ``device`` is where any tensor the codec has to create is placed.
+        """
+
+    @abc.abstractmethod
+    def decode(self, tensors: Sequence[torch.Tensor], metadata: str) -> Any:
+        """Rebuild the value ``encode`` was given from its tensors and metadata."""
+
+
+class TieAnalyzer(abc.ABC):
+    """Finds parameters shared between stages and maps them onto the ranks that hold them."""
+
+    @abc.abstractmethod
+    def find_groups(self, stages: Sequence[nn.Module]) -> tuple[TieGroup, ...]:
+        """Return the tie groups among ``stages`` (index = stage id), in a deterministic order."""
+
+    @abc.abstractmethod
+    def analyze_ranks(self, groups: Sequence[TieGroup], topology: Topology) -> TieRanks:
+        """Return, for each group, the rank lists whose members must stay equal."""
+
+
+@runtime_checkable
+class RuntimeEngine(Protocol):
+    """What ``Dialect.runtime_engine`` returns: DeepSpeed's ``PipelineEngine`` is the model.
+
+    ``data_iter`` yields one ``(inputs, labels)`` pair per micro-batch; ``train_batch`` pulls
+    ``gradient_accumulation_steps`` of them, steps the optimizer once and returns the mean
+    micro-batch loss.
+    """
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Train on one batch and return its mean loss."""
+        ...
+
+    def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        """Evaluate one batch without changing parameters and return its mean loss."""
+        ...

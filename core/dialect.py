@@ -1,0 +1,486 @@
+"""The :class:`Dialect` base: every runtime behind one typed, checked contract.
+
+``Dialect.pipe_engine`` and ``Dialect.runtime_engine`` are template methods. They check the
+arguments every dialect shares once, with the same errors for every dialect, wrap the stages
+with *this dialect's* :attr:`~Dialect.stage_wrapper` and :attr:`~Dialect.codec`, make sure every
+rank built the same plan before any other collective, and only then call the one hook a dialect
+implements: :meth:`Dialect._build_pipeline` (given a :class:`PipelineRequest`) and
+:meth:`Dialect._build_engine` (given an :class:`EngineRequest`). What a dialect adds to the
+shared arguments it declares as a frozen dataclass (:attr:`Dialect.options`,
+:attr:`Dialect.engine_options`): an unknown option is refused by name, and ``pipedialect list
+--json`` shows them.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import os
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+from torch import nn
+
+from .agreement import check_plan_agreement
+from .codec import SchemaCodec
+from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, Topology
+from .errors import ConfigError, TopologyError
+from .param_groups import ParamGroupsFn
+from .partition import PipelinePlan
+from .stage import StageWrapper
+from .ties import DefaultTieAnalyzer, TieRanks, check_topology, check_topology_object
+from .topology import GridTopology, join_process_group
+
+__all__ = [
+    "Dialect",
+    "EngineRequest",
+    "LossFn",
+    "NoOptions",
+    "PipelineRequest",
+    "option_descriptions",
+]
+
+#: ``loss_fn(outputs, labels) -> scalar tensor``.
+LossFn = Callable[[Any, Any], Any]
+#: ``init_weights(stage_module)``: fills one materialised stage of a meta-device plan.
+InitWeights = Callable[[nn.Module], None]
+
+OptionsT = TypeVar("OptionsT")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of a dialect that adds none to the shared arguments."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineRequest(Generic[OptionsT]):
+    """What :meth:`Dialect._build_pipeline` receives: every shared argument already checked.
+
+    Every rank has checked that it holds the same plan as every other rank (a collective on the
+    default process group, when there is one) before this exists.
+    """
+
+    #: The plan being built.
+    plan: PipelinePlan
+    #: One module per stage, in stage order: the plan's stages wrapped with the dialect's
+    #: ``stage_wrapper`` and ``codec``, or the caller's ``stage_modules``.
+    stages: tuple[nn.Module, ...]
+    #: A copy of the DeepSpeed-style config dict.
+    config: dict[str, Any]
+    #: ``loss_fn(outputs, labels)``.
+    loss_fn: LossFn
+    #: The caller's topology (checked to be a topology object), or None.
+    topology: Topology | None
+    #: Boundary structure and shapes may change between micro-batches.
+    dynamic_shapes: bool
+    #: Fills the stages this rank runs of a meta-device plan (see :mod:`pipedialect.weights`).
+    init_weights: InitWeights | None
+    #: The dialect's own options (an instance of :attr:`Dialect.options`).
+    options: OptionsT
+    #: The dialect whose pipeline is built.
+    dialect: Dialect
+
+    def process_grid(self) -> Topology:
+        """The grid to run on, one stage per pipe rank: the caller's topology, checked against
+        the plan and the process group, or ``pipe = stages`` by ``data = ranks / stages``.
+
+        Raises:
+            ConfigError: the process group is not initialised.
+            TopologyError: the ranks cannot hold the stages, or the topology does not match
+                the plan or the process group.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"the process group is not initialised: call get_dialect({self.dialect.name!r})"
+                ".init_distributed() on every rank (started by torchrun or an equivalent) "
+                "before building the engine"
+            )
+        world, stages = dist.get_world_size(), self.plan.num_stages
+        topology = self.topology
+        if topology is None:
+            if world % stages:
+                raise TopologyError(
+                    f"{world} ranks cannot hold {stages} stages evenly; launch a multiple of "
+                    f"{stages} processes"
+                )
+            return self.dialect.make_topology(stages, world // stages)
+        check_topology(self.plan, topology)
+        if topology.world_size() != world:
+            raise TopologyError(
+                f"the topology describes {topology.world_size()} ranks but the process group "
+                f"has {world}; launch pipe x data = {topology.world_size()} processes"
+            )
+        return topology
+
+    def tie_ranks(self, topology: Topology) -> TieRanks:
+        """The plan's tie groups mapped onto ``topology`` by the dialect's tie analyzer."""
+        return self.dialect.tie_analyzer.analyze_ranks(self.plan.tie_groups, topology)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest(Generic[OptionsT]):
+    """What :meth:`Dialect._build_engine` receives: the shared arguments, checked."""
+
+    #: What :meth:`Dialect.pipe_engine` built.
+    module: nn.Module
+    #: A copy of the config to train with, or None for the one given to
+    #: :meth:`Dialect.pipe_engine`.
+    config: dict[str, Any] | None
+    #: Refuse a step whose loss or gradients are not finite, on every rank.
+    check_finite: bool
+    #: A client scheduler (an object with ``step()``, or a callable building one from the
+    #: optimizer); it replaces the config's ``scheduler`` section.
+    lr_scheduler: Any
+    #: Groups the optimizer's parameters (see :mod:`pipedialect.param_groups`).
+    param_groups: ParamGroupsFn | None
+    #: The dialect's own engine options (an instance of :attr:`Dialect.engine_options`).
+    options: OptionsT
+
+
+class Dialect(abc.ABC):
+    """One pipeline runtime.
+
+    A subclass sets the class attributes, declares its options and implements
+    :meth:`_build_pipeline` and :meth:`_build_engine`; it may override :attr:`stage_wrapper`,
+    :attr:`codec`, :attr:`tie_analyzer`, :meth:`make_topology`, :meth:`init_distributed` and
+    :meth:`local_stages`. An instance must be cheap to create and must not import its runtime
+    until an engine is built, so that listing dialects never imports, say, deepspeed.
+    """
+
+    #: The name users pass to :func:`pipedialect.get_dialect`.
+    name: ClassVar[str]
+    #: The dialect's own version.
+    version: ClassVar[str] = "0"
+    #: One line saying what runtime this is.
+    description: ClassVar[str] = ""
+    #: What the dialect supports; read by ``pipedialect list`` and the conformance suite.
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    #: The frozen dataclass of the keyword arguments :meth:`pipe_engine` takes beyond the
+    #: shared ones. Field metadata ``{"doc": ...}`` is shown by ``pipedialect list --json``.
+    options: ClassVar[type[Any]] = NoOptions
+    #: The same for :meth:`runtime_engine`.
+    engine_options: ClassVar[type[Any]] = NoOptions
+    #: Which shared :meth:`runtime_engine` arguments the engine honours, of ``"check_finite"``,
+    #: ``"lr_scheduler"`` and ``"param_groups"``; passing another is refused by name, never
+    #: silently ignored.
+    engine_features: ClassVar[frozenset[str]] = frozenset()
+
+    @property
+    def stage_wrapper(self) -> type[StageWrapper]:
+        """The :class:`~pipedialect.stage.StageWrapper` subclass that runs one stage."""
+        return StageWrapper
+
+    @property
+    def codec(self) -> TensorCodec:
+        """The codec the stages use for boundary values; :class:`~pipedialect.SchemaCodec`."""
+        return SchemaCodec()
+
+    @property
+    def tie_analyzer(self) -> TieAnalyzer:
+        """The tie analyzer; :class:`~pipedialect.ties.DefaultTieAnalyzer` by default."""
+        return DefaultTieAnalyzer()
+
+    def wrap_stages(
+        self, plan: PipelinePlan, *, dynamic_shapes: bool = False
+    ) -> list[StageWrapper]:
+        """Wrap every stage of ``plan`` with :attr:`stage_wrapper` and :attr:`codec`, in order.
+
+        Each wrapper gets its own codec instance: codecs keep per-boundary state.
+        """
+        return [
+            self.stage_wrapper(
+                stage,
+                k,
+                plan.stage_names[k],
+                plan.num_stages,
+                plan.liveness_dict(),
+                plan.arg_names_dict(),
+                codec=self.codec,
+                dynamic_shapes=dynamic_shapes,
+            )
+            for k, stage in enumerate(plan.stages)
+        ]
+
+    def pipe_engine(
+        self,
+        plan: PipelinePlan,
+        stage_modules: Sequence[nn.Module] | None = None,
+        *,
+        config: Mapping[str, Any] | str | None = None,
+        loss_fn: LossFn | None = None,
+        topology: Topology | None = None,
+        dynamic_shapes: bool = False,
+        init_weights: InitWeights | None = None,
+        **options: Any,
+    ) -> nn.Module:
+        """Build this rank's pipeline module of ``plan``; every rank calls it alike.
+
+        Args:
+            plan: what :func:`pipedialect.partition` returned.
+            stage_modules: already-wrapped stages (one per stage); by default the plan's stages
+                wrapped with this dialect's stage wrapper and codec.
+            config: a DeepSpeed-style config dict (batch sizes, optimizer, ...), or the path of
+                a JSON file holding one. Required.
+            loss_fn: ``loss_fn(outputs, labels)``. Required.
+            topology: a process grid with a ``pipe`` axis (see :meth:`make_topology`); what
+                the dialect assumes without one is in its documentation.
+            dynamic_shapes: boundary structure and shapes may change between micro-batches
+                (DeepSpeed's spelling ``dynamic_shape`` is accepted too).
+            init_weights: fills the stages this rank runs of a meta-device plan
+                (:mod:`pipedialect.weights`); the other stages stay on meta.
+            options: this dialect's own options (:attr:`options`).
+
+        Raises:
+            ConfigError: a missing, mistyped or unknown argument.
+            TopologyError: ``topology`` is not a topology object or does not fit the plan.
+            PlanDisagreementError: the ranks built different plans or passed other options.
+        """
+        if "dynamic_shape" in options:  # DeepSpeed's spelling
+            dynamic_shapes = bool(options.pop("dynamic_shape")) or dynamic_shapes
+        opts = self.parse_options(options)
+        if not isinstance(plan, PipelinePlan):
+            raise ConfigError(
+                f"pipe_engine() needs the PipelinePlan returned by pipedialect.partition, got "
+                f"{type(plan).__name__}"
+            )
+        missing = [
+            text
+            for text, value in (
+                ("config=<a DeepSpeed-style config dict>", config),
+                ("loss_fn=<callable(outputs, labels)>", loss_fn),
+            )
+            if value is None
+        ]
+        if missing:
+            raise ConfigError(f"the {self.name} pipe_engine() needs {' and '.join(missing)}")
+        checked = _check_config(config, f"{self.name} pipe_engine")
+        if not callable(loss_fn):
+            raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
+        if topology is not None:
+            check_topology_object(topology)
+        check_plan_agreement(
+            plan,
+            dialect=self.name,
+            options={
+                "config": checked,
+                "topology": topology,
+                "dynamic_shapes": bool(dynamic_shapes),
+                **_plain_fields(opts),
+            },
+            stages=stage_modules,
+        )
+        if stage_modules is None:
+            stages: tuple[nn.Module, ...] = tuple(
+                self.wrap_stages(plan, dynamic_shapes=bool(dynamic_shapes))
+            )
+        else:
+            stages = tuple(stage_modules)
+            if len(stages) != plan.num_stages:
+                raise ConfigError(
+                    f"got {len(stages)} stage modules for a plan of {plan.num_stages} stages"
+                )
+        request = PipelineRequest(
+            plan=plan,
+            stages=stages,
+            config=checked,
+            loss_fn=loss_fn,
+            topology=topology,
+            dynamic_shapes=bool(dynamic_shapes),
+            init_weights=init_weights,
+            options=opts,
+            dialect=self,
+        )
+        return self._build_pipeline(request)
+
+    def runtime_engine(
+        self,
+        module: nn.Module,
+        *,
+        config: Mapping[str, Any] | str | None = None,
+        check_finite: bool = False,
+        lr_scheduler: Any = None,
+        param_groups: ParamGroupsFn | None = None,
+        **options: Any,
+    ) -> RuntimeEngine:
+        """Return the engine that trains ``module`` (what :meth:`pipe_engine` built).
+
+        ``config`` defaults to the one given to :meth:`pipe_engine`; ``check_finite=True``
+        refuses a step whose loss or gradients are not finite; ``lr_scheduler`` (an object with
+        ``step()``, or a callable building one from the optimizer) replaces the config's
+        ``scheduler`` section, as in ``deepspeed.initialize``; ``param_groups`` (see
+        :mod:`pipedialect.param_groups`) groups the optimizer's parameters; ``options`` are
+        this dialect's own (:attr:`engine_options`).
+
+        Raises:
+            ConfigError: a mistyped or unknown argument.
+        """
+        opts = self.parse_options(options, engine=True)
+        checked = None if config is None else _check_config(config, f"{self.name} runtime_engine")
+        given = {
+            "check_finite": bool(check_finite),
+            "lr_scheduler": lr_scheduler is not None,
+            "param_groups": param_groups is not None,
+        }
+        refused = sorted(k for k, used in given.items() if used and k not in self.engine_features)
+        if refused:
+            honoured = ", ".join(sorted(self.engine_features)) or "none of them"
+            raise ConfigError(
+                f"the {self.name} dialect's engine does not support {', '.join(refused)} (of "
+                f"check_finite, lr_scheduler and param_groups it honours {honoured})"
+            )
+        if param_groups is not None and not callable(param_groups):
+            raise ConfigError(
+                f"param_groups must be callable(named_parameters) -> groups, got {param_groups!r}"
+            )
+        request = EngineRequest(
+            module=module,
+            config=checked,
+            check_finite=bool(check_finite),
+            lr_scheduler=lr_scheduler,
+            param_groups=param_groups,
+            options=opts,
+        )
+        return self._build_engine(request)
+
+    def _build_pipeline(self, request: PipelineRequest[Any]) -> nn.Module:
+        """Build this rank's pipeline module from a checked request: what a dialect implements.
+
+        (A dialect written before this hook existed overrides :meth:`pipe_engine` itself; that
+        keeps working, without the shared checks.)
+        """
+        raise NotImplementedError(f"dialect {self.name!r} does not implement _build_pipeline")
+
+    def _build_engine(self, request: EngineRequest[Any]) -> RuntimeEngine:
+        """Build the engine that trains ``request.module``: what a dialect implements."""
+        raise NotImplementedError(f"dialect {self.name!r} does not implement _build_engine")
+
+    @classmethod
+    def unimplemented(cls) -> list[str]:
+        """The hooks this class leaves to the base: for each pair, neither is overridden.
+
+        A dialect implements :meth:`_build_pipeline` (or overrides :meth:`pipe_engine`) and
+        :meth:`_build_engine` (or overrides :meth:`runtime_engine`).
+        """
+        missing = [
+            hook
+            for hook, public in (
+                ("_build_pipeline", "pipe_engine"),
+                ("_build_engine", "runtime_engine"),
+            )
+            if getattr(cls, hook) is getattr(Dialect, hook)
+            and getattr(cls, public) is getattr(Dialect, public)
+        ]
+        return missing
+
+    def parse_options(self, given: Mapping[str, Any], *, engine: bool = False) -> Any:
+        """Return :attr:`options` (or :attr:`engine_options`) built from ``given``.
+
+        Raises:
+            ConfigError: an option the dialect does not declare, named with the accepted ones.
+        """
+        cls = self.engine_options if engine else self.options
+        where = "runtime_engine" if engine else "pipe_engine"
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for field, value in given.items():
+            if field not in fields:
+                shared = _SHARED_ENGINE if engine else _SHARED_PIPELINE
+                raise ConfigError(
+                    f"unknown argument {field!r} for the {self.name} dialect's {where}(); "
+                    f"accepted: {', '.join(sorted({*shared, *fields}))}"
+                )
+            values[field] = value
+        return cls(**values)
+
+    def local_stages(self, engine: RuntimeEngine) -> Sequence[int]:
+        """Return the ids of the stages whose parameters ``engine`` trains in this process."""
+        raise NotImplementedError(f"dialect {self.name!r} does not report its local stages")
+
+    def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
+        """Return a topology with ``num_stages`` pipeline stages and ``data_parallel`` replicas."""
+        return GridTopology(pipe=num_stages, data=data_parallel)
+
+    def init_distributed(self, backend: str | None = None) -> None:
+        """Join the process group described by the usual environment (RANK, WORLD_SIZE, ...).
+
+        ``backend`` defaults to ``nccl`` when CUDA is available, else ``gloo``. A dialect that
+        does not declare ``multi-process`` runs every stage in this process: there is nothing to
+        join, so the call does nothing and a script written for a multi-process dialect runs
+        unchanged under plain ``python``. A dialect whose runtime has its own initialisation
+        overrides this.
+
+        Raises:
+            ConfigError: the process was not started by a launcher (``torchrun``, the
+                conformance suite's).
+        """
+        join_process_group(self.name, self.capabilities, backend)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.version}>"
+
+
+_SHARED_PIPELINE = ("config", "loss_fn", "topology", "dynamic_shapes", "init_weights")
+_SHARED_ENGINE = ("config", "check_finite", "lr_scheduler", "param_groups")
+
+
+def _check_config(config: Mapping[str, Any] | str | None, where: str) -> dict[str, Any]:
+    """A copy of ``config``; a ``str`` is the path of a JSON file, read here as DeepSpeed does."""
+    if config is None:
+        raise ConfigError(f"{where} needs config=<a DeepSpeed-style config dict>")
+    if isinstance(config, str | os.PathLike):
+        try:
+            loaded = json.loads(Path(config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{where}: cannot read the config file {config}: {exc}") from exc
+        config = loaded
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{where}: config must be a dict, got {type(config).__name__}")
+    return dict(config)
+
+
+def _plain_fields(options: Any) -> dict[str, Any]:
+    """The options that every rank must pass alike (numbers, strings, None)."""
+    return {
+        f.name: getattr(options, f.name)
+        for f in dataclasses.fields(options)
+        if getattr(options, f.name) is None
+        or isinstance(getattr(options, f.name), bool | int | float | str)
+    }
+
+
+def option_descriptions(cls: type[Any]) -> list[dict[str, Any]]:
+    """Describe an options dataclass: name, type, default and doc of each field."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default: Any = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        if not (default is None or isinstance(default, bool | int | float | str)):
+            default = repr(default)
+        hint = hints.get(f.name, f.type)
+        out.append(
+            {
+                "name": f.name,
+                "type": hint if isinstance(hint, str) else _type_text(hint),
+                "default": default,
+                "doc": f.metadata.get("doc", ""),
+            }
+        )
+    return out
+
+
+def _type_text(hint: Any) -> str:
+    text = getattr(hint, "__name__", None)
+    if text and not typing.get_args(hint):
+        return str(text)
+    return str(hint).replace("typing.", "")

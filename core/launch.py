@@ -1,0 +1,282 @@
+"""Run a function on N local ranks, the way ``torchrun`` would, and collect what each returns.
+
+Used by the conformance suite, the test suite and ``pipedialect demo``. Each rank is a fresh
+interpreter (``spawn``) with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` set, and ``OMP_NUM_THREADS=1`` so that ranks
+sharing a few cores do not oversubscribe them. The first rank to fail stops the launch: the
+others are terminated and :class:`~pipedialect.errors.LaunchError` carries the failing rank's
+traceback. A launch that outlives ``timeout`` is stopped the same way, never left hanging. The
+ranks never outlive the launch: SIGTERM to the launching process stops them before it exits, and
+a rank whose launching process is gone (killed outright) exits by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import LaunchError
+
+__all__ = ["free_port", "launch"]
+
+
+T = TypeVar("T")
+
+_GRACE_SECONDS = 5.0
+#: How often a rank checks that the process that launched it is still there.
+_PARENT_POLL_SECONDS = 0.5
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _rank_main(
+    rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: str,
+    log: str | None,
+) -> None:
+    """Entry point of one rank: run ``fn`` and leave its result or traceback in ``out``."""
+    threading.Thread(
+        target=_exit_with_parent, args=(os.getppid(),), name="pipedialect-parent-watch", daemon=True
+    ).start()
+    if log is not None:
+        # Redirect at the file-descriptor level, so output of C++ code lands there too.
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    try:
+        result: tuple[str, Any] = ("ok", fn(*args, **kwargs))
+    except BaseException as exc:
+        result = ("error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+    try:
+        payload = pickle.dumps(result)
+    except Exception as exc:
+        result = ("error", f"rank {rank} returned an unpicklable result: {exc}")
+        payload = pickle.dumps(result)
+    Path(out).write_bytes(payload)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if result[0] == "error":
+        # Leave at once: tearing down a process group whose peers are gone can block.
+        os._exit(1)
+    # [Note: rank exit] The result is safe on disk. Wait until every rank is done with the
+    # process group, then leave without interpreter teardown: destroying gloo groups and
+    # DeepSpeed's communication state while a peer is still shutting down has aborted a rank
+    # ("terminate called without an active exception") after a successful run. A peer that
+    # failed never reaches the barrier; the launcher then stops this rank.
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+    os._exit(0)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Leave at once when the launching process ``parent`` is gone (a rank must not linger)."""
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_SECONDS)
+    os._exit(1)
+
+
+@contextlib.contextmanager
+def _terminate_stops_ranks() -> Iterator[None]:
+    """While ranks run, make SIGTERM raise ``SystemExit(143)`` so that they are stopped first.
+
+    SIGTERM's default action ends this process on the spot, leaving its ranks running. A
+    handler someone else installed is kept; signal handlers can only be set in the main thread.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def launch(
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+    on_poll: Callable[[], None] | None = None,
+    log_dir: str | None = None,
+    **kwargs: Any,
+) -> list[T]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return the results by rank.
+
+    ``fn`` must be importable by name (a module-level function), its arguments and result
+    picklable. ``env`` adds environment variables for every rank. ``on_poll`` is called about
+    every 50 ms while the ranks run (to show progress, say). With ``log_dir``, each rank's
+    standard output and error go to ``<log_dir>/rank<r>.log`` instead of this terminal, and a
+    failure quotes the end of the failing rank's log.
+
+    Raises:
+        LaunchError: a rank raised or died (the message holds its traceback), or the launch
+            ran longer than ``timeout`` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    with (
+        _terminate_stops_ranks(),
+        tempfile.TemporaryDirectory(prefix="pipedialect-launch-") as tmp,
+    ):
+        procs: list[BaseProcess] = []
+        outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world_size)]
+        logs = [
+            None if log_dir is None else str(Path(log_dir) / f"rank{r}.log")
+            for r in range(world_size)
+        ]
+        try:
+            for rank in range(world_size):
+                rank_env = {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(world_size),
+                    "LOCAL_WORLD_SIZE": str(world_size),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "OMP_NUM_THREADS": "1",
+                    **(env or {}),
+                }
+                with _environ(rank_env):
+                    p = ctx.Process(
+                        target=_rank_main,
+                        args=(rank, fn, args, kwargs, outs[rank], logs[rank]),
+                        name=f"pipedialect-rank{rank}",
+                    )
+                    p.start()
+                procs.append(p)
+            _wait(procs, outs, logs, timeout, on_poll)
+        finally:
+            _stop(procs)
+        return [_result(outs[r], r) for r in range(world_size)]
+
+
+def _wait(
+    procs: list[BaseProcess],
+    outs: list[str],
+    logs: list[str | None],
+    timeout: float,
+    on_poll: Callable[[], None] | None,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [r for r, p in enumerate(procs) if p.exitcode is None]
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed:
+            # Peers of a failed rank fail too (their connections close); report the first.
+            first = min(failed, key=lambda r: _failure_time(outs[r]))
+            message = _failure(first, procs[first], outs[first], len(procs))
+            message += _log_tail(logs[first])
+            others = [r for r in failed if r != first]
+            if others:
+                message += f"\n(ranks {others} failed after it, most likely as a consequence)"
+            raise LaunchError(message)
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"launch of {len(procs)} ranks timed out after {timeout:.0f}s; ranks still "
+                f"running: {running}. A rank is probably waiting for a peer that never sends."
+            )
+        procs[running[0]].join(0.05)
+        if on_poll is not None:
+            on_poll()
+
+
+def _log_tail(log: str | None, lines: int = 30) -> str:
+    if log is None or not Path(log).exists():
+        return ""
+    tail = Path(log).read_text(errors="replace").splitlines()[-lines:]
+    return f"\n--- last {len(tail)} lines of {log} ---\n" + "\n".join(tail)
+
+
+def _failure_time(out: str) -> float:
+    path = Path(out)
+    return path.stat().st_mtime if path.exists() else float("inf")
+
+
+def _failure(rank: int, proc: BaseProcess, out: str, world: int) -> str:
+    head = f"rank {rank} of {world} failed (exit code {proc.exitcode})"
+    path = Path(out)
+    if path.exists():
+        status, detail = pickle.loads(path.read_bytes())
+        if status == "error":
+            return f"{head}:\n{detail}"
+    if proc.exitcode is not None and proc.exitcode < 0:
+        return f"{head}: killed by signal {signal.Signals(-proc.exitcode).name}"
+    return f"{head} without a Python traceback; see the rank's output above"
+
+
+def _stop(procs: list[BaseProcess]) -> None:
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + _GRACE_SECONDS
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+def _result(out: str, rank: int) -> Any:
+    path = Path(out)
+    if not path.exists():
+        raise LaunchError(f"rank {rank} exited without reporting a result")
+    status, value = pickle.loads(path.read_bytes())
+    if status != "ok":
+        raise LaunchError(f"rank {rank} failed:\n{value}")
+    return value

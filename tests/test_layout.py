@@ -1,0 +1,197 @@
+"""The package's layout rules, read from the source: who may import whom.
+
+- no import cycle among the core modules, counting imports inside functions (only
+  ``if TYPE_CHECKING:`` blocks are left out: they never run);
+- the contracts module imports no implementation;
+- no dialect imports another dialect, and no built-in dialect imports a private core module
+  (``pipedialect._*``): a built-in dialect uses only what a third party can import;
+- loading the pytest plugin (which pytest does in every session of an environment where
+  pipedialect is installed) imports neither torch nor any implementation module;
+- the names that moved keep working.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"pipedialect": ROOT / "core", "pipedialect.dialects": ROOT / "dialects"}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    found: dict[str, tuple[Path, bool]] = {}
+    for package, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            if "build" in path.relative_to(ROOT).parts:
+                continue
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = (path, is_package)
+    return found
+
+
+MODULES = _modules()
+
+
+def _type_checking_blocks(tree: ast.AST) -> set[int]:
+    """The ids of every node inside an ``if TYPE_CHECKING:`` block."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                skipped.update(id(n) for n in ast.walk(inner))
+    return skipped
+
+
+def _imports(name: str) -> set[str]:
+    """The project modules ``name`` imports anywhere (top level or inside functions).
+
+    ``from package import name`` counts as importing the submodule when ``name`` is one, else
+    as importing the package itself (its ``__init__``).
+    """
+    path, is_package = MODULES[name]
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_blocks(tree)
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in MODULES)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                if f"{module}.{alias.name}" in MODULES:
+                    out.add(f"{module}.{alias.name}")
+                elif module in MODULES:
+                    out.add(module)
+    out.discard(name)
+    return out
+
+
+def _is_core(name: str) -> bool:
+    return not name.startswith("pipedialect.dialects")
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (a list of nodes, first == last), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def test_the_rules_see_the_real_modules() -> None:
+    """The graph below is built from the actual files (so an empty graph cannot pass)."""
+    assert {"pipedialect.contracts", "pipedialect.dialect", "pipedialect.stage"} <= set(MODULES)
+    assert "pipedialect.contracts" in _imports("pipedialect.stage")
+    assert "pipedialect.stage" in _imports("pipedialect.ties")  # a top-level import
+    # a function-level import is seen: the torch engine builds its stages inside methods
+    assert any(
+        m.startswith("pipedialect.dialects.torch.") for m in _imports("pipedialect.dialects.torch")
+    )
+
+
+def test_no_import_cycle_among_core_modules() -> None:
+    # A module importing its own package's __init__ is a cycle when that __init__ imports it
+    # back; the package __init__ imports nothing at run time (every name is lazy), so it is a
+    # node like any other here.
+    graph = {name: {m for m in _imports(name) if _is_core(m)} for name in MODULES if _is_core(name)}
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_contracts_module_imports_no_implementation() -> None:
+    assert _imports("pipedialect.contracts") == set()
+
+
+def test_no_dialect_imports_another_dialect_or_a_private_core_module() -> None:
+    problems = []
+    for name in MODULES:
+        parts = name.split(".")
+        if len(parts) < 3 or parts[1] != "dialects":
+            continue
+        for target in _imports(name):
+            tparts = target.split(".")
+            if tparts[:2] == ["pipedialect", "dialects"] and len(tparts) > 2:
+                if tparts[2] != parts[2]:
+                    problems.append(f"{name} imports another dialect: {target}")
+            elif _is_core(target) and len(tparts) > 1 and tparts[1].startswith("_"):
+                problems.append(f"{name} imports a private core module: {target}")
+    assert problems == []
+
+
+def test_the_pytest_plugin_does_not_import_torch() -> None:
+    code = (
+        "import sys, pipedialect.testing.plugin\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('pipedialect'))\n"
+        "print(loaded)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "pipedialect.partition" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "names"),
+    [
+        ("pipedialect.interfaces", "pipedialect.contracts", ["Capability", "TensorCodec"]),
+        ("pipedialect.interfaces", "pipedialect.dialect", ["Dialect"]),
+        ("pipedialect.interfaces", "pipedialect.topology", ["GridTopology"]),
+        ("pipedialect.testing.launcher", "pipedialect.launch", ["launch", "free_port"]),
+        ("pipedialect.testing.models", "pipedialect.models", ["TinyGPT", "get_model"]),
+        ("pipedialect.dialects.local.engine", "pipedialect.engine", ["DeepSpeedStyleEngine"]),
+        ("pipedialect.dialects.local.config", "pipedialect.config", ["parse_config"]),
+    ],
+)
+def test_moved_names_keep_working(old: str, new: str, names: list[str]) -> None:
+    import importlib
+
+    before, after = importlib.import_module(old), importlib.import_module(new)
+    for name in names:
+        assert getattr(before, name) is getattr(after, name), name
+
+
+def test_partition_and_trace_stay_functions_in_every_import_order() -> None:
+    """``pipedialect.partition`` is a function even after its submodule is imported."""
+    code = (
+        "import pipedialect.partition, pipedialect.trace, pipedialect\n"
+        "import pipedialect.dialects.local\n"
+        "assert callable(pipedialect.partition) and callable(pipedialect.trace)\n"
+        "from pipedialect.partition import PipelinePlan\n"
+        "assert pipedialect.PipelinePlan is PipelinePlan\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
