@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from pipedialect import partition
-from pipedialect.testing.models import GPTBlock, TinyGPT, seeded_init
+from pipedialect.models import GPTBlock, TinyGPT, seeded_init
 
 
 class Block(nn.Module):
@@ -212,7 +212,7 @@ def _fill(args: argparse.Namespace) -> Any:
 def _pipeline_rank(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     """One rank of one variant: build, train ``args.steps`` steps, report peak memory."""
     import pipedialect
-    from pipedialect.testing.models import cross_entropy_loss
+    from pipedialect.models import cross_entropy_loss
 
     torch.set_num_threads(1)
     dialect = pipedialect.get_dialect("deepspeed")
@@ -280,14 +280,16 @@ def _pipeline_rank(args: argparse.Namespace, variant: str) -> dict[str, Any]:
 
 def pipeline_main(args: argparse.Namespace) -> None:
     """Both variants, PP=4, one after the other; the table of per-rank peaks and ratios."""
-    from pipedialect.testing.launcher import launch
+    from pipedialect.launch import launch
 
     env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     runs = {
         v: sorted(launch(_pipeline_rank, PP, args, v, timeout=3600, env=env), key=_stage)
         for v in ("hand-written", "pipedialect")
     }
-    params = args.blocks * 12 * args.dim**2 + (args.vocab + args.seq) * args.dim
+    with torch.device("meta"):  # counted on the model itself: shapes only, no memory
+        shapes = TinyGPT(vocab=args.vocab, dim=args.dim, max_len=args.seq, num_blocks=args.blocks)
+    params = sum(p.numel() for p in shapes.parameters())
     mib = 1024 * 1024
     print(
         f"TinyGPT {args.blocks} blocks, dim {args.dim}, vocab {args.vocab}, seq {args.seq} "

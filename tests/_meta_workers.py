@@ -2,7 +2,8 @@
 
 Each rank partitions a model built on the meta device, lets the dialect materialise the stages
 it runs, trains, and returns its losses, its stages' parameters and which stages stayed on
-meta; the tests compare these with the unsplit model trained in the test's own process.
+meta; the tests compare these with the unsplit model trained in the test's own process
+(for the Hugging Face models, the unsplit ``from_pretrained`` model of the same directory).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import _ds_workers as ds
 import _hf_workers as hf
 import torch
 import transformers
+from torch import nn
 
 import pipedialect
 from pipedialect import partition
@@ -67,34 +69,54 @@ def tinygpt_meta_run(dialect_name: str) -> dict[str, Any]:
     return _train(dialect, plan, config, spec.loss_fn, data, **kwargs)
 
 
-def gpt2_checkpoint_run(directory: str) -> dict[str, Any]:
-    """The save_pretrained GPT-2 in ``directory`` on 2 DeepSpeed stages, built on meta and
-    loaded per rank with ``init_weights=from_pretrained(directory)``."""
+#: The Hugging Face models of the checkpoint round trip: the class, the first layer of stage 1.
+PRETRAINED = {
+    "gpt2": (transformers.GPT2LMHeadModel, "transformer.h.1"),
+    "llama": (transformers.LlamaForCausalLM, "model.layers.1"),
+}
+#: Forward flags fixed for the capture and the reference call alike (both models take them).
+PRETRAINED_FIXED = {"return_dict": False, "use_cache": False}
+
+
+def rotary_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Llama's non-persistent rotary tables (in no checkpoint file), computed on the CPU by a
+    fresh rotary module of the model's config, under the names the model gives them."""
+    with torch.device("cpu"):
+        rotary = type(model.model.rotary_emb)(model.config)
+    return {f"model.rotary_emb.{n}": b for n, b in rotary.named_buffers()}
+
+
+def pretrained_checkpoint_runs(directories: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Each ``save_pretrained`` model of ``directories`` (``{"gpt2" | "llama": path}``) in turn on
+    2 DeepSpeed stages of the same processes: built on meta from the saved config, partitioned,
+    and loaded per rank with ``init_weights=from_pretrained(directory)``."""
     dialect = pipedialect.get_dialect("deepspeed")
     dialect.init_distributed()
-    config_hf = transformers.AutoConfig.from_pretrained(directory)
-    with torch.device("meta"):
-        meta = transformers.GPT2LMHeadModel._from_config(
-            config_hf, attn_implementation="eager"
-        ).train()
-    batches = gpt2_batches()
-    example = dict(zip(("input_ids", "attention_mask"), batches[0][0], strict=True))
-    plan = partition(
-        meta, ["transformer.h.1"], example_inputs=example, concrete_args=hf.CASES["gpt2"].fixed
-    )
-    config = ds.ds_config("sgd", gas=4, micro=2, dp=1)
-    return _train(
-        dialect,
-        plan,
-        config,
-        hf.token_loss,
-        iter(copy.deepcopy(batches)),
-        topology=dialect.make_topology(2, 1),
-        init_weights=from_pretrained(Path(directory), plan=plan),
-    )
+    results = {}
+    for name, directory in directories.items():
+        model_cls, split = PRETRAINED[name]
+        config_hf = transformers.AutoConfig.from_pretrained(directory)
+        with torch.device("meta"):
+            meta = model_cls._from_config(config_hf, attn_implementation="eager").train()
+        batches = pretrained_batches()
+        example = dict(zip(("input_ids", "attention_mask"), batches[0][0], strict=True))
+        plan = partition(meta, [split], example_inputs=example, concrete_args=PRETRAINED_FIXED)
+        buffers = rotary_buffers(meta) if name == "llama" else None
+        config = ds.ds_config("sgd", gas=4, micro=2, dp=1)
+        results[name] = _train(
+            dialect,
+            plan,
+            config,
+            hf.token_loss,
+            iter(copy.deepcopy(batches)),
+            topology=dialect.make_topology(2, 1),
+            init_weights=from_pretrained(Path(directory), plan=plan, buffers=buffers),
+        )
+    return results
 
 
-def gpt2_batches() -> list[Any]:
-    """The GPT-2 micro-batches of the run, the same in every process."""
+def pretrained_batches() -> list[Any]:
+    """The micro-batches of the Hugging Face runs, the same in every process: token ids of
+    ``hf.VOCAB`` with a padding mask, which both models (same vocabulary) take."""
     gen = torch.Generator().manual_seed(3)
     return [hf._gpt2_batch(gen, 2) for _ in range(STEPS * 4)]

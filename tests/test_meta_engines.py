@@ -2,8 +2,8 @@
 device trains exactly like the model built normally.
 
 References: the unsplit model built on the CPU from the same seed and trained by hand in this
-process (``_checkpoint_reference``), and, for GPT-2, the unsplit ``from_pretrained`` model of
-the directory ``save_pretrained`` wrote, trained by hand.
+process (``_checkpoint_reference``), and, for GPT-2 and Llama, the unsplit ``from_pretrained``
+model of the directory ``save_pretrained`` wrote, trained by hand.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import _hf_workers as hf
 import _meta_workers as meta_workers
 import pytest
 import torch
-import transformers
 from _compare import ATOL, RTOL, assert_tensor_close
 from test_deepspeed import _checkpoint_reference
+from test_weights import _llama
 
 import pipedialect
 from pipedialect import WeightsError, partition
-from pipedialect.testing.launcher import launch
+from pipedialect.launch import launch
 from pipedialect.weights import from_state_dict
 
 SPEC_NAME = meta_workers.MODEL
@@ -111,27 +111,20 @@ def test_deepspeed_and_torch_meta_plans_train_like_the_real_model() -> None:
             _check_run(r, ref, f"{dialect} stage {stage}")
 
 
-def test_deepspeed_loads_a_pretrained_gpt2_per_stage_like_from_pretrained(
-    tmp_path: Path,
-) -> None:
-    """save_pretrained (sharded), then 2 DeepSpeed ranks each load only their stage of a meta
-    GPT-2 with init_weights=from_pretrained(dir): losses and weights of the unsplit
-    from_pretrained model trained by hand with SGD."""
-    torch.manual_seed(0)
-    hf.CASES["gpt2"].factory().save_pretrained(tmp_path, max_shard_size="20KB")
-    results = launch(meta_workers.gpt2_checkpoint_run, 2, str(tmp_path), timeout=300)
-    reference = transformers.GPT2LMHeadModel.from_pretrained(
-        tmp_path, attn_implementation="eager"
-    ).train()
-    fixed = hf.CASES["gpt2"].fixed
-    batches = copy.deepcopy(meta_workers.gpt2_batches())
+def _from_pretrained_reference(name: str, directory: Path) -> dict[str, Any]:
+    """The unsplit model ``from_pretrained(directory)`` loads, trained by hand: SGD, the same
+    micro-batches, each step's loss the mean over its micro-batches (what train_batch returns)."""
+    model_cls, _ = meta_workers.PRETRAINED[name]
+    reference = model_cls.from_pretrained(directory, attn_implementation="eager").train()
+    batches = copy.deepcopy(meta_workers.pretrained_batches())
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     losses = []
     for step in range(meta_workers.STEPS):
         total = 0.0
         for args, labels in batches[step * 4 : (step + 1) * 4]:
             out = reference(
-                **dict(zip(("input_ids", "attention_mask"), args, strict=True)), **fixed
+                **dict(zip(("input_ids", "attention_mask"), args, strict=True)),
+                **meta_workers.PRETRAINED_FIXED,
             )
             loss = hf.token_loss(out, labels)
             (loss / 4).backward()
@@ -139,12 +132,40 @@ def test_deepspeed_loads_a_pretrained_gpt2_per_stage_like_from_pretrained(
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    ref = {"losses": losses, "params": dict(reference.named_parameters(remove_duplicate=False))}
-    assert sorted(s for r in results for s in r["stages"]) == [0, 1]
-    for r in results:
-        (stage,) = r["stages"]
-        assert r["on_meta"] == [1 - stage], r["on_meta"]
-        _check_run(r, ref, f"deepspeed gpt2 stage {stage}")
+    return {"losses": losses, "params": dict(reference.named_parameters(remove_duplicate=False))}
+
+
+def test_deepspeed_loads_pretrained_gpt2_and_llama_per_stage_like_from_pretrained(
+    tmp_path: Path,
+) -> None:
+    """save_pretrained (random init, sharded) of GPT-2 and of a tied Llama, then, in one launch,
+    2 DeepSpeed ranks train each from a meta model whose stage is loaded with
+    init_weights=from_pretrained(dir) (Llama's rotary tables from ``buffers=``): losses and
+    weights of the unsplit from_pretrained model trained by hand with SGD."""
+    directories = {name: tmp_path / name for name in meta_workers.PRETRAINED}
+    torch.manual_seed(0)
+    hf.CASES["gpt2"].factory().save_pretrained(directories["gpt2"], max_shard_size="20KB")
+    torch.manual_seed(0)
+    _llama().save_pretrained(directories["llama"], max_shard_size="20KB")
+    for directory in directories.values():
+        assert (directory / "model.safetensors.index.json").is_file()  # sharded
+    runs = launch(
+        meta_workers.pretrained_checkpoint_runs,
+        2,
+        {name: str(d) for name, d in directories.items()},
+        timeout=420,
+    )
+    for name, directory in directories.items():
+        ref = _from_pretrained_reference(name, directory)
+        results = [run[name] for run in runs]
+        assert sorted(s for r in results for s in r["stages"]) == [0, 1], name
+        for r in results:
+            (stage,) = r["stages"]
+            assert r["on_meta"] == [1 - stage], (name, r["on_meta"])
+            _check_run(r, ref, f"deepspeed {name} stage {stage}")
+        # Not vacuous: both stages report parameters, together every name of the model.
+        names = {n for r in results for n in r["params"]}
+        assert names == set(ref["params"]), (name, sorted(set(ref["params"]) ^ names))
 
 
 def test_demo_with_meta_builds_on_meta_and_matches_its_reference(tmp_path: Path) -> None:
