@@ -55,6 +55,7 @@ from torch.export.graph_signature import (
 )
 
 from ._fx import Captured, remove_attrs
+from ._module_paths import check_execution_order, check_single_call
 from .errors import CaptureError, SplitPointError, StructureChangedError
 
 __all__: list[str] = []
@@ -458,17 +459,7 @@ def locate(graph: fx.Graph, points: Sequence[str], targets: Sequence[str]) -> li
                 "calls it, or its forward has no tensor operation); choose a module forward "
                 "calls and that computes something"
             )
-        if len(calls[target]) > 1:
-            raise SplitPointError(
-                f"split point {path!r} is called {len(calls[target])} times in forward; a stage "
-                "boundary must follow exactly one call. Choose a module forward calls once."
-            )
+        check_single_call(path, len(calls[target]))
         found.append(last[target])
-    order = sorted(range(len(points)), key=lambda i: position[found[i]])
-    if order != list(range(len(points))):
-        first_bad = next(i for i, j in enumerate(order) if i != j)
-        raise SplitPointError(
-            f"split points are out of execution order at {points[first_bad]!r}: forward "
-            f"finishes them in the order {[points[i] for i in order]}; list them in that order"
-        )
+    check_execution_order(points, [position[node] for node in found], "finishes")
     return found

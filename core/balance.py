@@ -39,7 +39,7 @@ from torch import nn
 
 from . import _balance_profile as _profile
 from ._balance_solver import solve
-from ._leaves import resolve_leaves
+from ._module_paths import check_execution_order, resolve_leaves
 from .errors import ConfigError, PartitionError, SplitPointError
 
 __all__ = [
@@ -422,12 +422,7 @@ class ModelProfile:
             )
         points = [self._resolve(p, "split point") for p in split_points]
         xs = [self._exit(p) for p in points]
-        if xs != sorted(xs):
-            order = sorted(points, key=self._exit)
-            raise SplitPointError(
-                f"split points are out of execution order: forward finishes them in the order "
-                f"{order}; list them in that order"
-            )
+        check_execution_order(points, xs, "finishes")
         self._check_nesting(points, "split point")
         trace = self._trace
         atoms = _profile.fold(trace, xs)

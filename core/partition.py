@@ -27,7 +27,12 @@ from typing import Any, TypeVar, overload
 from torch import fx, nn
 
 from . import _export, _fx, _verify
-from ._leaves import close_matches, resolve_leaves
+from ._module_paths import (
+    check_execution_order,
+    check_single_call,
+    close_matches,
+    resolve_leaves,
+)
 from .balance import BalanceMethod, PlanCosts, profile_model
 from .errors import ActivationCheckpointError, ConfigError, PartitionError, SplitPointError
 from .liveness import compute_liveness
@@ -499,19 +504,9 @@ def _locate(
         nodes = calls[target]
         if not nodes:
             raise SplitPointError(_never_called(model, path, target, points, targets, leaf_paths))
-        if len(nodes) > 1:
-            raise SplitPointError(
-                f"split point {path!r} is called {len(nodes)} times in forward; a stage "
-                "boundary must follow exactly one call. Choose a module forward calls once."
-            )
+        check_single_call(path, len(nodes))
         found.append(nodes[0])
-    order = sorted(range(len(points)), key=lambda i: position[found[i]])
-    if order != list(range(len(points))):
-        first_bad = next(i for i, j in enumerate(order) if i != j)
-        raise SplitPointError(
-            f"split points are out of execution order at {points[first_bad]!r}: forward calls "
-            f"them in the order {[points[i] for i in order]}; list them in that order"
-        )
+    check_execution_order(points, [position[node] for node in found], "calls")
     return found
 
 

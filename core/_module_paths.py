@@ -1,6 +1,7 @@
-"""Module paths of a model: leaf modules named by path or class, and "did you mean" hints.
+"""Module paths of a model: leaf modules, split-point call checks, "did you mean" hints.
 
-Shared by the partitioner and the balancer, which both trace with user-chosen leaf modules.
+Shared by the fx and export capture paths and the balancer, which all resolve user-given module
+paths and check the calls found for them.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .errors import PartitionError
+from .errors import PartitionError, SplitPointError
 
-__all__ = ["close_matches", "resolve_leaves"]
+__all__ = ["check_execution_order", "check_single_call", "close_matches", "resolve_leaves"]
 
 
 def close_matches(path: str, candidates: Sequence[str]) -> str:
@@ -54,3 +55,26 @@ def resolve_leaves(
                 f"leaf_modules entry {entry!r} is neither a module path nor an nn.Module class"
             )
     return frozenset(ids), tuple(types), paths
+
+
+def check_single_call(path: str, calls: int) -> None:
+    """Raise :class:`SplitPointError` unless the split point ``path`` is called once."""
+    if calls > 1:
+        raise SplitPointError(
+            f"split point {path!r} is called {calls} times in forward; a stage "
+            "boundary must follow exactly one call. Choose a module forward calls once."
+        )
+
+
+def check_execution_order(points: Sequence[str], positions: Sequence[int], verb: str) -> None:
+    """Raise :class:`SplitPointError` unless ``positions`` (one per split point) increase.
+
+    ``verb`` says what the positions are (``"calls"``, ``"finishes"``) in the message.
+    """
+    order = sorted(range(len(points)), key=lambda i: positions[i])
+    if order != list(range(len(points))):
+        first_bad = next(i for i, j in enumerate(order) if i != j)
+        raise SplitPointError(
+            f"split points are out of execution order at {points[first_bad]!r}: forward {verb} "
+            f"them in the order {[points[i] for i in order]}; list them in that order"
+        )
