@@ -152,7 +152,7 @@ def test_example_runs_the_suite_from_its_own_test_file(
         ),
         (
             "lossy",
-            "codec or matches_unsplit and plain-2",
+            "matches_unsplit and plain-2",
             [
                 "[training] TestTraining::test_matches_unsplit[sendrecv-lossy-plain-2]",
                 "training equivalence [plain, 2 stages]: train_batch() of step 1 returned loss",
