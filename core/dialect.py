@@ -262,8 +262,19 @@ class Dialect(abc.ABC):
         checked = _check_config(config, f"{self.name} pipe_engine")
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
+        if dynamic_shapes and Capability.DYNAMIC_SHAPES not in self.capabilities:
+            raise ConfigError(
+                f"the {self.name} dialect does not declare dynamic-shapes: its runtime fixes "
+                "boundary shapes at the first micro-batch. Pad boundary values to one shape, or "
+                "use a dialect that declares it (see `pipedialect list`)"
+            )
         if topology is not None:
             check_topology_object(topology)
+            if topology.get_dim("data") > 1 and Capability.DATA_PARALLEL not in self.capabilities:
+                raise TopologyError(
+                    f"the {self.name} dialect does not declare data-parallel, but the topology "
+                    f"has a data axis of {topology.get_dim('data')}; use a topology with data=1"
+                )
         check_plan_agreement(
             plan,
             dialect=self.name,
