@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from .errors import ConfigError
@@ -43,9 +44,13 @@ def no_weight_decay(patterns: Sequence[str] = ("bias", "norm", "ln")) -> ParamGr
 
 
 def resolve_param_groups(
-    fn: ParamGroupsFn, named: Iterable[tuple[str, nn.Parameter]]
+    fn: ParamGroupsFn, named: Iterable[tuple[str, nn.Parameter]], *, what: str = "param_groups"
 ) -> list[dict[str, Any]]:
     """Call ``fn`` on the trainable parameters (each once) and check what it returns.
+
+    ``what`` names the argument the groups came from in the errors (``param_groups``, or
+    ``model_parameters`` for groups given to the DeepSpeed dialect as ``deepspeed.initialize``
+    takes them).
 
     Raises:
         ConfigError: not a list of dicts with ``params``, or a parameter in no group, in two
@@ -59,28 +64,31 @@ def resolve_param_groups(
             unique.append((name, param))
     if not callable(fn):
         raise ConfigError(
-            f"param_groups must be a callable fn(named_parameters) -> list of dicts, got "
+            f"{what} must be a callable fn(named_parameters) -> list of dicts, got "
             f"{type(fn).__name__}"
         )
     groups = fn(list(unique))
     if not isinstance(groups, Sequence) or not all(
         isinstance(g, Mapping) and "params" in g for g in groups
     ):
-        raise ConfigError("param_groups must return a list of dicts, each with a 'params' list")
+        raise ConfigError(f"{what} must be (or return) a list of dicts, each with a 'params' list")
     seen: dict[int, int] = {}
     resolved: list[dict[str, Any]] = []
     for index, group in enumerate(groups):
-        params = list(group["params"])
+        given = group["params"]
+        # A lone tensor is one parameter, as torch's optimizers read it (not a list of rows).
+        params: list[Any] = [given] if isinstance(given, torch.Tensor) else list(given)
         for param in params:
             found = names.get(id(param))
             if found is None:
                 raise ConfigError(
-                    f"param_groups: group {index} holds a parameter this engine does not train "
-                    "(frozen, or of another model); use the parameters it was given"
+                    f"{what}: group {index} holds a parameter this engine does not train "
+                    "(frozen, of another stage, or of another model); use the parameters it "
+                    "was given"
                 )
             if id(param) in seen:
                 raise ConfigError(
-                    f"param_groups: parameter {found!r} is in groups {seen[id(param)]} and "
+                    f"{what}: parameter {found!r} is in groups {seen[id(param)]} and "
                     f"{index}; a parameter (a tied one too) must be in one group only"
                 )
             seen[id(param)] = index
@@ -89,7 +97,7 @@ def resolve_param_groups(
     missing = [name for name, param in unique if id(param) not in seen]
     if missing:
         raise ConfigError(
-            f"param_groups: parameter {missing[0]!r} (and {len(missing) - 1} more) is in no "
+            f"{what}: parameter {missing[0]!r} (and {len(missing) - 1} more) is in no "
             "group and would not be trained; put every parameter it is given in one group"
         )
     return resolved

@@ -20,7 +20,7 @@ from pipedialect.ties import DefaultTieAnalyzer, TieGroup, retie_parameters
 if TYPE_CHECKING:
     from ._module import PipeDialectPipelineModule, TieSpec
 
-__all__ = ["build_pipeline_module"]
+__all__ = ["build_pipeline_module", "check_zero_stage"]
 
 _KNOWN_KWARGS = frozenset(
     {
@@ -75,6 +75,7 @@ def build_pipeline_module(
     if not callable(loss_fn):
         raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
     _check_precision(config, kwargs)
+    check_zero_stage(config)
     interval = checkpoint_interval_of(config, kwargs)
     stages = list(stage_modules)
     _check_topology(topology, len(stages))
@@ -171,6 +172,43 @@ def _check_precision(config: Any, kwargs: Mapping[str, Any]) -> None:
                 f"{key}.enabled={enabled}; DeepSpeed converts the model from the config, so make "
                 "them agree"
             )
+
+
+def check_zero_stage(config: Any) -> int:
+    """The config's ZeRO stage, refused by name unless a pipeline can use it (0 or 1).
+
+    DeepSpeed's ``PipelineEngine`` runs its own gradient reduction once per step, after the last
+    micro-batch; ZeRO stage 2 (which partitions gradients during the backward passes) and stage 3
+    (which partitions the parameters) do not fit that, and DeepSpeed 0.19 only asserts so after
+    its base engine has built the ZeRO optimizer and its process groups. Stage 1 (optimizer state
+    partitioned over the data-parallel ranks) works. A JSON path is checked when it is read.
+
+    Raises:
+        ConfigError: ``zero_optimization`` asks for stage 2 or 3, or is not understood.
+    """
+    if not isinstance(config, Mapping) or "zero_optimization" not in config:
+        return 0
+    section = config["zero_optimization"]
+    if isinstance(section, bool):  # DeepSpeed's deprecated form: true means stage 1
+        return int(section)
+    if not isinstance(section, Mapping):
+        raise ConfigError(
+            f"zero_optimization must be a dict such as {{'stage': 1}}, got {section!r}"
+        )
+    stage = section.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise ConfigError(
+            f"zero_optimization.stage must be 0 or 1 with a DeepSpeed pipeline, got {stage!r}"
+        )
+    if stage >= 2:
+        what = "gradients" if stage == 2 else "gradients and parameters"
+        raise ConfigError(
+            f"zero_optimization.stage={stage} is refused: DeepSpeed's PipelineEngine supports "
+            f"ZeRO stage 0 or 1 only (stage {stage} partitions the {what} during the backward "
+            "passes, but the pipeline reduces gradients itself once per step). Use stage 1, "
+            "which partitions the optimizer state over the data-parallel ranks"
+        )
+    return stage
 
 
 def _check_topology(topology: Any, num_stages: int) -> None:

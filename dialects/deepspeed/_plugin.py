@@ -49,11 +49,73 @@ class DeepSpeedOptions:
 
 @dataclasses.dataclass(frozen=True)
 class DeepSpeedEngineOptions:
-    """What ``runtime_engine`` passes on to ``deepspeed.initialize``."""
+    """What ``runtime_engine`` passes on to ``deepspeed.initialize``, or refuses with the reason.
 
-    optimizer: Any = field(default=None, metadata={"doc": "a client optimizer"})
+    Every argument ``deepspeed.initialize`` takes for a pipeline is here: the ones its
+    ``PipelineEngine`` honours are passed through, the others are refused by name before
+    DeepSpeed runs (see :func:`~pipedialect.dialects.deepspeed.engine.init_ds_engine`).
+    """
+
+    optimizer: Any = field(
+        default=None,
+        metadata={
+            "doc": "a client optimizer (it replaces the config's optimizer section), or a "
+            "callable building one from the parameter groups"
+        },
+    )
+    model_parameters: Any = field(
+        default=None,
+        metadata={
+            "doc": "the parameters (or dicts of parameter groups) the optimizer steps; each "
+            "trainable parameter of this stage exactly once. Default: all of them, or the "
+            "groups of param_groups"
+        },
+    )
     training_data: Any = field(
-        default=None, metadata={"doc": "a dataset DeepSpeed wraps in its data loader"}
+        default=None,
+        metadata={
+            "doc": "a map-style dataset of (inputs, labels) items; DeepSpeed's loader reads it "
+            "on the first and last stages (each data-parallel rank its share, in order) when "
+            "train_batch() gets no iterator"
+        },
+    )
+    collate_fn: Any = field(
+        default=None,
+        metadata={"doc": "merges training_data items into one micro-batch (DeepSpeed's loader)"},
+    )
+    args: Any = field(
+        default=None,
+        metadata={
+            "doc": "an argparse namespace: its deepspeed_config may give the config (then not "
+            "config=), its local_rank must equal LOCAL_RANK"
+        },
+    )
+    config_params: Any = field(
+        default=None, metadata={"doc": "DeepSpeed's old name for config (pass one of them)"}
+    )
+    dist_init_required: bool | None = field(
+        default=None,
+        metadata={
+            "doc": "passed on; the process group is already initialised by then (pipe_engine "
+            "needs it), so it changes nothing"
+        },
+    )
+    mpu: Any = field(
+        default=None,
+        metadata={
+            "doc": "refused: a PipelineModule brings its own process grid, from the topology"
+        },
+    )
+    distributed_port: Any = field(
+        default=None,
+        metadata={
+            "doc": "refused: the process group is initialised before the engine; set "
+            "MASTER_PORT for the launcher"
+        },
+    )
+    mesh_param: Any = field(
+        default=None,
+        metadata={"doc": "refused: DeepSpeed's PipelineEngine does not use a device mesh"},
     )
 
 
@@ -70,7 +132,7 @@ class DeepSpeedDialect(Dialect):
     engine_options = DeepSpeedEngineOptions
     version = pipedialect.__version__
     description = "DeepSpeed PipelineEngine (NCCL on GPUs, gloo on CPUs)"
-    engine_features = frozenset({"check_finite", "lr_scheduler"})
+    engine_features = frozenset({"check_finite", "lr_scheduler", "param_groups"})
     capabilities = frozenset(
         {
             Capability.TIED_WEIGHTS,
@@ -105,7 +167,7 @@ class DeepSpeedDialect(Dialect):
             for f in dataclasses.fields(opts)
             if getattr(opts, f.name) is not None
         }
-        return build_pipeline_module(
+        module = build_pipeline_module(
             request.plan,
             request.stages,
             config=request.config,
@@ -116,9 +178,15 @@ class DeepSpeedDialect(Dialect):
             tie_analyzer=self.tie_analyzer,
             **given,
         )
+        module.pipedialect_config = request.config  # runtime_engine's default config
+        return module
 
     def _build_engine(self, request: EngineRequest[DeepSpeedEngineOptions]) -> RuntimeEngine:
-        """DeepSpeed's ``PipelineEngine`` for the module (``deepspeed.initialize``)."""
+        """DeepSpeed's ``PipelineEngine`` for the module (``deepspeed.initialize``).
+
+        ``param_groups`` builds ``deepspeed.initialize``'s ``model_parameters`` from this
+        rank's stage, under the model's names.
+        """
         from .engine import init_ds_engine
 
         opts = request.options
@@ -129,8 +197,15 @@ class DeepSpeedDialect(Dialect):
         }
         if request.lr_scheduler is not None:
             extra["lr_scheduler"] = request.lr_scheduler
+        config = request.config
+        if config is None and opts.config_params is None and opts.args is None:
+            config = getattr(request.module, "pipedialect_config", None)  # pipe_engine's
         engine: RuntimeEngine = init_ds_engine(
-            request.module, config=request.config, check_finite=request.check_finite, **extra
+            request.module,
+            config=config,
+            check_finite=request.check_finite,
+            param_groups=request.param_groups,
+            **extra,
         )
         return engine
 

@@ -23,8 +23,11 @@ Importing this module imports deepspeed.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import deepspeed
@@ -51,8 +54,14 @@ from pipedialect.agreement import (
     pull_micro_batches,
     root_nonfinite,
 )
+from pipedialect.param_groups import ParamGroupsFn, resolve_param_groups
 
-__all__ = ["PipeDialectEngine", "init_ds_engine"]
+__all__ = [
+    "PASSED_INITIALIZE_ARGS",
+    "REFUSED_INITIALIZE_ARGS",
+    "PipeDialectEngine",
+    "init_ds_engine",
+]
 
 
 class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
@@ -278,45 +287,326 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
         return result
 
 
+#: ``deepspeed.initialize`` arguments a pipeline cannot take, each with the reason.
+REFUSED_INITIALIZE_ARGS: dict[str, str] = {
+    "mpu": (
+        "a PipelineModule brings its own process grid (built from the topology given to "
+        "pipe_engine), and deepspeed.initialize requires mpu=None for a pipeline"
+    ),
+    "distributed_port": (
+        "the process group is already initialised when the pipeline module is built (the "
+        "module creates process groups), so the port would never be used; set MASTER_PORT for "
+        "the launcher instead"
+    ),
+    "mesh_param": (
+        "DeepSpeed's data/sequence-parallel device mesh is not used by its PipelineEngine; the "
+        "topology given to pipe_engine is the process grid"
+    ),
+    "model": "the module is the first argument (what pipe_engine returned)",
+}
+#: ``deepspeed.initialize`` arguments passed through unchanged.
+PASSED_INITIALIZE_ARGS = (
+    "optimizer",
+    "lr_scheduler",
+    "training_data",
+    "collate_fn",
+    "dist_init_required",
+)
+
+
 def init_ds_engine(
-    model: nn.Module, *, config: Mapping[str, Any] | str | None = None, **kwargs: Any
+    model: nn.Module,
+    *,
+    config: Mapping[str, Any] | str | None = None,
+    check_finite: bool = False,
+    param_groups: ParamGroupsFn | None = None,
+    model_parameters: Any = None,
+    args: Any = None,
+    config_params: Mapping[str, Any] | str | None = None,
+    **kwargs: Any,
 ) -> PipeDialectEngine:
     """Return the DeepSpeed ``PipelineEngine`` that trains ``model``.
 
     ``model`` is what :func:`~pipedialect.dialects.deepspeed.pipeline.deepspeed_pipe_engine`
     returned (any ``PipelineModule`` works). ``config`` is the DeepSpeed config (a dict or a JSON
-    path); ``optimizer``, ``lr_scheduler`` and ``training_data`` are passed to
-    ``deepspeed.initialize``.
+    path); ``config_params`` (its old name) or ``args.deepspeed_config`` may give it instead, as
+    in ``deepspeed.initialize``. The optimizer steps ``model_parameters`` (tensors, or dicts of
+    parameter groups as torch optimizers take them) or the groups ``param_groups`` builds from
+    this rank's parameters under the model's names (:mod:`pipedialect.param_groups`; a tied
+    weight once, under its name on this stage), by default every trainable parameter: either
+    way each trainable parameter of this stage must be in exactly one group. ``optimizer``,
+    ``lr_scheduler``, ``training_data``, ``collate_fn`` and ``dist_init_required`` go to
+    ``deepspeed.initialize`` unchanged; ``mpu``, ``distributed_port`` and ``mesh_param`` are
+    refused (:data:`REFUSED_INITIALIZE_ARGS` says why).
+
+    Every check here runs before ``deepspeed.initialize``, whose collectives would hang the
+    other ranks after a failure on one: the argument checks fail alike on every rank, and the
+    checks of the groups and of a client optimizer object, which may fail on one stage only,
+    end with every rank raising (they gather every rank's result, as does the comparison of a
+    tied weight's groups across its stages).
+
+    Raises:
+        ConfigError: an argument refused or unknown, two sources of the config, ZeRO stage 2 or
+            3, batch sizes DeepSpeed would assert on, groups that leave out, repeat or add a
+            parameter, or a tied weight whose copies are in groups with different options.
     """
-    if config is None:
-        raise ConfigError("init_ds_engine needs config=<DeepSpeed config dict or JSON path>")
+    from ._build import check_zero_stage
+
+    refused = sorted(set(kwargs) & set(REFUSED_INITIALIZE_ARGS))
+    if refused:
+        raise ConfigError(
+            "the DeepSpeed runtime engine refuses "
+            + "; ".join(f"{name}: {REFUSED_INITIALIZE_ARGS[name]}" for name in refused)
+        )
+    unknown = sorted(set(kwargs) - set(PASSED_INITIALIZE_ARGS))
+    if unknown:
+        accepted = (
+            "config, config_params, args, check_finite, param_groups, model_parameters, "
+            + ", ".join(PASSED_INITIALIZE_ARGS)
+        )
+        raise ConfigError(
+            f"unknown argument(s) {unknown} for the DeepSpeed runtime engine; accepted: {accepted}"
+        )
+    source, checked = _resolve_config(config, config_params, args)
+    check_zero_stage(checked)
+    _check_args(args)
+    optimizer = kwargs.get("optimizer")
+    if param_groups is not None and model_parameters is not None:
+        raise ConfigError(
+            "pass param_groups or model_parameters, not both: each says which parameters the "
+            "optimizer steps"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer) and (
+        param_groups is not None or model_parameters is not None
+    ):
+        given = "param_groups" if param_groups is not None else "model_parameters"
+        raise ConfigError(
+            f"{given} cannot be used with an optimizer object: it already holds its parameter "
+            "groups (DeepSpeed would ignore the groups). Pass a callable optimizer(params) "
+            f"that builds it from the groups, or drop {given}"
+        )
     if not isinstance(model, PipelineModule):
         raise ConfigError(
             f"init_ds_engine needs the PipelineModule built by pipe_engine, got "
             f"{type(model).__name__}"
         )
-    check_finite = bool(kwargs.pop("check_finite", False))
-    allowed = {"optimizer", "lr_scheduler", "training_data"}
-    unknown = set(kwargs) - allowed
-    if unknown:
-        raise ConfigError(
-            f"unknown argument(s) {sorted(unknown)} for the DeepSpeed runtime engine; "
-            f"accepted: config, check_finite, {', '.join(sorted(allowed))}"
-        )
-    if isinstance(config, Mapping):
-        _check_batch_sizes(config, model)
+    _check_batch_sizes(checked, model)
+    named = _named_local_parameters(model)
+    groups = _optimizer_groups(model, named, param_groups, model_parameters, optimizer)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=dict(config) if isinstance(config, Mapping) else config,
+        model_parameters=groups,
+        config=source,
+        args=args,
         **kwargs,
     )
     if not isinstance(engine, PipelineEngine):
         raise ConfigError(f"deepspeed.initialize returned {type(engine).__name__}, not a pipeline")
     _check_checkpointing(model)
     engine.__class__ = PipeDialectEngine
-    engine.check_finite = check_finite
+    engine.check_finite = bool(check_finite)
     return engine  # type: ignore[no-any-return]
+
+
+def _resolve_config(
+    config: Mapping[str, Any] | str | None, config_params: Any, args: Any
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The config to pass to ``deepspeed.initialize`` (None: DeepSpeed reads it from ``args``)
+    and the config as a dict, for the checks made here.
+
+    ``deepspeed.initialize`` takes the config from ``config``, else ``config_params``, else
+    ``args.deepspeed_config`` (``args.deepscale_config`` is its old name); two of them at once
+    DeepSpeed either asserts on or silently ignores one, so two are refused.
+    """
+    from_args = [
+        name
+        for name in ("deepspeed_config", "deepscale_config")
+        if getattr(args, name, None) is not None
+    ]
+    given = [
+        name
+        for name, value in (("config", config), ("config_params", config_params))
+        if value is not None
+    ] + [f"args.{name}" for name in from_args]
+    if not given:
+        raise ConfigError(
+            "init_ds_engine needs config=<DeepSpeed config dict or JSON path> (or "
+            "config_params, or args.deepspeed_config)"
+        )
+    if len(given) > 1:
+        raise ConfigError(
+            f"the DeepSpeed config is given twice ({' and '.join(given)}); pass one of them"
+        )
+    value = config if config is not None else config_params
+    if value is None:
+        value = getattr(args, from_args[0])
+    if isinstance(value, str | os.PathLike):
+        try:
+            loaded = json.loads(Path(value).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"init_ds_engine: cannot read the DeepSpeed config file {value}: {exc}"
+            ) from exc
+        value = loaded
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"the DeepSpeed config ({given[0]}) must be a dict or a JSON path, got "
+            f"{type(value).__name__}"
+        )
+    checked = dict(value)
+    return (None if from_args else checked), checked
+
+
+def _check_args(args: Any) -> None:
+    """Refuse an ``args.local_rank`` DeepSpeed would assert on (it must equal LOCAL_RANK)."""
+    local_rank = getattr(args, "local_rank", None)
+    if local_rank is None:
+        return
+    if isinstance(local_rank, bool) or not isinstance(local_rank, int):
+        raise ConfigError(f"args.local_rank must be an int, got {local_rank!r}")
+    env = os.environ.get("LOCAL_RANK")
+    if local_rank >= 0 and env is not None and int(env) != local_rank:
+        raise ConfigError(
+            f"args.local_rank={local_rank} but the launcher set LOCAL_RANK={env}; DeepSpeed "
+            "requires them to agree (pass the launcher's --local_rank, or -1)"
+        )
+
+
+def _named_local_parameters(model: PipelineModule) -> list[tuple[str, nn.Parameter]]:
+    """This rank's trainable parameters, each once, under the model's names.
+
+    A stage wrapper holds its stage module (whose names are the model's, as the plan keeps
+    them); another layer's parameters keep DeepSpeed's names (``<layer index>.<name>``). A tied
+    weight is named where it first appears in the stage.
+    """
+    named: list[tuple[str, nn.Parameter]] = []
+    seen: set[int] = set()
+    for index, layer in enumerate(model.forward_funcs):
+        if not isinstance(layer, nn.Module):
+            continue
+        if isinstance(layer, StageWrapper):
+            items = getattr(layer, "mod", layer).named_parameters()
+        else:
+            items = ((f"{index}.{n}", p) for n, p in layer.named_parameters())
+        for name, param in items:
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                named.append((name, param))
+    for name, param in model.named_parameters():  # anything outside the layers
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            named.append((name, param))
+    return named
+
+
+def _check_client_optimizer(
+    optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], model: PipelineModule
+) -> None:
+    """Refuse a client optimizer that leaves out a trainable parameter of this stage."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, param in named if id(param) not in held]
+    if missing:
+        raise ConfigError(
+            f"[Stage {model.stage_id}] the client optimizer does not hold parameter "
+            f"{missing[0]!r} (and {len(missing) - 1} more) of this stage, which would not be "
+            "trained; build it over the stage's parameters (engine-side: pass a callable "
+            "optimizer(params))"
+        )
+
+
+def _optimizer_groups(
+    model: PipelineModule,
+    named: list[tuple[str, nn.Parameter]],
+    param_groups: ParamGroupsFn | None,
+    model_parameters: Any,
+    optimizer: Any,
+) -> list[Any]:
+    """``model_parameters`` for ``deepspeed.initialize``: the trainable parameters, or the
+    checked groups of ``param_groups`` / ``model_parameters``.
+
+    The groups (or a client optimizer object) are checked on every rank, and every rank raises
+    if one of them failed: a rank that stopped here alone would leave the others waiting in
+    ``deepspeed.initialize``. With groups, each tied weight's copies (one per stage holding it)
+    must be in groups with the same options: they get the same gradient, and different options
+    (a weight decay on one stage only) would make the copies drift apart silently.
+    """
+    client = isinstance(optimizer, torch.optim.Optimizer)
+    if param_groups is None and model_parameters is None and not client:
+        return [p for _, p in named]
+    error: PipeDialectError | None = None
+    groups: list[dict[str, Any]] = []
+    try:
+        if client:
+            _check_client_optimizer(optimizer, named, model)
+        elif param_groups is not None:
+            groups = resolve_param_groups(param_groups, named)
+        else:
+            given = _as_groups(model_parameters)
+            groups = resolve_param_groups(lambda _: given, named, what="model_parameters")
+    except PipeDialectError as exc:
+        if not str(exc.args[0]).startswith("[Stage "):
+            exc.args = (f"[Stage {model.stage_id}] {exc.args[0]}",)
+        error = exc
+    agree_on_error(error, device=_device_of(named), what="checking the optimizer's parameters")
+    if client:
+        return [p for _, p in named]  # DeepSpeed steps the client optimizer's own groups
+    _check_tied_groups(model, named, groups)
+    return groups
+
+
+def _as_groups(model_parameters: Any) -> list[dict[str, Any]]:
+    """``model_parameters`` (tensors, or dicts with ``params``) as a list of groups."""
+    if isinstance(model_parameters, torch.Tensor | Mapping):
+        model_parameters = [model_parameters]
+    items = list(model_parameters)
+    if all(isinstance(item, Mapping) for item in items):
+        return [dict(item) for item in items]
+    if all(isinstance(item, torch.Tensor) for item in items):
+        return [{"params": items}]
+    raise ConfigError(
+        "model_parameters must be parameters or dicts of parameter groups (with 'params'), not "
+        "a mix of them"
+    )
+
+
+def _check_tied_groups(
+    model: PipelineModule,
+    named: list[tuple[str, nn.Parameter]],
+    groups: list[dict[str, Any]],
+) -> None:
+    """Refuse, on every rank, a tied weight whose stages put it in groups of different options."""
+    import torch.distributed as dist
+
+    names = {id(p): n for n, p in named}
+    mine: dict[str, tuple[int, str, str]] = {}
+    for key, comm in sorted(getattr(model, "tied_comms", {}).items()):
+        for attr in comm["weight_attr"]:
+            weight = getattr(comm["module"], attr)
+            for group in groups:
+                if any(p is weight for p in group["params"]):
+                    options = repr(sorted((k, v) for k, v in group.items() if k != "params"))
+                    name = names.get(id(weight), attr)
+                    mine[f"{key}.{attr}"] = (int(model.stage_id), name, options)
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    seen: dict[str, tuple[int, str, str]] = {}
+    for found in every:
+        for key, (stage, name, options) in sorted(found.items()):
+            first = seen.setdefault(key, (stage, name, options))
+            if first[2] != options:
+                raise ConfigError(
+                    f"a tied weight is {first[1]!r} on stage {first[0]}, in a group with options "
+                    f"{first[2]}, and {name!r} on stage {stage}, in a group with options "
+                    f"{options}; its copies get the same gradient and must be stepped alike, so "
+                    "put both names in groups with the same options"
+                )
+
+
+def _device_of(named: list[tuple[str, nn.Parameter]]) -> torch.device:
+    """The device of this rank's parameters (the CPU without any)."""
+    return named[0][1].device if named else torch.device("cpu")
 
 
 def _check_batch_sizes(config: Mapping[str, Any], model: PipelineModule) -> None:
