@@ -13,6 +13,9 @@ TORCH_VERSION     ?= 2.13.0
 DEEPSPEED_VERSION ?= 0.19.8
 STAMP  := $(VENV)/.pipedialect-installed
 STRICT := --config-settings editable_mode=strict
+# The environment's commands first, as for a user who activated it: DeepSpeed builds its C++ ops
+# with the first ninja on PATH, and a different ninja than the tests' rebuilds the cached ops.
+export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: demo setup develop test lint typecheck unit docs clean
 

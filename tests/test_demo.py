@@ -17,11 +17,15 @@ import pytest
 from pipedialect.demo import DemoSettings, demo_batches, reference_losses
 
 CLI = [sys.executable, "-m", "pipedialect.cli"]
+#: One intra-op thread for the demo process, as its ranks get from the launcher: on two shared
+#: cores, tiny ops on two threads contend (a loaded machine made the local demo several times
+#: slower).
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run_cli(*args: str, cwd: Path) -> str:
     proc = subprocess.run(
-        [*CLI, "demo", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+        [*CLI, "demo", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -73,15 +77,37 @@ def test_deepspeed_demo_trains_two_stages_and_writes_the_plot(tmp_path: Path) ->
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+#: Steps of the demo the signal tests interrupt: far more than it trains before the signal
+#: (the first step's line starts the test's clock), yet few enough that building them is quick.
+#: Every rank makes all ``steps * GAS`` micro-batches before its first step: 100000 steps took
+#: about 30 s of CPU per rank, which was most of each signal test's time.
+LONG_STEPS = 5000
+
+
+def _terminal_signals() -> None:
+    """In the demo's process before it starts: SIGINT as in a terminal, where Ctrl-C is not ignored.
+
+    A pytest started in the background by a non-interactive shell (``nohup ... &``, some CI
+    runners) ignores SIGINT, and its children would inherit that: the demo then ignored Ctrl-C
+    and the test waited out its timeout.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_training_demo(cwd: Path) -> tuple[subprocess.Popen[str], list[psutil.Process]]:
-    """Start a long DeepSpeed demo; return it once every rank trains, with its processes."""
+    """Start a long DeepSpeed demo; return it once every rank trains, with its processes.
+
+    It is still training when this returns (checked), so a test's signal always lands mid-run.
+    """
     proc = subprocess.Popen(
-        [*CLI, "demo", "--steps", "100000", "--no-plot"],
+        [*CLI, "demo", "--steps", str(LONG_STEPS), "--no-plot"],
         cwd=cwd,
+        env=ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_terminal_signals,
     )
     try:
         assert proc.stdout is not None
@@ -90,6 +116,7 @@ def _start_training_demo(cwd: Path) -> tuple[subprocess.Popen[str], list[psutil.
             assert time.monotonic() < deadline and proc.poll() is None
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 2
+        assert proc.poll() is None and all(p.is_running() for p in children)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -168,6 +195,7 @@ def test_data_parallel_on_a_one_process_dialect_is_a_usage_error(tmp_path: Path)
     proc = subprocess.run(
         [*CLI, "demo", "--dp", "2", "--dialect", "local"],
         cwd=tmp_path,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=120,
@@ -182,6 +210,7 @@ def test_data_parallel_on_a_one_process_dialect_is_a_usage_error(tmp_path: Path)
     unknown = subprocess.run(
         [*CLI, "demo", "--dialect", "no-such-dialect"],
         cwd=tmp_path,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=120,

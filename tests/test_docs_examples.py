@@ -30,10 +30,15 @@ RUN_ELSEWHERE = {("torchrun", 2, QUICKSTART.read_text()): "test_example_trains_u
 
 
 def _env() -> dict[str, str]:
-    """The user's environment, on the CPU, with this virtual environment's commands first."""
+    """The user's environment, on the CPU, with this virtual environment's commands first.
+
+    One intra-op thread per process, as ``torchrun`` gives its ranks (and the pages tell users of
+    the ``deepspeed`` launcher to set): on two shared cores, tiny ops on two threads contend.
+    """
     env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["CUDA_VISIBLE_DEVICES"] = ""
+    env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

@@ -113,8 +113,13 @@ def test_example_trains_under_torchrun() -> None:
 
 
 def test_the_local_swap_runs_under_plain_python(tmp_path: Path) -> None:
-    """Before init_distributed() did nothing on 'local', this stopped: RANK not set."""
+    """Before init_distributed() did nothing on 'local', this stopped: RANK not set.
+
+    One intra-op thread, as torchrun gives each rank of the other runs: on two shared cores the
+    20 steps took 50 s on two threads (contention) and 5 s on one.
+    """
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
         [sys.executable, str(swapped("local", tmp_path))],
         capture_output=True,

@@ -40,6 +40,7 @@ SCHEDULES = (
 
 def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
+    env["OMP_NUM_THREADS"] = "1"  # the references train in this process, beside the ranks
     return subprocess.run(
         argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200, check=False
     )
