@@ -692,3 +692,19 @@ def module_checkpoint_run(steps: int = 3, gas: int = 2) -> dict[str, Any]:
         "calls": calls_after,
         "code": plan.stages[stage].code,
     }
+
+
+def fp16_train(name: str, num_stages: int, steps: int) -> dict[str, Any]:
+    """Train ``steps`` batches with fp16 and DeepSpeed's dynamic loss scaling (GPU tier)."""
+    config = ds_config("adam", gas=4, micro=2, dp=1)
+    config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8}
+    plan, engine, dialect, spec = build(name, num_stages, 1, config)
+    data = data_stream(spec, steps * 4, 2, 0)
+    losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+    (stage,) = dialect.local_stages(engine)
+    return {
+        "losses": losses,
+        "stage": stage,
+        "dtype": str(next(plan.stages[stage].parameters()).dtype),
+        "skipped": int(getattr(engine, "skipped_steps", 0)),
+    }
