@@ -31,6 +31,17 @@ Printed per rank: the peak resident set (``ru_maxrss``; and ``torch.cuda.max_mem
 on a GPU) of each and their ratio (target <= 1.05), and whether the losses are identical.
 
     python benchmarks/memory.py --pipeline [--blocks 24] [--dim 1024] [--steps 2]
+
+``--bf16`` measures what ``"bf16": {"enabled": true}`` keeps per stage: TinyGPT (``--blocks``
+blocks of width ``--dim``, tied embedding) partitioned into ``--stages`` stages on the local
+dialect, trained one step in fp32 and one in bf16 in the same run, on the same weights and
+micro-batches. Just before each optimizer step (when the step's gradients exist) it counts, per
+stage, the bytes of the parameters and of the gradients the step uses (``param.grad`` in fp32,
+the engine's gradient buffers in bf16; a tied weight on the first stage holding it), and after
+the step the fp32 master weights and the optimizer state. Printed: the bf16 / fp32 ratio of
+parameter + gradient bytes per stage (expected 0.500) and the whole model state.
+
+    python benchmarks/memory.py --bf16 [--blocks 24] [--dim 128] [--stages 2]
 """
 
 from __future__ import annotations
@@ -322,6 +333,99 @@ def pipeline_main(args: argparse.Namespace) -> None:
         sys.exit("the two pipelines trained differently")
 
 
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _bf16_run(args: argparse.Namespace, bf16: bool) -> dict[str, Any]:
+    """Train one step on the local dialect; the per-stage bytes of parameters and gradients
+    (just before the optimizer step), of master weights and of optimizer state (after it)."""
+    from pipedialect import get_dialect
+    from pipedialect.models import cross_entropy_loss
+
+    model = TinyGPT(
+        vocab=args.vocab, dim=args.dim, max_len=args.seq, num_blocks=args.blocks, seed=0
+    )
+    bounds = [round(args.blocks * (k + 1) / args.stages) for k in range(args.stages - 1)]
+    plan = partition(model, [f"blocks.{b - 1}" for b in bounds])
+    config: dict[str, Any] = {
+        "train_batch_size": args.micro * args.gas,
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": args.gas,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": bf16},
+    }
+    dialect = get_dialect("local")
+    module = dialect.pipe_engine(plan, config=config, loss_fn=cross_entropy_loss)
+    engine: Any = dialect.runtime_engine(module, config=config)
+    owner: dict[int, int] = {}  # each parameter counted on the first stage holding it
+    for k, stage in enumerate(plan.stages):
+        for p in stage.parameters():
+            owner.setdefault(id(p), k)
+    held = {id(p): p for stage in plan.stages for p in stage.parameters()}
+    per_stage: list[dict[str, int]] = [
+        {"params": 0, "grads": 0, "masters": 0, "optimizer": 0} for _ in plan.stages
+    ]
+    original = engine.take_step
+
+    def measured_step(*a: Any, **k: Any) -> Any:
+        for pid, p in held.items():
+            row = per_stage[owner[pid]]
+            row["params"] += _nbytes(p)
+            row["grads"] += _nbytes(engine.grad_of(p))
+        return original(*a, **k)
+
+    engine.take_step = measured_step
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(args.gas):
+        ids = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=gen)
+        batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    loss = float(engine.train_batch(iter(batches)))
+    for pid, p in held.items():
+        row = per_stage[owner[pid]]
+        stepped = p if engine.mixed is None else engine.mixed.master_of(p)
+        if engine.mixed is not None:
+            row["masters"] += _nbytes(stepped)
+        state = engine.optimizer.state.get(stepped, {})
+        row["optimizer"] += sum(_nbytes(v) for v in state.values() if v.dim() > 0)
+    dtypes = sorted({str(p.dtype) for p in held.values()})
+    return {"stages": per_stage, "loss": loss, "dtypes": dtypes}
+
+
+def bf16_main(args: argparse.Namespace) -> None:
+    """``--bf16``: parameter + gradient bytes per stage, bf16 against fp32 (one run)."""
+    fp32, bf16 = _bf16_run(args, False), _bf16_run(args, True)
+    mib = 1024 * 1024
+    print(
+        f"TinyGPT: {args.blocks} blocks, dim {args.dim}, vocab {args.vocab}, seq {args.seq}; "
+        f"{args.stages} stages on the local dialect; torch {torch.__version__}"
+    )
+    print(f"parameter dtypes: fp32 run {fp32['dtypes']}, bf16 run {bf16['dtypes']}")
+    print()
+    print("| stage | fp32 params + grads | bf16 params + grads | ratio |")
+    print("|------:|--------------------:|--------------------:|------:|")
+    ratios = []
+    for k, (a, b) in enumerate(zip(fp32["stages"], bf16["stages"], strict=True)):
+        full, half = a["params"] + a["grads"], b["params"] + b["grads"]
+        ratios.append(half / full)
+        print(f"| {k} | {full / mib:.2f} MiB | {half / mib:.2f} MiB | {half / full:.3f} |")
+    print()
+    print(
+        f"bf16 / fp32 parameter + gradient bytes per stage: {', '.join(f'{r:.3f}' for r in ratios)}"
+    )
+    for name, run in (("fp32", fp32), ("bf16", bf16)):
+        total = {key: sum(row[key] for row in run["stages"]) for key in run["stages"][0]}
+        parts = ", ".join(f"{key} {value / mib:.2f}" for key, value in total.items())
+        print(
+            f"{name} model state, all stages (MiB): {parts}; total {sum(total.values()) / mib:.2f}"
+        )
+    print(f"losses of the step: fp32 {fp32['loss']:.6f}, bf16 {bf16['loss']:.6f}")
+    if any(abs(r - 0.5) > 1e-9 for r in ratios):
+        sys.exit("bf16 did not halve the parameter + gradient bytes of every stage")
+
+
 def _stage(result: dict[str, Any]) -> int:
     return int(result["stage"])
 
@@ -336,12 +440,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--one", choices=["plain", "ckpt"], help=argparse.SUPPRESS)
     parser.add_argument("--pipeline", action="store_true", help="meta + init_weights vs LayerSpec")
+    parser.add_argument("--bf16", action="store_true", help="bf16 vs fp32 bytes per stage")
     parser.add_argument("--blocks", type=int, default=24, help="--pipeline: TinyGPT blocks")
     parser.add_argument("--vocab", type=int, default=512, help="--pipeline: vocabulary")
     parser.add_argument("--micro", type=int, default=2, help="--pipeline: micro-batch size")
     parser.add_argument("--gas", type=int, default=4, help="--pipeline: micro-batches per step")
     parser.add_argument("--steps", type=int, default=2, help="--pipeline: training steps")
     args = parser.parse_args()
+    if args.bf16:
+        if "--seq" not in sys.argv:
+            args.seq = 64
+        bf16_main(args)
+        return
     if args.pipeline:
         if "--dim" not in sys.argv:
             args.dim = 1024

@@ -68,6 +68,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         cpu=args.cpu,
         meta=args.meta,
         trace=args.trace,
+        bf16=args.bf16,
     )
     try:
         check_settings(settings)
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace",
         metavar="PATH",
         help="write the run's timeline as a Chrome trace JSON (and a PNG beside it)",
+    )
+    p_demo.add_argument(
+        "--bf16", action="store_true", help="train in bf16 and show its curve beside fp32"
     )
     p_demo.set_defaults(func=_cmd_demo, parser=p_demo)
     add_check_parser(sub)

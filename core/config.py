@@ -14,10 +14,12 @@ DeepSpeed 0.19.8 exactly where it matters:
 - ``gradient_clipping`` defaults to 1.0 and clips with the norm over all parameters
   (``runtime/utils.py``, ``clip_grad_norm_``).
 
-A ``scheduler`` section is checked here and built by :mod:`pipedialect.lr_schedules`.
-Keys that would change the numbers and are not implemented (fp16/bf16, ZeRO stage > 0,
-...) raise :class:`~pipedialect.ConfigError` naming the key; logging keys are ignored;
-keys DeepSpeed itself does not know are ignored with a warning, as DeepSpeed ignores them.
+A ``scheduler`` section is checked here and built by :mod:`pipedialect.lr_schedules`; the
+``bf16`` section (and ``data_types.grad_accum_dtype``) by :mod:`pipedialect.precision`, which
+trains as DeepSpeed's ``BF16_Optimizer`` does. Keys that would change the numbers and are not
+implemented (fp16, ZeRO stage > 0, ...) raise :class:`~pipedialect.ConfigError` naming the key;
+logging keys are ignored; keys DeepSpeed itself does not know are ignored with a warning, as
+DeepSpeed ignores them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from .errors import ConfigError
 from .lr_schedules import check_schedule_section
+from .precision import Precision, parse_precision
 
 __all__ = ["TrainingConfig", "batch_triple", "build_optimizer", "clip_gradients", "parse_config"]
 
@@ -72,18 +75,17 @@ _IGNORED = frozenset(
     }
 )
 
+#: Precision sections, checked by :func:`pipedialect.precision.parse_precision`.
+_PRECISION_SECTIONS = frozenset({"amp", "bf16", "bfloat16", "fp16"})
+
 #: Sections that change the numbers when ``enabled`` is true.
 _ENABLED_SECTIONS = frozenset(
     {
-        "amp",
-        "bf16",
-        "bfloat16",
         "compile",
         "curriculum_learning",
         "data_efficiency",
         "eigenvalue",
         "elasticity",
-        "fp16",
         "progressive_layer_drop",
         "quantize_training",
         "torch_autocast",
@@ -137,6 +139,8 @@ class TrainingConfig:
     optimizer_params: Mapping[str, Any] = field(default_factory=dict)
     #: The checked ``scheduler`` section (``type`` and ``params``), or None.
     scheduler: Mapping[str, Any] | None = None
+    #: fp32, or bf16 with fp32 master weights (see :mod:`pipedialect.precision`).
+    precision: Precision = field(default_factory=Precision)
 
 
 def _positive_int(config: Mapping[str, Any], key: str) -> int | None:
@@ -200,15 +204,13 @@ def _check_unsupported(config: Mapping[str, Any]) -> None:
             f"config['zero_optimization']['stage'] is {zero['stage']}; only stage 0 is supported"
         )
     data_types = config.get("data_types")
-    if isinstance(data_types, Mapping) and data_types.get("grad_accum_dtype") not in (
-        None,
-        "fp32",
-    ):
-        raise ConfigError(
-            "config['data_types']['grad_accum_dtype'] must be fp32 (or absent) on this engine"
-        )
-    if config.get("communication_data_type") not in (None, "fp32"):
-        raise ConfigError("config['communication_data_type'] must be fp32 (or absent)")
+    if isinstance(data_types, Mapping):
+        for key in ("param_dtype", "buffer_dtype", "keep_in_fp32_modules"):
+            if data_types.get(key) is not None:
+                raise ConfigError(
+                    f"config['data_types'][{key!r}] is not implemented by this engine; remove it "
+                    "(parameters follow bf16.enabled, buffers keep their dtype)"
+                )
     if float(config.get("gradient_predivide_factor", 1.0)) != 1.0:
         raise ConfigError("config['gradient_predivide_factor'] must be 1.0 (or absent)")
     if config.get("sparse_gradients", False):
@@ -226,10 +228,12 @@ def parse_config(config: Mapping[str, Any] | None, *, world_size: int = 1) -> Tr
     if not isinstance(config, Mapping):
         raise ConfigError(f"config must be a dict, got {type(config).__name__}")
     _check_unsupported(config)
+    precision = parse_precision(config)
     known = (
         set(_BATCH_KEYS)
         | _IGNORED
         | _ENABLED_SECTIONS
+        | _PRECISION_SECTIONS
         | _UNSUPPORTED_SECTIONS
         | {"optimizer", "gradient_clipping", "zero_optimization", "data_types", "scheduler"}
         | {"communication_data_type", "gradient_predivide_factor", "sparse_gradients"}
@@ -258,6 +262,7 @@ def parse_config(config: Mapping[str, Any] | None, *, world_size: int = 1) -> Tr
         optimizer_type=str(optimizer["type"]),
         optimizer_params=dict(params),
         scheduler=check_schedule_section(config.get("scheduler")),
+        precision=precision,
     )
 
 

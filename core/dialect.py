@@ -264,9 +264,10 @@ class Dialect(abc.ABC):
             raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
         if dynamic_shapes and Capability.DYNAMIC_SHAPES not in self.capabilities:
             raise ConfigError(
-                f"the {self.name} dialect does not declare dynamic-shapes: its runtime fixes "
-                "boundary shapes at the first micro-batch. Pad boundary values to one shape, or "
-                "use a dialect that declares it (see `pipedialect list`)"
+                f"the {self.name} dialect does not declare dynamic-shapes, so dynamic_shapes=True "
+                "cannot be honoured: its runtime fixes boundary shapes at the first micro-batch. "
+                "Pad boundary values to one shape, or use a dialect that declares it (see "
+                "`pipedialect list`)"
             )
         if topology is not None:
             check_topology_object(topology)

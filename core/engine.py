@@ -6,11 +6,17 @@ returns the mean micro-batch loss. :class:`DeepSpeedStyleEngine` holds what that
 the schedule itself -- the parsed config, the optimizer (with parameter groups), the learning
 rate schedule, the step counter and whole-step data reads -- so a dialect's engine adds only
 how its stages run. The local and torch dialects' engines build on it.
+
+With ``"bf16": {"enabled": true}`` it also holds the bf16 policy (:mod:`pipedialect.precision`
+[Note: bf16 as DeepSpeed does it]): the stages' parameters are cast to bf16 when the engine is
+built, the optimizer steps fp32 master copies, an engine calls :meth:`accumulate_grads` after
+each micro-batch's backward and :meth:`take_step` once per step, and reads gradients through
+:meth:`grad_of` (the high-precision buffer under bf16, ``param.grad`` in fp32).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,7 @@ from .config import TrainingConfig, build_optimizer
 from .errors import CheckpointError, DataError, NonFiniteError
 from .lr_schedules import build_schedule, current_lrs, resolve_client_schedule
 from .param_groups import ParamGroupsFn, resolve_param_groups
+from .precision import BF16Master, cast_parameters
 
 __all__ = ["DeepSpeedStyleEngine", "read_checkpoint_file", "shape_mismatch", "stage_param_name"]
 
@@ -44,13 +51,22 @@ class DeepSpeedStyleEngine:
         self.config = config
         #: Refuse a step whose loss or gradients are not finite (see :meth:`check_finite_grads`).
         self.check_finite = bool(check_finite)
+        #: The fp32 master weights and gradient buffers under bf16; None in fp32.
+        self.mixed: BF16Master | None = None
+        if config.precision.bf16:
+            cast_parameters(module, config.precision.param_dtype)
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            self.mixed = BF16Master(trainable, config.precision.grad_accum_dtype)
         # parameters() yields a parameter shared by several local stages once: it is stepped,
         # and clipped, once.
-        if param_groups is None:
-            self.optimizer = build_optimizer(config, module.parameters())
-        else:
-            named = ((stage_param_name(n)[1], p) for n, p in module.named_parameters())
-            self.optimizer = build_optimizer(config, resolve_param_groups(param_groups, named))
+        groups: list[Any] = (
+            list(module.parameters())
+            if param_groups is None
+            else resolve_param_groups(param_groups, self.named_trainable())
+        )
+        if self.mixed is not None:
+            groups = self.mixed.groups(groups)
+        self.optimizer = build_optimizer(config, groups)
         #: Stepped after each optimizer step, as DeepSpeed's engine steps it: the client's
         #: ``lr_scheduler`` (an object, or a callable building one from the optimizer) wins
         #: over the config's ``scheduler`` section, as in ``deepspeed.initialize``.
@@ -62,6 +78,83 @@ class DeepSpeedStyleEngine:
         self.global_steps = 0
         self.micro_batches = config.gradient_accumulation_steps
         self._data_iterator: Iterator[Any] | None = None
+
+    def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """This engine's parameters under their original names, for ``param_groups``: a
+        parameter held by several stages appears once, under its first name."""
+        return [(stage_param_name(n)[1], p) for n, p in self.module.named_parameters()]
+
+    # -- gradients and the step (fp32, or bf16 with master weights) ---------------------------
+
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The step's gradient of ``param``: its high-precision buffer under bf16, else
+        ``param.grad``."""
+        if self.mixed is not None:
+            return self.mixed.grad_of(param)
+        return param.grad
+
+    def accumulate_grads(self, params: Iterable[nn.Parameter] | None = None) -> None:
+        """After a micro-batch's backward: under bf16, move the bf16 gradients of ``params``
+        (default: all) into their buffers; nothing in fp32 (autograd accumulates there)."""
+        if self.mixed is not None:
+            self.mixed.accumulate(params)
+
+    def reduce_grads(self, sum_: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Under bf16, reduce the gradient buffers over the data-parallel replicas in the
+        config's ``communication_data_type`` (``sum_`` sums a flat tensor over them; None: one
+        replica), as DeepSpeed's bf16 pipeline does even with one replica; nothing in fp32."""
+        if self.mixed is not None:
+            self.mixed.reduce_grads(self.config.precision.communication_dtype, sum_)
+
+    def zero_grads(self) -> None:
+        """Drop every gradient of the step (after a failed step, say)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.mixed is not None:
+            self.mixed.zero_grad()
+
+    def take_step(
+        self,
+        clip_fp32: Callable[[], Any],
+        *,
+        skip: set[int] | None = None,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> bool:
+        """Clip, step the optimizer and the schedule, count the step (DeepSpeed's
+        ``_take_model_step``); return whether the optimizer stepped.
+
+        In fp32 ``clip_fp32()`` clips (when ``gradient_clipping`` > 0). Under bf16 the master
+        weights step ([Note: bf16 as DeepSpeed does it]): ``skip`` and ``all_reduce`` make the
+        gradient norm global across ranks, and a non-finite norm skips the step and the
+        schedule, as DeepSpeed's BF16 optimizer does.
+        """
+        applied = True
+        if self.mixed is None:
+            if self.config.gradient_clipping > 0.0:
+                clip_fp32()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            applied = self.mixed.step(
+                self.optimizer, self.config.gradient_clipping, skip=skip, all_reduce=all_reduce
+            )
+        if applied:
+            self.step_lr_scheduler()
+        self.global_steps += 1
+        return applied
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because the bf16 gradient norm was not finite (DeepSpeed's counter)."""
+        return 0 if self.mixed is None else self.mixed.skipped_steps
+
+    def precision_state(self) -> dict[str, Any] | None:
+        """The fp32 master weights for a checkpoint (None in fp32)."""
+        return None if self.mixed is None else self.mixed.state_dict()
+
+    def load_precision_state(self, state: Mapping[str, Any] | None, where: str) -> None:
+        """Restore the master weights a checkpoint saved (:meth:`BF16Master.load_state_dict`)."""
+        if self.mixed is not None:
+            self.mixed.load_state_dict(state, where)
 
     def get_lr(self) -> list[float]:
         """The learning rate of each parameter group, as DeepSpeed's ``engine.get_lr()``."""
@@ -131,12 +224,30 @@ class DeepSpeedStyleEngine:
     def check_finite_grads(
         self, stages: Iterable[tuple[int, nn.Module]], step: int
     ) -> NonFiniteError | None:
-        """The error for the first stage (in order) with a non-finite gradient, or None."""
+        """The error for the first stage (in order) with a non-finite gradient, or None (under
+        bf16 the gradient buffers are checked)."""
         for stage_id, stage in stages:
-            found = first_nonfinite_grad(getattr(stage, "mod", stage).named_parameters())
+            named = getattr(stage, "mod", stage).named_parameters()
+            found = (
+                first_nonfinite_grad(named)
+                if self.mixed is None
+                else _first_nonfinite(
+                    [(n, g) for n, p in named if (g := self.mixed.grad_of(p)) is not None]
+                )
+            )
             if found is not None:
                 return nonfinite_grad_error(*found, step=step, stage=stage_id)
         return None
+
+
+def _first_nonfinite(grads: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
+    """The first ``(name, gradient)`` with a NaN or infinite element, or None (one sync)."""
+    if not grads:
+        return None
+    flags = torch.stack([torch.isfinite(g).all() for _, g in grads])
+    if bool(flags.all()):
+        return None
+    return grads[int((~flags).nonzero()[0, 0])]
 
 
 def shape_mismatch(

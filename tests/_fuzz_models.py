@@ -9,7 +9,10 @@ later); what it does with them, as real Python in ``forward`` (arithmetic with b
 between blocks; split points; capture path (torch.fx, or torch.export with example inputs);
 optimizer, gradient accumulation, dynamic shapes and the train/eval schedule; and the later
 features, drawn last so older seeds keep their models: ``num_stages`` with a balance method,
-checkpointed blocks and dropout, a meta-device model filled per stage, calls inside ``trace``.
+checkpointed blocks and dropout, a meta-device model filled per stage, calls inside ``trace``;
+and bf16 (``"bf16": {"enabled": true}``) for one local spec in five (by its weight seed, so no
+draw changes), compared with DeepSpeed's bf16 recipe written out on the unsplit model
+(:func:`reference_run`: bf16 parameters, fp32 master weights, bf16 gradient accumulation).
 
 :class:`FuzzModel` runs a spec. Its forward is generic code that fx and export really trace: the
 control flow meets the boundary values as it would in user code. :func:`run_local` trains it on
@@ -193,6 +196,9 @@ class FuzzSpec:
     meta: bool = False
     #: Run the calls from this one on inside ``pipedialect.trace`` (local only).
     trace_from: int | None = None
+    #: Train with ``"bf16": {"enabled": true}`` (local, fx capture only: an exported graph
+    #: fixes the dtypes it was captured with).
+    bf16: bool = False
     #: The seed this spec was generated from, when a ``random.Random`` drew it.
     origin: int | None = field(default=None, compare=False)
 
@@ -208,6 +214,7 @@ class FuzzSpec:
             + (f" checkpoint={list(self.checkpoint)}" if self.checkpoint else "")
             + (f" dropout={list(self.dropout)}" if self.dropout else "")
             + (" meta" if self.meta else "")
+            + (" bf16" if self.bf16 else "")
             + (f" trace_from={self.trace_from}" if self.trace_from is not None else ""),
             "  v0 = x, v1 = ids, v2 = tanh(stem(x)) + embed(ids)",
         ]
@@ -478,6 +485,10 @@ def generate(src: Source, dialect: Dialect = "local", origin: int | None = None)
 CHECKPOINT_STRUCTURES = False
 
 
+#: One local spec in this many trains in bf16 (chosen by ``spec.seed``: no extra draw).
+BF16_EVERY = 5
+
+
 def _draw_features(
     src: Source, spec: FuzzSpec, dialect: Dialect, candidates: list[str]
 ) -> FuzzSpec:
@@ -514,6 +525,7 @@ def _draw_features(
         dropout=dropout,
         meta=meta,
         trace_from=trace_from,
+        bf16=dialect == "local" and spec.capture == "fx" and spec.seed % BF16_EVERY == 0,
     )
 
 
@@ -653,12 +665,15 @@ class FuzzBlock(nn.Module):
         self.lin = nn.Linear(spec.dim, spec.dim)
         self.block = spec.blocks[index]
         self.drop = nn.Dropout(0.25) if index in spec.dropout else nn.Identity()
+        self.bf16 = spec.bf16
 
     def forward(self, h: torch.Tensor, *extras: Any) -> Any:
         inside = [u for u in self.block.uses if u.where == "inside"]
         for use, v in zip(inside, extras, strict=True):
             h = apply_use(h, v, use, None)
-        a = h + torch.tanh(self.drop(self.lin(h)))
+        # bf16: boundary values mixed with fp32 ones are fp32; the matmul takes the weights'.
+        lin_in = h.to(self.lin.weight.dtype) if self.bf16 else h
+        a = h + torch.tanh(self.drop(self.lin(lin_in)))
         return _realise(a, self.block.out)
 
 
@@ -681,6 +696,8 @@ class FuzzModel(nn.Module):
             self.head.weight = self.embed.weight
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> Any:
+        if self.spec.bf16:  # float inputs follow the weights (fp32 when partitioned)
+            x = x.to(self.stem.weight.dtype)
         values: list[Any] = [x, ids, torch.tanh(self.stem(x)) + self.embed(ids)]
         for block, b in zip(self.blocks, self.spec.blocks, strict=True):
             h = _fetch(values, b.main)
@@ -695,7 +712,10 @@ class FuzzModel(nn.Module):
         h = _fetch(values, self.spec.final)
         for use in self.spec.final_uses:
             h = apply_use(h, _fetch(values, use.ref), use, self)
-        logits = self.head(h / (1 + h.abs()))
+        squashed = h / (1 + h.abs())
+        if self.spec.bf16:
+            squashed = squashed.to(self.head.weight.dtype)
+        logits = self.head(squashed)
         if self.spec.output == "dict":
             return {"extra": None, "logits": logits, "count": 3}
         if self.spec.output == "tuple":
@@ -709,7 +729,7 @@ def fuzz_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
         outputs = outputs["logits"]
     elif isinstance(outputs, (tuple, list)):
         outputs = outputs[0]
-    return F.mse_loss(outputs, labels)
+    return F.mse_loss(outputs, labels.to(outputs.dtype))
 
 
 Batch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -742,7 +762,7 @@ def ds_config(spec: FuzzSpec) -> dict[str, Any]:
         opt = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
     else:
         opt = {"type": "SGD", "params": {"lr": 0.05}}
-    return {
+    config: dict[str, Any] = {
         "train_batch_size": spec.batch * spec.gas,
         "train_micro_batch_size_per_gpu": spec.batch,
         "gradient_accumulation_steps": spec.gas,
@@ -750,6 +770,9 @@ def ds_config(spec: FuzzSpec) -> dict[str, Any]:
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
     }
+    if spec.bf16:
+        config["bf16"] = {"enabled": True}
+    return config
 
 
 def reference_optimizer(spec: FuzzSpec, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
@@ -762,7 +785,15 @@ def reference_optimizer(spec: FuzzSpec, params: Sequence[nn.Parameter]) -> torch
 
 
 def reference_run(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) -> list[float]:
-    """Run the schedule on the unsplit model by hand; return each call's mean loss."""
+    """Run the schedule on the unsplit model by hand; return each call's mean loss.
+
+    With ``spec.bf16``, DeepSpeed's bf16 recipe written out here: parameters cast to bf16, the
+    optimizer on fp32 copies, each micro-batch's bf16 gradient added into a bf16 buffer, the
+    buffers as the copies' gradients, the copies rounded back into the model; a call's loss is
+    summed and divided in bf16.
+    """
+    if spec.bf16:
+        return _reference_run_bf16(spec, model, batches)
     opt = reference_optimizer(spec, list(model.parameters()))
     torch.manual_seed(spec.seed)  # dropout masks: the pipeline seeds alike before its calls
     results = []
@@ -781,6 +812,45 @@ def reference_run(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) ->
             with torch.no_grad():
                 losses = [float(fuzz_loss(model(x, ids), y)) for (x, ids), y in chunk]
         results.append(sum(losses) / len(losses))
+    return results
+
+
+def _reference_run_bf16(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) -> list[float]:
+    params = list(dict.fromkeys(model.parameters()))
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.to(torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    buffers = [torch.zeros_like(p) for p in params]
+    opt = reference_optimizer(spec, masters)
+    torch.manual_seed(spec.seed)
+    results = []
+    for op, chunk in zip(spec.schedule, chunks(spec, batches), strict=True):
+        losses = []
+        model.train(op == "train")
+        with torch.set_grad_enabled(op == "train"):
+            for (x, ids), y in chunk:
+                loss = fuzz_loss(model(x, ids), y)
+                if op == "train":
+                    (loss / spec.gas).backward()
+                    with torch.no_grad():
+                        for p, b in zip(params, buffers, strict=True):
+                            if p.grad is not None:
+                                b += p.grad
+                                p.grad = None
+                losses.append(loss.detach())
+        if op == "train":
+            with torch.no_grad():
+                for m, b in zip(masters, buffers, strict=True):
+                    m.grad = b.float()
+                opt.step()
+                for p, m, b in zip(params, masters, buffers, strict=True):
+                    p.copy_(m)
+                    b.zero_()
+        total = losses[0].clone()
+        for extra in losses[1:]:
+            total += extra
+        results.append(float((total / len(losses)).float()))
     return results
 
 
@@ -931,11 +1001,13 @@ def run_local(spec: FuzzSpec) -> Outcome:
             spec, f"{phase} raised {type(exc).__name__} (not a named pipedialect error): {exc}"
         ) from exc
     params = {
-        n: p.detach()
+        n: p.detach().float()
         for stage in plan.stages
         for n, p in stage.named_parameters(remove_duplicate=False)
     }
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    ref_params = {
+        n: p.detach().float() for n, p in reference.named_parameters(remove_duplicate=False)
+    }
     problems = compare_results(spec, losses, expected, params, ref_params)
     moved = {n for n in ref_params if n not in params}
     if moved:

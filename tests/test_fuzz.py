@@ -7,7 +7,8 @@ several stages, ties between random blocks, values used only stages later, Pytho
 on boundary values, random split points or ``num_stages`` with a random balance method, fx and
 export capture, checkpointed blocks (some with dropout), meta-device models filled per stage,
 calls inside ``pipedialect.trace``, SGD and Adam, with and without dynamic shapes, training and
-evaluation interleaved. Each is trained on a dialect and compared,
+evaluation interleaved, bf16 on the local dialect (one spec in five, against DeepSpeed's bf16
+recipe written out on the unsplit model). Each is trained on a dialect and compared,
 loss by loss and parameter by parameter, with a deep copy of the model trained by a plain loop.
 A refusal counts only when it is a named pipedialect error raised before any batch ran.
 
@@ -85,6 +86,7 @@ def test_local_dialect_matches_the_unsplit_model_on_random_models() -> None:
     assert sum(s.dynamic and "eval" in s.schedule for s in ran) >= 15, _summary(outcomes)
     assert sum(bool(s.ties) or s.tie_head for s in ran) >= 20, _summary(outcomes)
     assert sum(len(s.split_points) >= 3 for s in ran) >= 10, _summary(outcomes)
+    assert sum(s.bf16 for s in ran) >= 20, _summary(outcomes)
     # The features of 8ed2218 and d6ce582: balanced partitions, checkpointed blocks (some with
     # dropout, whose masks recomputation must replay), meta-device models, traced calls. They
     # are counted over the hypothesis run plus a fixed sweep of seeded models (random.Random,

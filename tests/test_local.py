@@ -356,11 +356,11 @@ def test_missing_config_or_loss_fn() -> None:
     with pytest.raises(ConfigError, match="loss_fn"):
         dialect.pipe_engine(plan, config=config)
     module = dialect.pipe_engine(plan, config=config, loss_fn=MODELS["gpt"].loss_fn)
-    with pytest.raises(ConfigError, match="config"):
-        dialect.runtime_engine(module)
+    # without config=, the engine trains with the config pipe_engine was given
+    assert dialect.runtime_engine(module).gradient_accumulation_steps() == GAS
     with pytest.raises(ConfigError, match="pipe_engine built"):
         dialect.runtime_engine(nn.Linear(1, 1), config=config)
-    with pytest.raises(ConfigError, match="no argument"):
+    with pytest.raises(ConfigError, match="unknown argument 'topolgy'"):
         dialect.pipe_engine(plan, config=config, loss_fn=MODELS["gpt"].loss_fn, topolgy=None)
 
 
@@ -368,7 +368,6 @@ def test_missing_config_or_loss_fn() -> None:
     ("change", "key"),
     [
         ({"fp16": {"enabled": True}}, "'fp16'"),
-        ({"bf16": {"enabled": True}}, "'bf16'"),
         ({"zero_optimization": {"stage": 1}}, "'zero_optimization'"),
         ({"scheduler": {"type": "LRRangeTest", "params": {}}}, "'scheduler'"),
         ({"scheduler": {"type": "WarmupLR", "params": [1]}}, "'scheduler'"),
@@ -477,7 +476,7 @@ def test_topology_must_match_one_replica_of_the_stages() -> None:
     loss_fn = MODELS["gpt"].loss_fn
     with pytest.raises(TopologyError, match="has 4 stages"):
         dialect.pipe_engine(plan, config=config, loss_fn=loss_fn, topology=GridTopology(pipe=3))
-    with pytest.raises(TopologyError, match="data axis 2"):
+    with pytest.raises(TopologyError, match=r"does not declare data-parallel.*data axis of 2"):
         dialect.pipe_engine(
             plan, config=config, loss_fn=loss_fn, topology=GridTopology(pipe=4, data=2)
         )

@@ -62,12 +62,16 @@ class LocalDialect(Dialect):
         return LocalPipeline(stages, plan=plan, loss_fn=request.loss_fn, config=request.config)
 
     def _build_engine(self, request: EngineRequest[NoOptions]) -> RuntimeEngine:
-        """The :class:`~pipedialect.dialects.local.engine.LocalEngine` that trains the module."""
-        from .engine import build_engine
+        """The :class:`~pipedialect.dialects.local.engine.LocalEngine` that trains the module;
+        without ``config``, with the one given to :meth:`pipe_engine`."""
+        from .engine import LocalPipeline, build_engine
 
+        config = request.config
+        if config is None and isinstance(request.module, LocalPipeline):
+            config = request.module.config
         return build_engine(
             request.module,
-            request.config,
+            config,
             check_finite=request.check_finite,
             lr_scheduler=request.lr_scheduler,
             param_groups=request.param_groups,

@@ -150,21 +150,18 @@ class LocalEngine(DeepSpeedStyleEngine):
                         loss, step=step, stage=self.module.num_stages - 1, micro_batch=i
                     )
                 torch.autograd.backward(loss / gas)
+                self.accumulate_grads()  # bf16: into the high-precision buffers
                 losses.append(loss.detach().reshape(()))
+            self.reduce_grads()  # bf16: one replica, rounded to the communication dtype
             if self.check_finite:
                 error = self.check_finite_grads(enumerate(self.module.stages), step)
                 if error is not None:
                     raise error
         except BaseException:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grads()
             raise
         params = list(self.module.parameters())
-        if self.config.gradient_clipping > 0.0:
-            clip_gradients(params, self.config.gradient_clipping)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step_lr_scheduler()
-        self.global_steps += 1
+        self.take_step(lambda: clip_gradients(params, self.config.gradient_clipping))
         return _mean(losses)
 
     def eval_batch(
@@ -230,6 +227,7 @@ class LocalEngine(DeepSpeedStyleEngine):
                 "module": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "lr_scheduler": self.scheduler_state(),
+                "precision": self.precision_state(),
                 "global_steps": self.global_steps,
                 "client_state": dict(client_state or {}),
                 "plan": self.module.plan.fingerprint(),
@@ -274,6 +272,7 @@ class LocalEngine(DeepSpeedStyleEngine):
                 "model with the same split points before loading it"
             )
         self.module.load_state_dict(state["module"])
+        self.load_precision_state(state.get("precision"), str(path))
         if load_optimizer_states:
             self.optimizer.load_state_dict(state["optimizer"])
         self.load_scheduler_state(state.get("lr_scheduler"))
@@ -283,11 +282,12 @@ class LocalEngine(DeepSpeedStyleEngine):
 
 
 def _mean(losses: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The mean micro-batch loss, summed in order as DeepSpeed accumulates it."""
+    """The mean micro-batch loss, summed in order in the loss's dtype as DeepSpeed accumulates
+    it, returned as fp32 (as DeepSpeed returns a bf16 loss)."""
     total = losses[0].clone()
     for loss in losses[1:]:
         total += loss
-    return total / len(losses)
+    return (total / len(losses)).float()
 
 
 def build_engine(

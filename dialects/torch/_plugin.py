@@ -59,7 +59,7 @@ class TorchDialect(Dialect):
     options = TorchOptions
     version = pipedialect.__version__
     description = "torch.distributed.pipelining (GPipe, 1F1B, interleaved, zero bubble)"
-    engine_features = frozenset({"check_finite", "lr_scheduler"})
+    engine_features = frozenset({"check_finite", "lr_scheduler", "param_groups"})
     capabilities = frozenset(
         {
             Capability.TIED_WEIGHTS,
@@ -128,6 +128,7 @@ class TorchDialect(Dialect):
             request.config,
             check_finite=request.check_finite,
             lr_scheduler=request.lr_scheduler,
+            param_groups=request.param_groups,
         )
         leave_group_at_exit()  # _setup [Note: leaving the process group]
         return engine

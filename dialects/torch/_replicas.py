@@ -170,6 +170,12 @@ class Replicas:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
+    def sum_flat(self, flat: torch.Tensor) -> None:
+        """Sum one flat gradient tensor in place over this position's data-parallel group (the
+        bf16 engine's reduction in its communication dtype, ``pipedialect.precision``)."""
+        if self.data_group is not None:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_group)
+
     def mean_loss(
         self, loss: torch.Tensor, last_position: int, device: torch.device
     ) -> torch.Tensor:

@@ -206,6 +206,9 @@ class StageRunner(nn.Module):
         self._context = context
         self._device = device
         self._placeholder: torch.Tensor | None = None
+        #: Called after each backward action of this stage (the engine sets it under bf16 to
+        #: move the micro-batch's gradients into its high-precision buffers).
+        self.after_backward: Callable[[], None] | None = None
 
     def call_stage(self, args: Sequence[Any]) -> Any:
         """Run the stage module on ``args`` (model inputs on the first stage, else wire)."""
@@ -326,6 +329,15 @@ def pipeline_stage_class() -> type[Any]:
             The weight pass calls torch's function directly: this dialect never wraps a stage
             in DDP or FSDP (replicas all-reduce their own gradients), so there is no sync to skip.
             """
+            result = self._backward(backward_type, bwd_kwargs, last_backward)
+            hook = getattr(self.submod, "after_backward", None)
+            if hook is not None:
+                hook()
+            return result
+
+        def _backward(
+            self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool
+        ) -> Any:
             if backward_type == "input":
                 outputs = bwd_kwargs["stage_output"]
                 if isinstance(outputs, torch.Tensor):

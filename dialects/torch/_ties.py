@@ -23,7 +23,7 @@ so that neither the tie nor the norm counts a replica twice.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,12 +143,28 @@ class TieSync:
             for copy, param in self._cross_rank():
                 dist.broadcast(param.data, src=copy.owner, group=copy.group)
 
-    def all_reduce_grads(self) -> None:
-        """Sum the gradients of every tied parameter over the ranks holding it."""
+    def all_reduce_grads(
+        self, grad_of: Callable[[nn.Parameter], torch.Tensor | None] | None = None
+    ) -> None:
+        """Sum the gradients of every tied parameter over the ranks holding it.
+
+        ``grad_of`` gives the tensor that holds a parameter's gradient when it is not
+        ``param.grad`` (the high-precision buffer under bf16, as DeepSpeed all-reduces
+        ``_hp_grad``).
+        """
         for copy, param in self._cross_rank():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=copy.group)
+            if grad_of is not None:
+                grad = grad_of(param)
+                if grad is None:
+                    raise TieError(
+                        f"tie group {copy.key}: the engine holds no gradient buffer for this "
+                        "rank's copy of the tied weight"
+                    )
+            else:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=copy.group)
 
     def not_counted_here(self) -> set[int]:
         """``id`` of the tied parameters whose gradient another rank counts in the norm."""

@@ -50,6 +50,7 @@ from pipedialect.agreement import (
 )
 from pipedialect.config import TrainingConfig, parse_config
 from pipedialect.engine import DeepSpeedStyleEngine, read_checkpoint_file, shape_mismatch
+from pipedialect.param_groups import ParamGroupsFn
 from pipedialect.partition import PipelinePlan
 
 from ._replicas import Replicas
@@ -252,6 +253,24 @@ class TorchPipeline(nn.Module):
         return (total / count).to(self.device)
 
 
+class _Accumulate:
+    """A stage's ``after_backward``: move its bf16 gradients into the engine's buffers."""
+
+    def __init__(self, engine: DeepSpeedStyleEngine, params: list[nn.Parameter]) -> None:
+        self.engine = engine
+        self.params = params
+
+    def __call__(self) -> None:
+        self.engine.accumulate_grads(self.params)
+
+
+def _sum_over(value: torch.Tensor, device: torch.device, group: Any) -> torch.Tensor:
+    """``value`` summed over ``group`` (one pipeline's ranks; None: every rank)."""
+    total = value.to(device=device, dtype=torch.float32)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
+
+
 def _pipedialect_cause(exc: BaseException) -> PipeDialectError | None:
     """The first :class:`~pipedialect.PipeDialectError` in ``exc``'s chain of causes."""
     seen: set[int] = set()
@@ -276,8 +295,42 @@ class TorchEngine(DeepSpeedStyleEngine):
         *,
         check_finite: bool = False,
         lr_scheduler: Any = None,
+        param_groups: ParamGroupsFn | None = None,
     ) -> None:
-        super().__init__(module, config, check_finite=check_finite, lr_scheduler=lr_scheduler)
+        super().__init__(
+            module,
+            config,
+            check_finite=check_finite,
+            lr_scheduler=lr_scheduler,
+            param_groups=param_groups,
+        )
+        # bf16: each stage moves its gradients into the high-precision buffers after every
+        # micro-batch's backward, as DeepSpeed's pipeline engine does per stage
+        # (pipedialect.precision [Note: bf16 as DeepSpeed does it]).
+        for runner in module._runners():
+            runner.after_backward = (
+                None if self.mixed is None else _Accumulate(self, list(runner.parameters()))
+            )
+
+    def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their original names; a tied weight appears once, under
+        its tie group's first name (the same on every rank holding it, so that a name filter puts
+        every copy in the same group)."""
+        module = self.module
+        canonical: dict[int, str] = {}
+        for group, copy in zip(module.plan.tie_groups, module.ties.copies, strict=True):
+            if copy.param is not None:
+                canonical[id(copy.param)] = group.members[0][0]
+        named: list[tuple[str, nn.Parameter]] = []
+        seen: set[int] = set()
+        for runner in module._runners():
+            stage = runner.stage
+            root = stage.mod if isinstance(stage, StageWrapper) else stage
+            for name, param in root.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    named.append((canonical.get(id(param), name), param))
+        return named
 
     @property
     def stage_ids(self) -> tuple[int, ...]:
@@ -356,28 +409,38 @@ class TorchEngine(DeepSpeedStyleEngine):
         gas = self.config.gradient_accumulation_steps
         batches = self._pull(data_iter, gas, "train_batch", "gradient_accumulation_steps")
         self.module.train()
+        module = self.module
+        params = [p for p in module.parameters() if p.requires_grad]
+        grad_of = None if self.mixed is None else self.grad_of
         try:
-            loss = self.module.run(batches, gas, train=True)
-            self.module.ties.all_reduce_grads()
-            self.module.replicas.sum_grads([p for p in self.module.parameters() if p.requires_grad])
+            loss = module.run(batches, gas, train=True)
+            self.accumulate_grads()  # bf16: whatever a backward path left in a bf16 .grad
+            if grad_of is None:
+                module.ties.all_reduce_grads()
+                module.replicas.sum_grads(params)
+            else:
+                module.ties.all_reduce_grads(grad_of)
+                # Each loss was divided by every replica's micro-batches: a sum, no division.
+                self.reduce_grads(module.replicas.sum_flat if module.replicas.data > 1 else None)
             if self.check_finite:
                 self._check_finite(gas, self.global_steps + 1)
         except BaseException:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grads()
             raise
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if self.config.gradient_clipping > 0.0:
-            clip_global_norm(
+        skip = module.ties.not_counted_here()
+        self.take_step(
+            lambda: clip_global_norm(
                 params,
                 self.config.gradient_clipping,
-                self.module.ties.not_counted_here(),
-                self.module.device,
-                self.module.replicas.pipeline_group,
-            )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step_lr_scheduler()
-        self.global_steps += 1
+                skip,
+                module.device,
+                module.replicas.pipeline_group,
+            ),
+            skip=skip,
+            all_reduce=lambda total: _sum_over(
+                total, module.device, module.replicas.pipeline_group
+            ),
+        )
         return self._broadcast_loss(loss)
 
     def eval_batch(
@@ -478,6 +541,7 @@ class _Checkpoints:
                 "stages": {k: module.plan.stages[k].state_dict() for k in module.stage_ids},
                 "optimizer": engine.optimizer.state_dict(),
                 "lr_scheduler": engine.scheduler_state(),
+                "precision": engine.precision_state(),
                 "global_steps": engine.global_steps,
                 "client_state": dict(client_state),
                 "plan": module.plan.fingerprint(),
@@ -511,6 +575,7 @@ class _Checkpoints:
             raise CheckpointError(failed[0])
         for k in module.stage_ids:
             module.plan.stages[k].load_state_dict(state["stages"][k])
+        engine.load_precision_state(state.get("precision"), str(path))
         if load_optimizer_states:
             engine.optimizer.load_state_dict(state["optimizer"])
         engine.load_scheduler_state(state.get("lr_scheduler"))
@@ -565,6 +630,7 @@ def build_engine(
     *,
     check_finite: bool = False,
     lr_scheduler: Any = None,
+    param_groups: ParamGroupsFn | None = None,
 ) -> TorchEngine:
     """Return the :class:`TorchEngine` training ``module`` (``config`` defaults to its own)."""
     if not isinstance(module, TorchPipeline):
@@ -577,4 +643,5 @@ def build_engine(
         parse_config(module.config if config is None else config, world_size=module.replicas.data),
         check_finite=check_finite,
         lr_scheduler=lr_scheduler,
+        param_groups=param_groups,
     )
