@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .ties import TieGroup, TieRanks
 
 __all__ = [
+    "BOUNDARY_CAPABILITIES",
     "Capability",
     "RuntimeEngine",
     "TensorCodec",
@@ -49,6 +50,19 @@ class Capability(enum.StrEnum):
     CHECKPOINTS = "checkpoints"
     #: The dialect only runs on CUDA devices.
     CUDA_ONLY = "cuda-only"
+
+
+#: What the default stage wrapper and codec carry across a boundary on any runtime that hands
+#: the wrapper's tensors over as they are: a dialect built on them declares these and adds its own.
+BOUNDARY_CAPABILITIES: frozenset[Capability] = frozenset(
+    {
+        Capability.TIED_WEIGHTS,
+        Capability.MULTI_GRAD_BOUNDARY,
+        Capability.NON_FLOAT_TENSORS,
+        Capability.PYTHON_VALUES,
+        Capability.SKIP_CONNECTIONS,
+    }
+)
 
 
 @runtime_checkable

@@ -35,6 +35,7 @@ from .ties import DefaultTieAnalyzer, TieRanks, check_topology, check_topology_o
 from .topology import GridTopology, join_process_group
 
 __all__ = [
+    "ENGINE_FEATURES",
     "Dialect",
     "EngineRequest",
     "LossFn",
@@ -42,6 +43,9 @@ __all__ = [
     "PipelineRequest",
     "option_descriptions",
 ]
+
+#: Every shared ``runtime_engine`` argument an engine may honour (see ``Dialect.engine_features``).
+ENGINE_FEATURES: frozenset[str] = frozenset({"check_finite", "lr_scheduler", "param_groups"})
 
 #: ``loss_fn(outputs, labels) -> scalar tensor``.
 LossFn = Callable[[Any, Any], Any]

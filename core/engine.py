@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import checkpoint_files
 from .agreement import first_nonfinite_grad, nonfinite_grad_error, pull_micro_batches
 from .checkpoint_files import LATEST_FILE
 from .config import TrainingConfig, build_optimizer
-from .errors import CheckpointError, DataError, NonFiniteError
+from .errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from .lr_schedules import build_schedule, current_lrs, resolve_client_schedule
 from .param_groups import ParamGroupsFn, resolve_param_groups
 from .precision import BF16Master, cast_parameters
@@ -76,6 +77,7 @@ class DeepSpeedStyleEngine:
         elif config.scheduler is not None:
             self.lr_scheduler = build_schedule(config.scheduler, self.optimizer)
         self.global_steps = 0
+        self._skipped_steps = 0  # fp32 never skips a step; a checkpoint may still set it
         self.micro_batches = config.gradient_accumulation_steps
         self._data_iterator: Iterator[Any] | None = None
 
@@ -145,7 +147,15 @@ class DeepSpeedStyleEngine:
     @property
     def skipped_steps(self) -> int:
         """Steps skipped because the bf16 gradient norm was not finite (DeepSpeed's counter)."""
-        return 0 if self.mixed is None else self.mixed.skipped_steps
+        return self._skipped_steps if self.mixed is None else self.mixed.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        """Set the counter, as a resumed checkpoint does."""
+        if self.mixed is None:
+            self._skipped_steps = int(value)
+        else:
+            self.mixed.skipped_steps = int(value)
 
     def precision_state(self) -> dict[str, Any] | None:
         """The fp32 master weights for a checkpoint (None in fp32)."""
@@ -220,6 +230,74 @@ class DeepSpeedStyleEngine:
         """
         items = pull_micro_batches(data_iter, count, what=what, source=source)
         return [self.check_pair(batch, i) for i, batch in enumerate(items)]
+
+    def eval_micro_batches(self, num_micro_batches: int | None) -> tuple[int, str]:
+        """How many micro-batches ``eval_batch`` reads, and the setting that says so.
+
+        Raises:
+            ConfigError: ``num_micro_batches`` is below 1.
+        """
+        if num_micro_batches is None:
+            return self.config.gradient_accumulation_steps, "gradient_accumulation_steps"
+        if num_micro_batches < 1:
+            raise ConfigError(f"num_micro_batches must be at least 1, got {num_micro_batches}")
+        return num_micro_batches, "num_micro_batches"
+
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> bool:
+        """Save the engine's state under ``save_dir/tag``; every rank calls it.
+
+        The files go to a staging directory, with each rank's random number generators, and are
+        published as ``tag`` only once every rank wrote its own (:mod:`pipedialect.
+        checkpoint_files` [Note: crash-safe checkpoints]). Returns True, as DeepSpeed does.
+        """
+        tag = tag or f"global_step{self.global_steps}"
+        staged = checkpoint_files.stage(save_dir, tag)
+        self._write_checkpoint(staged, dict(client_state or {}))
+        checkpoint_files.save_rng_state(staged)
+        checkpoint_files.publish(save_dir, tag, save_latest=save_latest)
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load what :meth:`save_checkpoint` saved; return ``(path, client_state)``.
+
+        Without ``tag``, the one recorded in ``load_dir/latest``; ``(None, None)`` when there is
+        none, as DeepSpeed returns. Every rank calls it.
+        """
+        found = checkpoint_files.latest_tag(load_dir, tag)
+        if found is None:
+            return None, None
+        tag, from_latest = found
+        path, state = self._read_checkpoint(
+            Path(load_dir),
+            tag,
+            load_optimizer_states=load_optimizer_states,
+            from_latest=from_latest,
+        )
+        return str(path), state
+
+    def _write_checkpoint(self, staged: Path, client_state: dict[str, Any]) -> None:
+        """Write this engine's files into the staging directory ``staged``."""
+        raise NotImplementedError(f"{type(self).__name__} does not save checkpoints")
+
+    def _read_checkpoint(
+        self, load_dir: Path, tag: str, load_optimizer_states: bool, from_latest: bool
+    ) -> tuple[Path, dict[str, Any]]:
+        """Verify and load checkpoint ``tag`` of ``load_dir``; return its path and client state.
+
+        ``from_latest``: the tag was read from the directory's ``latest`` file.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not load checkpoints")
 
     def check_finite_grads(
         self, stages: Iterable[tuple[int, nn.Module]], step: int

@@ -13,7 +13,8 @@ from torch import nn
 
 import pipedialect
 from pipedialect import Capability, Dialect, RuntimeEngine, Topology
-from pipedialect.dialect import EngineRequest, PipelineRequest
+from pipedialect.contracts import BOUNDARY_CAPABILITIES
+from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, PipelineRequest
 
 from ._stage import DeepSpeedPipeStageWrapper
 
@@ -132,20 +133,13 @@ class DeepSpeedDialect(Dialect):
     engine_options = DeepSpeedEngineOptions
     version = pipedialect.__version__
     description = "DeepSpeed PipelineEngine (NCCL on GPUs, gloo on CPUs)"
-    engine_features = frozenset({"check_finite", "lr_scheduler", "param_groups"})
-    capabilities = frozenset(
-        {
-            Capability.TIED_WEIGHTS,
-            Capability.MULTI_GRAD_BOUNDARY,
-            Capability.NON_FLOAT_TENSORS,
-            Capability.PYTHON_VALUES,
-            Capability.SKIP_CONNECTIONS,
-            Capability.MULTI_PROCESS,
-            Capability.DATA_PARALLEL,
-            Capability.CHECKPOINTS,
-            Capability.DYNAMIC_SHAPES,
-        }
-    )
+    engine_features = ENGINE_FEATURES
+    capabilities = BOUNDARY_CAPABILITIES | {
+        Capability.MULTI_PROCESS,
+        Capability.DATA_PARALLEL,
+        Capability.CHECKPOINTS,
+        Capability.DYNAMIC_SHAPES,
+    }
 
     @property
     def stage_wrapper(self) -> type[DeepSpeedPipeStageWrapper]:

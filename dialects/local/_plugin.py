@@ -8,7 +8,8 @@ from torch import nn
 
 import pipedialect
 from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine, TopologyError
-from pipedialect.dialect import EngineRequest, NoOptions, PipelineRequest
+from pipedialect.contracts import BOUNDARY_CAPABILITIES
+from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, NoOptions, PipelineRequest
 
 __all__ = ["LocalDialect", "register_dialects"]
 
@@ -19,18 +20,8 @@ class LocalDialect(Dialect):
     name = "local"
     version = pipedialect.__version__
     description = "All stages in one process: the reference and the debugger"
-    engine_features = frozenset({"check_finite", "lr_scheduler", "param_groups"})
-    capabilities = frozenset(
-        {
-            Capability.TIED_WEIGHTS,
-            Capability.MULTI_GRAD_BOUNDARY,
-            Capability.NON_FLOAT_TENSORS,
-            Capability.PYTHON_VALUES,
-            Capability.SKIP_CONNECTIONS,
-            Capability.DYNAMIC_SHAPES,
-            Capability.CHECKPOINTS,
-        }
-    )
+    engine_features = ENGINE_FEATURES
+    capabilities = BOUNDARY_CAPABILITIES | {Capability.DYNAMIC_SHAPES, Capability.CHECKPOINTS}
 
     def _build_pipeline(self, request: PipelineRequest[NoOptions]) -> nn.Module:
         """A :class:`~pipedialect.dialects.local.engine.LocalPipeline` of every stage.

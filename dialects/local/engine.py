@@ -42,7 +42,7 @@ from pipedialect.engine import (
 from pipedialect.param_groups import ParamGroupsFn
 from pipedialect.partition import PipelinePlan
 
-from .config import TrainingConfig, clip_gradients, parse_config
+from .config import clip_gradients, parse_config
 
 __all__ = ["DeepSpeedStyleEngine", "LocalEngine", "LocalPipeline"]
 
@@ -86,23 +86,6 @@ class LocalEngine(DeepSpeedStyleEngine):
     """Trains a :class:`LocalPipeline` with DeepSpeed ``PipelineEngine`` semantics."""
 
     module: LocalPipeline
-
-    def __init__(
-        self,
-        module: LocalPipeline,
-        config: TrainingConfig,
-        *,
-        check_finite: bool = False,
-        lr_scheduler: Any = None,
-        param_groups: ParamGroupsFn | None = None,
-    ) -> None:
-        super().__init__(
-            module,
-            config,
-            check_finite=check_finite,
-            lr_scheduler=lr_scheduler,
-            param_groups=param_groups,
-        )
 
     def is_first_stage(self) -> bool:
         """True: this process runs the first stage (and every other)."""
@@ -173,15 +156,8 @@ class LocalEngine(DeepSpeedStyleEngine):
         """Return the mean loss over ``num_micro_batches`` (default: gradient accumulation
         steps) micro-batches, without changing any parameter; with ``return_logits`` also the
         last micro-batch's outputs, as DeepSpeed does."""
-        count = self.config.gradient_accumulation_steps
-        if num_micro_batches is not None:
-            count = num_micro_batches
-        if count < 1:
-            raise ConfigError(f"num_micro_batches must be at least 1, got {count}")
-        source = "num_micro_batches" if num_micro_batches is not None else None
-        batches = self._pull(
-            data_iter, count, "eval_batch", source or "gradient_accumulation_steps"
-        )
+        count, source = self.eval_micro_batches(num_micro_batches)
+        batches = self._pull(data_iter, count, "eval_batch", source)
         self.module.eval()
         losses: list[torch.Tensor] = []
         outputs: Any = None
@@ -210,18 +186,8 @@ class LocalEngine(DeepSpeedStyleEngine):
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def save_checkpoint(
-        self,
-        save_dir: str | Path,
-        tag: str | None = None,
-        client_state: Mapping[str, Any] | None = None,
-        save_latest: bool = True,
-    ) -> bool:
-        """Save parameters, optimizer state, step count and random number generators under
-        ``save_dir/tag``, published only once complete (``checkpoint_files`` [Note: crash-safe
-        checkpoints])."""
-        tag = tag or f"global_step{self.global_steps}"
-        path = checkpoint_files.stage(save_dir, tag)
+    def _write_checkpoint(self, staged: Path, client_state: dict[str, Any]) -> None:
+        """Parameters, optimizer state, step count and the plan's fingerprint, in one file."""
         torch.save(
             {
                 "module": self.module.state_dict(),
@@ -229,30 +195,16 @@ class LocalEngine(DeepSpeedStyleEngine):
                 "lr_scheduler": self.scheduler_state(),
                 "precision": self.precision_state(),
                 "global_steps": self.global_steps,
-                "client_state": dict(client_state or {}),
+                "client_state": client_state,
                 "plan": self.module.plan.fingerprint(),
             },
-            path / _CHECKPOINT_FILE,
+            staged / _CHECKPOINT_FILE,
         )
-        checkpoint_files.save_rng_state(path)
-        checkpoint_files.publish(save_dir, tag, save_latest=save_latest)
-        return True
 
-    def load_checkpoint(
-        self,
-        load_dir: str | Path,
-        tag: str | None = None,
-        load_optimizer_states: bool = True,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """Load what :meth:`save_checkpoint` saved; return ``(path, client_state)``.
-
-        Without ``tag``, the one recorded in ``load_dir/latest``; ``(None, None)`` when there is
-        none, as DeepSpeed returns.
-        """
-        found = checkpoint_files.latest_tag(load_dir, tag)
-        if found is None:
-            return None, None
-        tag, from_latest = found
+    def _read_checkpoint(
+        self, load_dir: Path, tag: str, load_optimizer_states: bool, from_latest: bool
+    ) -> tuple[Path, dict[str, Any]]:
+        """Verify and load what :meth:`_write_checkpoint` wrote; refuse another model or plan."""
         directory = checkpoint_files.resolve(load_dir, tag, from_latest=from_latest)
         path = directory / _CHECKPOINT_FILE
         state = read_checkpoint_file(path, tag, "cpu", from_latest=from_latest)
@@ -278,7 +230,7 @@ class LocalEngine(DeepSpeedStyleEngine):
         self.load_scheduler_state(state.get("lr_scheduler"))
         self.global_steps = int(state["global_steps"])
         checkpoint_files.load_rng_state(directory)
-        return str(path), dict(state["client_state"])
+        return path, dict(state["client_state"])
 
 
 def _mean(losses: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -11,7 +11,8 @@ from torch import nn
 
 import pipedialect
 from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine, Topology, TopologyError
-from pipedialect.dialect import EngineRequest, NoOptions, PipelineRequest
+from pipedialect.contracts import BOUNDARY_CAPABILITIES
+from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, NoOptions, PipelineRequest
 
 from ._schedules import resolve_schedule
 
@@ -59,19 +60,12 @@ class TorchDialect(Dialect):
     options = TorchOptions
     version = pipedialect.__version__
     description = "torch.distributed.pipelining (GPipe, 1F1B, interleaved, zero bubble)"
-    engine_features = frozenset({"check_finite", "lr_scheduler", "param_groups"})
-    capabilities = frozenset(
-        {
-            Capability.TIED_WEIGHTS,
-            Capability.MULTI_GRAD_BOUNDARY,
-            Capability.NON_FLOAT_TENSORS,
-            Capability.PYTHON_VALUES,
-            Capability.SKIP_CONNECTIONS,
-            Capability.MULTI_PROCESS,
-            Capability.CHECKPOINTS,
-            Capability.DATA_PARALLEL,
-        }
-    )
+    engine_features = ENGINE_FEATURES
+    capabilities = BOUNDARY_CAPABILITIES | {
+        Capability.MULTI_PROCESS,
+        Capability.CHECKPOINTS,
+        Capability.DATA_PARALLEL,
+    }
 
     def __init__(self, schedule: str = "1f1b", stages_per_rank: int | None = None) -> None:
         self.schedule = resolve_schedule(schedule, installed=False).name

@@ -452,15 +452,8 @@ class TorchEngine(DeepSpeedStyleEngine):
         """Return the mean loss over ``num_micro_batches`` (default: gradient accumulation
         steps) micro-batches without changing any parameter; with ``return_logits`` also the
         last micro-batch's outputs (on the rank holding the last stage, None elsewhere)."""
-        count = self.config.gradient_accumulation_steps
-        if num_micro_batches is not None:
-            count = num_micro_batches
-        if count < 1:
-            raise ConfigError(f"num_micro_batches must be at least 1, got {count}")
-        source = "num_micro_batches" if num_micro_batches is not None else None
-        batches = self._pull(
-            data_iter, count, "eval_batch", source or "gradient_accumulation_steps"
-        )
+        count, source = self.eval_micro_batches(num_micro_batches)
+        batches = self._pull(data_iter, count, "eval_batch", source)
         self.module.eval()
         with torch.no_grad():
             loss = self.module.run(batches, count, train=False)
@@ -479,43 +472,18 @@ class TorchEngine(DeepSpeedStyleEngine):
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(
-        self,
-        save_dir: str | Path,
-        tag: str | None = None,
-        client_state: Mapping[str, Any] | None = None,
-        save_latest: bool = True,
-    ) -> bool:
-        """Save this rank's stages, optimizer state and step count under ``save_dir/tag``.
+    def _write_checkpoint(self, staged: Path, client_state: dict[str, Any]) -> None:
+        """This rank's stages, optimizer state and step count (see [Note: torch checkpoints])."""
+        _Checkpoints.save(self, staged, client_state)
 
-        Every rank calls it (see [Note: torch checkpoints]); returns True as DeepSpeed does.
-        """
-        tag = tag or f"global_step{self.global_steps}"
-        staged = checkpoint_files.stage(save_dir, tag)
-        _Checkpoints.save(self, staged, client_state or {})
-        checkpoint_files.save_rng_state(staged)
-        checkpoint_files.publish(save_dir, tag, save_latest=save_latest)
-        return True
-
-    def load_checkpoint(
-        self,
-        load_dir: str | Path,
-        tag: str | None = None,
-        load_optimizer_states: bool = True,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """Load what :meth:`save_checkpoint` saved; return ``(path, client_state)``.
-
-        Without ``tag``, the one recorded in ``load_dir/latest``; ``(None, None)`` when there is
-        none, as DeepSpeed returns. Every rank calls it.
-        """
-        found = checkpoint_files.latest_tag(load_dir, tag)
-        if found is None:
-            return None, None
-        tag, from_latest = found
+    def _read_checkpoint(
+        self, load_dir: Path, tag: str, load_optimizer_states: bool, from_latest: bool
+    ) -> tuple[Path, dict[str, Any]]:
+        """Verify and load this rank's file; every rank calls it."""
         client_state, path = _Checkpoints.load(
-            self, Path(load_dir), tag, load_optimizer_states, from_latest
+            self, load_dir, tag, load_optimizer_states, from_latest
         )
-        return str(path), client_state
+        return path, client_state
 
 
 def _rank_file(rank: int) -> str:

@@ -8,6 +8,7 @@ from torch import nn
 
 from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine
 from pipedialect.config import parse_config
+from pipedialect.contracts import BOUNDARY_CAPABILITIES
 from pipedialect.dialect import EngineRequest, NoOptions, PipelineRequest
 
 from ._engine import SendRecvEngine, SendRecvPipeline
@@ -28,18 +29,12 @@ class SendRecvDialect(Dialect):
     name = "sendrecv"
     version = "0.1.0"
     description = "GPipe over torch.distributed send/recv (example third-party dialect)"
-    capabilities = frozenset(
-        {
-            Capability.TIED_WEIGHTS,
-            Capability.MULTI_GRAD_BOUNDARY,
-            Capability.NON_FLOAT_TENSORS,
-            Capability.PYTHON_VALUES,
-            Capability.SKIP_CONNECTIONS,
-            Capability.DYNAMIC_SHAPES,
-            Capability.MULTI_PROCESS,
-            Capability.DATA_PARALLEL,
-        }
-    )
+    #: What the default stage wrapper carries, plus what this engine adds.
+    capabilities = BOUNDARY_CAPABILITIES | {
+        Capability.DYNAMIC_SHAPES,
+        Capability.MULTI_PROCESS,
+        Capability.DATA_PARALLEL,
+    }
     #: The pipeline module class built by :meth:`_build_pipeline` (subclasses may swap it).
     pipeline_class: type[SendRecvPipeline] = SendRecvPipeline
 
