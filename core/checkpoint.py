@@ -132,10 +132,10 @@ def _plan_ties(plan: Any, stages: Sequence[tuple[int, nn.Module]]) -> dict[int, 
 
 
 def _deepspeed_ties(module: Any, stages: Sequence[tuple[int, nn.Module]]) -> dict[int, str]:
-    """``id(parameter) -> key`` from the tie specs the DeepSpeed dialect's module registered."""
+    """``id(parameter) -> key`` from the DeepSpeed dialect's module's public ``tie_specs``."""
     ties: dict[int, str] = {}
     ids = {stage_id for stage_id, _ in stages}
-    for spec in getattr(module, "_pipedialect_ties", ()):
+    for spec in getattr(module, "tie_specs", ()):
         for stage_id, (owner, attr) in getattr(spec, "owners", {}).items():
             if stage_id in ids:
                 param = getattr(owner, attr, None)

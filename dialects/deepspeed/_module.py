@@ -98,6 +98,12 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
         )
         self._mark_parameters_for_grad_norm()
 
+    @property
+    def tie_specs(self) -> tuple[TieSpec, ...]:
+        """The plan's tie groups resolved against the stage modules, sorted by key."""
+        specs: tuple[TieSpec, ...] = self._pipedialect_ties
+        return specs
+
     # -- activation checkpointing ([Note: stage checkpointing]) -----------------------------
 
     @property
