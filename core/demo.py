@@ -324,14 +324,19 @@ class DemoFailedError(LaunchError):
         self.log_dir = log_dir
 
 
-def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> float:
+def run_demo(settings: DemoSettings, out: TextIO | None = None) -> float:
     """Run the demo; print progress and the comparison to ``out``; return the largest difference.
+
+    ``out`` defaults to ``sys.stdout`` as it is when the demo runs (not when this module was
+    imported: a caller that redirects stdout gets the output).
 
     SIGTERM, like Ctrl-C, stops every process the demo started (the launcher sees to it).
 
     Raises:
         DemoFailedError: a rank failed; the rank logs stay in its ``log_dir``.
     """
+    if out is None:
+        out = sys.stdout
     dialect = check_settings(settings)
     multi = Capability.MULTI_PROCESS in dialect.capabilities
     world = settings.stages * settings.dp if multi else 1

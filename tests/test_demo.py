@@ -52,6 +52,19 @@ def test_local_demo_matches_its_reference(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_run_demo_prints_to_stdout_as_it_is_when_the_demo_runs() -> None:
+    """Not to the stdout of whenever pipedialect.demo was imported (a closed capture, say)."""
+    import contextlib
+    import io
+
+    from pipedialect.demo import run_demo
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run_demo(DemoSettings(dialect="local", steps=1, output=None))
+    assert out.getvalue().startswith("pipedialect demo: TinyGPT")
+
+
 def test_trace_writes_the_timeline_and_changes_no_loss(tmp_path: Path) -> None:
     out = run_cli(
         "--dialect", "local", "--steps", "2", "--trace", "run.json", "--output", "p.png",
