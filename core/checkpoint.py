@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint_files as _files
+from .agreement import agree_on_error
 from .errors import CheckpointError, ConfigError
 from .stage import StageWrapper
 
@@ -246,6 +247,10 @@ class _Local:
         """Every name a local parameter or buffer has."""
         return [n for p in self.params for _, n in p.names] + [b.name for b in self.buffers]
 
+    def device(self) -> torch.device:
+        """Where this rank's tensors live (what its collectives run on)."""
+        return self.params[0].param.device if self.params else torch.device("cpu")
+
 
 def _local(held: _Holdings) -> _Local:
     by_id: dict[int, _Param] = {}
@@ -362,16 +367,6 @@ def _distributed() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
-
-
-def _agree(error: CheckpointError | None) -> None:
-    """Raise on every rank if any rank has an error (the lowest rank's), so none waits alone."""
-    errors = _gather(None if error is None else error)
-    if error is not None:
-        raise error
-    for other in errors:
-        if other is not None:
-            raise other
 
 
 # -- the optimizer ---------------------------------------------------------------------------
@@ -711,7 +706,7 @@ def load(
         index = _read_index(directory)
     except CheckpointError as exc:
         error = exc
-    _agree(error)
+    agree_on_error(error, device=local.device(), what="reading the checkpoint's index")
     everyone = _gather(local.names())
     plan: _LoadPlan | None = None
     extras: dict[str, Any] = {}
@@ -720,7 +715,8 @@ def load(
         extras = _read_extras(directory, dataloader is not None)
     except CheckpointError as exc:
         error = exc
-    _agree(error)  # every rank has checked everything before any collective read starts
+    # every rank has checked everything before any collective read starts
+    agree_on_error(error, device=local.device(), what="checking the checkpoint against the model")
     assert plan is not None
     loaded = _read_tensors(directory, plan.wanted)
     with torch.no_grad():
