@@ -41,6 +41,7 @@ __all__ = [
     "LossFn",
     "NoOptions",
     "PipelineRequest",
+    "given_options",
     "option_descriptions",
 ]
 
@@ -197,14 +198,15 @@ class Dialect(abc.ABC):
 
         Each wrapper gets its own codec instance: codecs keep per-boundary state.
         """
+        liveness, arg_names = plan.liveness_dict(), plan.arg_names_dict()
         return [
             self.stage_wrapper(
                 stage,
                 k,
                 plan.stage_names[k],
                 plan.num_stages,
-                plan.liveness_dict(),
-                plan.arg_names_dict(),
+                liveness,
+                arg_names,
                 codec=self.codec,
                 dynamic_shapes=dynamic_shapes,
             )
@@ -458,6 +460,12 @@ def _check_config(config: Mapping[str, Any] | str | None, where: str) -> dict[st
     if not isinstance(config, Mapping):
         raise ConfigError(f"{where}: config must be a dict, got {type(config).__name__}")
     return dict(config)
+
+
+def given_options(options: Any) -> dict[str, Any]:
+    """The fields of an options dataclass instance that were set (are not None), by name."""
+    values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _plain_fields(options: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from torch import nn
 import pipedialect
 from pipedialect import Capability, Dialect, RuntimeEngine, Topology
 from pipedialect.contracts import BOUNDARY_CAPABILITIES
-from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, PipelineRequest
+from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, PipelineRequest, given_options
 
 from ._stage import DeepSpeedPipeStageWrapper
 
@@ -155,12 +155,6 @@ class DeepSpeedDialect(Dialect):
         """
         from ._build import build_pipeline_module
 
-        opts = request.options
-        given = {
-            f.name: getattr(opts, f.name)
-            for f in dataclasses.fields(opts)
-            if getattr(opts, f.name) is not None
-        }
         module = build_pipeline_module(
             request.plan,
             request.stages,
@@ -170,7 +164,7 @@ class DeepSpeedDialect(Dialect):
             dynamic_shapes=request.dynamic_shapes,
             init_weights=request.init_weights,
             tie_analyzer=self.tie_analyzer,
-            **given,
+            **given_options(request.options),
         )
         module.pipedialect_config = request.config  # runtime_engine's default config
         return module
@@ -184,11 +178,7 @@ class DeepSpeedDialect(Dialect):
         from .engine import init_ds_engine
 
         opts = request.options
-        extra = {
-            f.name: getattr(opts, f.name)
-            for f in dataclasses.fields(opts)
-            if getattr(opts, f.name) is not None
-        }
+        extra = given_options(opts)
         if request.lr_scheduler is not None:
             extra["lr_scheduler"] = request.lr_scheduler
         config = request.config
