@@ -26,6 +26,7 @@ from torch import nn
 
 from .agreement import check_plan_agreement
 from .codec import SchemaCodec
+from .config import check_config_keys
 from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, Topology
 from .errors import ConfigError, TopologyError
 from .param_groups import ParamGroupsFn
@@ -243,7 +244,9 @@ class Dialect(abc.ABC):
             options: this dialect's own options (:attr:`options`).
 
         Raises:
-            ConfigError: a missing, mistyped or unknown argument.
+            ConfigError: a missing, mistyped or unknown argument, or a config key DeepSpeed
+                does not know (:class:`~pipedialect.errors.UnknownConfigKeyError`, with the
+                closest known key).
             TopologyError: ``topology`` is not a topology object or does not fit the plan.
             PlanDisagreementError: the ranks built different plans or passed other options.
         """
@@ -336,7 +339,8 @@ class Dialect(abc.ABC):
         this dialect's own (:attr:`engine_options`).
 
         Raises:
-            ConfigError: a mistyped or unknown argument.
+            ConfigError: a mistyped or unknown argument, or a config key DeepSpeed does not
+                know (:class:`~pipedialect.errors.UnknownConfigKeyError`).
         """
         opts = self.parse_options(options, engine=True)
         checked = None if config is None else _check_config(config, f"{self.name} runtime_engine")
@@ -459,6 +463,7 @@ def _check_config(config: Mapping[str, Any] | str | None, where: str) -> dict[st
         config = loaded
     if not isinstance(config, Mapping):
         raise ConfigError(f"{where}: config must be a dict, got {type(config).__name__}")
+    check_config_keys(config)  # [Note: unknown config keys]: the same refusal on every dialect
     return dict(config)
 
 
