@@ -31,6 +31,8 @@ apart: pass dicts by name.
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,9 +43,9 @@ from torch import fx, nn
 
 from ._export import check_input
 from .agreement import check_inputs
-from .errors import DataError
+from .errors import ConfigError, DataError
 
-__all__ = ["LABELS_KEY", "InputSpec", "input_spec"]
+__all__ = ["LABELS_KEY", "InputSpec", "check_loss_fn", "input_spec"]
 
 #: The key of a dict micro-batch that holds the labels ``loss_fn`` takes (Hugging Face's name).
 LABELS_KEY = "labels"
@@ -303,3 +305,45 @@ def _kind_of(module: nn.Module, node: fx.Node, prefix: str) -> tuple[int, str, s
         position, kind = _KIND_FUNCTIONS[node.target]
         return position, kind, getattr(node.target, "__name__", str(node.target))
     return None
+
+
+def _callable_name(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_callable_name(fn.func)}, ...)"
+    if inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isbuiltin(fn):
+        return str(fn.__qualname__)
+    return type(fn).__qualname__  # a module or another callable object: its class
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """Refuse a ``loss_fn`` that cannot be called as ``loss_fn(outputs, labels)``.
+
+    Every dialect calls it so, with the last stage's output and the micro-batch's labels; a
+    function that takes other arguments would fail only at the first step, after the whole
+    start-up. Defaults, ``*args``, :func:`functools.partial` and ``nn.Module`` losses (their
+    ``forward``) are understood; a callable whose signature cannot be read is accepted.
+
+    Raises:
+        ConfigError: ``loss_fn`` is not callable, or its signature does not take two arguments.
+    """
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
+    target = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        empty = inspect.Parameter.empty
+        shown = signature.replace(
+            parameters=[p.replace(annotation=empty) for p in signature.parameters.values()],
+            return_annotation=empty,
+        )
+        raise ConfigError(
+            f"loss_fn {_callable_name(loss_fn)}{shown} cannot be called as "
+            f"loss_fn(outputs, labels) ({exc}); every dialect calls it with two positional "
+            "arguments, the last stage's output and the micro-batch's labels: give it that "
+            "signature (extra parameters need defaults, or bind them with functools.partial)"
+        ) from None

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from torch import nn
 
 from .agreement import check_plan_agreement
+from .batches import check_loss_fn
 from .codec import SchemaCodec
 from .config import check_config_keys
 from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, Topology
@@ -244,9 +245,9 @@ class Dialect(abc.ABC):
             options: this dialect's own options (:attr:`options`).
 
         Raises:
-            ConfigError: a missing, mistyped or unknown argument, or a config key DeepSpeed
-                does not know (:class:`~pipedialect.errors.UnknownConfigKeyError`, with the
-                closest known key).
+            ConfigError: a missing, mistyped or unknown argument; a config key DeepSpeed does
+                not know (:class:`~pipedialect.errors.UnknownConfigKeyError`, with the closest
+                known key); a ``loss_fn`` that cannot be called as ``loss_fn(outputs, labels)``.
             TopologyError: ``topology`` is not a topology object or does not fit the plan.
             PlanDisagreementError: the ranks built different plans or passed other options.
         """
@@ -271,6 +272,7 @@ class Dialect(abc.ABC):
         checked = _check_config(config, f"{self.name} pipe_engine")
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
+        check_loss_fn(loss_fn)
         if dynamic_shapes and Capability.DYNAMIC_SHAPES not in self.capabilities:
             raise ConfigError(
                 f"the {self.name} dialect does not declare dynamic-shapes, so dynamic_shapes=True "
