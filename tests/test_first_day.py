@@ -3,15 +3,21 @@
 - the deepspeed dialect under plain ``python``: DeepSpeed would look for an MPI job and fail in
   ``mpi4py``; the dialect names the launchers instead;
 - a ``loss_fn`` that does not take ``(outputs, labels)``: a raw TypeError at the first step,
-  after the whole start-up; the shared ``pipe_engine`` refuses it on every dialect first.
+  after the whole start-up; the shared ``pipe_engine`` refuses it on every dialect first;
+- the documentation's configs: an Adam without ``torch_adam`` makes DeepSpeed compile its
+  FusedAdam C++ op (minutes on a CPU, in a cache every environment shares), so every config the
+  pages and examples show uses torch's Adam, and the DeepSpeed page says where ops are cached.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import _doc_examples as docs
 import pytest
 import torch
 from torch import nn
@@ -19,6 +25,8 @@ from torch import nn
 import pipedialect
 from pipedialect import ConfigError
 from pipedialect.models import cross_entropy_loss, get_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_deepspeed_dialect_outside_a_launcher_names_the_launchers(
@@ -117,3 +125,42 @@ def test_a_loss_fn_that_takes_outputs_and_labels_trains(loss_fn: Callable[..., A
     with torch.no_grad():
         expected = cross_entropy_loss(plan.graph(ids), labels).item()
     assert engine.train_batch(iter([(ids, labels)])).item() == pytest.approx(expected, rel=1e-6)
+
+
+def _adam_without_torch_adam(code: str) -> list[int]:
+    """Lines of ``code`` whose optimizer section is an Adam that DeepSpeed would compile."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if not isinstance(node, ast.Dict):
+            continue
+        items = {
+            k.value: v
+            for k, v in zip(node.keys, node.values, strict=True)
+            if isinstance(k, ast.Constant)
+        }
+        kind = items.get("type")
+        if not (isinstance(kind, ast.Constant) and kind.value in ("Adam", "AdamW")):
+            continue
+        params = items.get("params")
+        literal = ast.literal_eval(params) if isinstance(params, ast.Dict) else {}
+        if literal.get("torch_adam") is not True:
+            found.append(node.lineno)
+    return found
+
+
+def test_no_documented_config_makes_deepspeed_compile_fused_adam() -> None:
+    programs = [(e.id, e.code) for e in docs.collect().examples if e.mode != "shell"]
+    programs += [
+        (str(p.relative_to(ROOT)), p.read_text()) for p in (ROOT / "examples").glob("*.py")
+    ]
+    assert any(where == "examples/quickstart.py" for where, _ in programs)
+    offending = [
+        (where, lines) for where, code in programs if (lines := _adam_without_torch_adam(code))
+    ]
+    assert not offending, offending
+
+
+def test_the_deepspeed_page_says_where_ops_are_built_and_how_to_move_them() -> None:
+    text = docs.visible_text(ROOT / "docs" / "deepspeed.rst")  # lower case
+    assert "~/.cache/torch_extensions" in text
+    assert "torch_extensions_dir" in text
