@@ -18,12 +18,20 @@ A ``scheduler`` section is checked here and built by :mod:`pipedialect.lr_schedu
 ``bf16`` section (and ``data_types.grad_accum_dtype``) by :mod:`pipedialect.precision`, which
 trains as DeepSpeed's ``BF16_Optimizer`` does. Keys that would change the numbers and are not
 implemented (fp16, ZeRO stage > 0, ...) raise :class:`~pipedialect.ConfigError` naming the key;
-logging keys are ignored; keys DeepSpeed itself does not know are ignored with a warning, as
-DeepSpeed ignores them.
+logging keys are ignored.
+
+[Note: unknown config keys]
+DeepSpeed ignores a key it does not know without a word: ``"gradient_accumulation_step": 4``
+trains with accumulation 1. :func:`check_config_keys` refuses such a key, on every dialect
+(``Dialect.pipe_engine`` and ``runtime_engine`` call it before any rank builds anything), with
+:class:`~pipedialect.errors.UnknownConfigKeyError` naming its path and the closest key DeepSpeed
+knows. What DeepSpeed 0.19.8 knows is data (``_deepspeed_keys``), checked against the installed
+deepspeed by the test suite; keys DeepSpeed has removed (and refuses) are refused here too.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,11 +39,20 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from ._deepspeed_keys import KNOWN_KEYS, REMOVED_KEYS, Section
+from .errors import ConfigError, UnknownConfigKeyError
 from .lr_schedules import check_schedule_section
 from .precision import Precision, parse_precision
 
-__all__ = ["TrainingConfig", "batch_triple", "build_optimizer", "clip_gradients", "parse_config"]
+__all__ = [
+    "TrainingConfig",
+    "batch_triple",
+    "build_optimizer",
+    "check_config_keys",
+    "clip_gradients",
+    "handled_keys",
+    "parse_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +61,9 @@ GRADIENT_CLIPPING_DEFAULT = 1.0
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
-#: Keys that only affect logging, profiling, checkpoint layout or memory, never the numbers.
+#: Keys that only affect logging, profiling, checkpoint layout or memory, never the numbers (or
+#: only with a feature refused here: ``data_parallel_size`` goes with ``sequence_parallel_size``,
+#: ``weight_quantization`` with ZeRO-3's initialisation).
 _IGNORED = frozenset(
     {
         "activation_checkpointing",
@@ -54,46 +73,57 @@ _IGNORED = frozenset(
         "comet",
         "comms_logger",
         "csv_monitor",
+        "data_parallel_size",
         "dataloader_drop_last",
+        "datastates_ckpt",
         "disable_allgather",
+        "disable_python_gc",
         "dump_state",
         "flops_profiler",
-        "load_universal_checkpoint",
+        "log_level",
         "memory_breakdown",
-        "monitor_config",
-        "nebula",
         "pipeline",
         "prescale_gradients",
+        "seq_parallel_communication_data_type",
         "steps_per_print",
         "tensorboard",
         "timers",
-        "use_node_local_storage",
+        "use_data_before_expert_parallelism",
+        "vocabulary_size",
         "wall_clock_breakdown",
         "wandb",
+        "weight_quantization",
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
     }
 )
 
 #: Precision sections, checked by :func:`pipedialect.precision.parse_precision`.
-_PRECISION_SECTIONS = frozenset({"amp", "bf16", "bfloat16", "fp16"})
+_PRECISION_SECTIONS = frozenset({"bf16", "bfloat16", "fp16"})
 
 #: Sections that change the numbers when ``enabled`` is true.
-_ENABLED_SECTIONS = frozenset(
-    {
-        "compile",
-        "curriculum_learning",
-        "data_efficiency",
-        "eigenvalue",
-        "elasticity",
-        "progressive_layer_drop",
-        "quantize_training",
-        "torch_autocast",
-    }
-)
+_ENABLED_SECTIONS = frozenset({"data_efficiency", "expert_parallel", "torch_autocast"})
 
 #: Sections that change the numbers whenever present.
-_UNSUPPORTED_SECTIONS = frozenset({"compression_training", "hybrid_engine", "sparse_attention"})
+_UNSUPPORTED_SECTIONS = frozenset({"hybrid_engine"})
+
+#: The other keys this module reads (``_check_unsupported`` and :func:`parse_config`).
+_CHECKED = frozenset(
+    {
+        "communication_data_type",
+        "compile",
+        "data_types",
+        "gradient_allreduce_op",
+        "gradient_clipping",
+        "gradient_predivide_factor",
+        "managed_gradient_accumulation",
+        "optimizer",
+        "scheduler",
+        "sequence_parallel_size",
+        "tensor_parallel",
+        "zero_optimization",
+    }
+)
 
 #: DeepSpeed optimizer names with no torch equivalent here.
 _DS_ONLY_OPTIMIZERS = frozenset(
@@ -213,12 +243,110 @@ def _check_unsupported(config: Mapping[str, Any]) -> None:
                 )
     if float(config.get("gradient_predivide_factor", 1.0)) != 1.0:
         raise ConfigError("config['gradient_predivide_factor'] must be 1.0 (or absent)")
-    if config.get("sparse_gradients", False):
-        raise ConfigError("config['sparse_gradients'] is not supported by this engine")
+    _check_parallelism(config)
+
+
+def _check_parallelism(config: Mapping[str, Any]) -> None:
+    """Refuse the DeepSpeed keys that change how gradients are combined or the model is laid
+    out, which these engines do not implement."""
+    op = config.get("gradient_allreduce_op", "mean")
+    if op != "mean":
+        raise ConfigError(
+            f"config['gradient_allreduce_op'] is {op!r}; this engine averages gradients over "
+            "the replicas ('mean', DeepSpeed's default) only"
+        )
+    if config.get("managed_gradient_accumulation", True) is not True:
+        raise ConfigError(
+            "config['managed_gradient_accumulation'] must be true (or absent): train_batch "
+            "steps once per gradient_accumulation_steps micro-batches"
+        )
+    if config.get("sequence_parallel_size", 1) != 1:
+        raise ConfigError(
+            f"config['sequence_parallel_size'] is {config['sequence_parallel_size']!r}; this "
+            "engine has no sequence parallelism: remove it (or set it to 1)"
+        )
+    tensor_parallel = config.get("tensor_parallel")
+    if isinstance(tensor_parallel, Mapping) and (tensor_parallel.get("autotp_size") or 0) > 1:
+        raise ConfigError(
+            "config['tensor_parallel']['autotp_size'] is "
+            f"{tensor_parallel['autotp_size']!r}; this engine has no tensor parallelism"
+        )
+    compile_section = config.get("compile")
+    if isinstance(compile_section, Mapping) and compile_section.get("deepcompile", False):
+        raise ConfigError(
+            "config['compile']['deepcompile'] is true; DeepCompile is DeepSpeed's own engine "
+            "feature: disable it on this engine"
+        )
+
+
+def check_config_keys(config: Mapping[str, Any]) -> None:
+    """Refuse a key DeepSpeed 0.19 does not know, or has removed, anywhere in ``config``.
+
+    See [Note: unknown config keys]. Sections are checked as deep as DeepSpeed reads them;
+    a value that is not a dict where a section is expected is left to the parser.
+
+    Raises:
+        UnknownConfigKeyError: the key, by its path, with the closest key DeepSpeed knows.
+        ConfigError: a key DeepSpeed has removed (DeepSpeed refuses it too).
+    """
+    _check_section(config, KNOWN_KEYS, ())
+
+
+def _check_section(given: Mapping[str, Any], known: Section, path: tuple[str, ...]) -> None:
+    for key, value in given.items():
+        where = _path_text((*path, str(key)))
+        removed = REMOVED_KEYS.get((*path, str(key)))
+        if removed is not None:
+            raise ConfigError(
+                f"{where}: DeepSpeed 0.19 removed this key and refuses it ({removed}); remove it"
+            )
+        if key not in known:
+            raise _unknown_key(str(key), known, path)
+        section = known[key]
+        if section is not None and isinstance(value, Mapping):
+            _check_section(value, section, (*path, str(key)))
+
+
+def _path_text(path: tuple[str, ...]) -> str:
+    return "config" + "".join(f"[{key!r}]" for key in path)
+
+
+def _unknown_key(key: str, known: Section, path: tuple[str, ...]) -> UnknownConfigKeyError:
+    names = sorted(known)
+    lowered = {name.lower(): name for name in names}
+    close = difflib.get_close_matches(key.lower(), list(lowered), n=1, cutoff=0.6)
+    suggestion = lowered[close[0]] if close else None
+    where = _path_text((*path, key))
+    section = f"in {_path_text(path)}" if path else "at the top level"
+    text = (
+        f"{where}: DeepSpeed 0.19 knows no key {key!r} {section}, and would ignore it without a "
+        "word; pipedialect refuses it on every dialect."
+    )
+    if suggestion is not None:
+        text += f" Did you mean {suggestion!r}?"
+    else:
+        elsewhere = [_path_text(p) for p in _paths_of(key, KNOWN_KEYS, ()) if p[:-1] != path]
+        if elsewhere:
+            text += f" DeepSpeed knows it as {', '.join(elsewhere)}."
+        elif len(names) <= 24:
+            text += f" The keys it knows there: {', '.join(names)}."
+    return UnknownConfigKeyError(text, path=(*path, key), suggestion=suggestion)
+
+
+def _paths_of(key: str, known: Section, path: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Every path in the table that ends in ``key``."""
+    found = [(*path, key)] if key in known else []
+    for name, section in known.items():
+        if section is not None:
+            found.extend(_paths_of(key, section, (*path, name)))
+    return found
 
 
 def parse_config(config: Mapping[str, Any] | None, *, world_size: int = 1) -> TrainingConfig:
     """Resolve a DeepSpeed config dict; ``world_size`` is the data-parallel size.
+
+    Every key DeepSpeed knows is honoured, ignored (it changes no number) or refused here
+    (:func:`handled_keys`); a key it does not know is refused (:func:`check_config_keys`).
 
     Raises:
         ConfigError: the config is missing, inconsistent, or asks for something not implemented.
@@ -227,20 +355,9 @@ def parse_config(config: Mapping[str, Any] | None, *, world_size: int = 1) -> Tr
         raise ConfigError("config is required: a DeepSpeed config dict (train_batch_size, ...)")
     if not isinstance(config, Mapping):
         raise ConfigError(f"config must be a dict, got {type(config).__name__}")
+    check_config_keys(config)
     _check_unsupported(config)
     precision = parse_precision(config)
-    known = (
-        set(_BATCH_KEYS)
-        | _IGNORED
-        | _ENABLED_SECTIONS
-        | _PRECISION_SECTIONS
-        | _UNSUPPORTED_SECTIONS
-        | {"optimizer", "gradient_clipping", "zero_optimization", "data_types", "scheduler"}
-        | {"communication_data_type", "gradient_predivide_factor", "sparse_gradients"}
-    )
-    unknown = sorted(set(config) - known)
-    if unknown:
-        logger.warning("ignoring config keys this engine does not know: %s", unknown)
     train, micro, gas = batch_triple(config, world_size)
     clipping = config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
@@ -263,6 +380,18 @@ def parse_config(config: Mapping[str, Any] | None, *, world_size: int = 1) -> Tr
         optimizer_params=dict(params),
         scheduler=check_schedule_section(config.get("scheduler")),
         precision=precision,
+    )
+
+
+def handled_keys() -> frozenset[str]:
+    """The top-level keys :func:`parse_config` honours, ignores or refuses by value."""
+    return (
+        frozenset(_BATCH_KEYS)
+        | _IGNORED
+        | _ENABLED_SECTIONS
+        | _PRECISION_SECTIONS
+        | _UNSUPPORTED_SECTIONS
+        | _CHECKED
     )
 
 

@@ -25,7 +25,9 @@ from typing import Any, ClassVar, Generic, TypeVar
 from torch import nn
 
 from .agreement import check_plan_agreement
+from .batches import check_loss_fn
 from .codec import SchemaCodec
+from .config import check_config_keys
 from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, Topology
 from .errors import ConfigError, TopologyError
 from .param_groups import ParamGroupsFn
@@ -243,7 +245,9 @@ class Dialect(abc.ABC):
             options: this dialect's own options (:attr:`options`).
 
         Raises:
-            ConfigError: a missing, mistyped or unknown argument.
+            ConfigError: a missing, mistyped or unknown argument; a config key DeepSpeed does
+                not know (:class:`~pipedialect.errors.UnknownConfigKeyError`, with the closest
+                known key); a ``loss_fn`` that cannot be called as ``loss_fn(outputs, labels)``.
             TopologyError: ``topology`` is not a topology object or does not fit the plan.
             PlanDisagreementError: the ranks built different plans or passed other options.
         """
@@ -268,6 +272,7 @@ class Dialect(abc.ABC):
         checked = _check_config(config, f"{self.name} pipe_engine")
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
+        check_loss_fn(loss_fn)
         if dynamic_shapes and Capability.DYNAMIC_SHAPES not in self.capabilities:
             raise ConfigError(
                 f"the {self.name} dialect does not declare dynamic-shapes, so dynamic_shapes=True "
@@ -336,7 +341,8 @@ class Dialect(abc.ABC):
         this dialect's own (:attr:`engine_options`).
 
         Raises:
-            ConfigError: a mistyped or unknown argument.
+            ConfigError: a mistyped or unknown argument, or a config key DeepSpeed does not
+                know (:class:`~pipedialect.errors.UnknownConfigKeyError`).
         """
         opts = self.parse_options(options, engine=True)
         checked = None if config is None else _check_config(config, f"{self.name} runtime_engine")
@@ -459,6 +465,7 @@ def _check_config(config: Mapping[str, Any] | str | None, where: str) -> dict[st
         config = loaded
     if not isinstance(config, Mapping):
         raise ConfigError(f"{where}: config must be a dict, got {type(config).__name__}")
+    check_config_keys(config)  # [Note: unknown config keys]: the same refusal on every dialect
     return dict(config)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from . import checkpoint_files
 from .agreement import first_nonfinite_grad, nonfinite_grad_error, pull_micro_batches
+from .batches import input_spec
 from .checkpoint_files import LATEST_FILE
 from .config import TrainingConfig, build_optimizer
 from .errors import CheckpointError, ConfigError, DataError, NonFiniteError
@@ -224,12 +225,20 @@ class DeepSpeedStyleEngine:
     ) -> list[tuple[Any, Any]]:
         """Read a whole step's ``(inputs, labels)`` micro-batches before any is used.
 
+        With a plan (``module.plan``), a micro-batch may also be a dict keyed by the model's
+        input names and ``"labels"``, and each input is checked against stage 0
+        (:mod:`pipedialect.batches` [Note: inputs by name]).
+
         Raises:
             DataExhaustedError: ``data_iter`` ran out first (nothing was computed).
-            DataError: an item is not an ``(inputs, labels)`` pair.
+            DataError: an item is not an ``(inputs, labels)`` pair (or a dict of them by name).
         """
         items = pull_micro_batches(data_iter, count, what=what, source=source)
-        return [self.check_pair(batch, i) for i, batch in enumerate(items)]
+        plan = getattr(self.module, "plan", None)
+        if plan is None:
+            return [self.check_pair(batch, i) for i, batch in enumerate(items)]
+        spec = input_spec(plan.input_names, plan.stages[0])
+        return [spec.pair(batch, i) for i, batch in enumerate(items)]
 
     def eval_micro_batches(self, num_micro_batches: int | None) -> tuple[int, str]:
         """How many micro-batches ``eval_batch`` reads, and the setting that says so.

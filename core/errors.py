@@ -22,8 +22,9 @@ everything the library raises on purpose. Below it, one branch per concern::
     ├── TopologyError
     ├── WireError
     ├── ConfigError
-    │   └── DataError
-    │       └── DataExhaustedError (also a StopIteration)
+    │   ├── DataError
+    │   │   └── DataExhaustedError (also a StopIteration)
+    │   └── UnknownConfigKeyError
     ├── CheckpointError
     │   └── WeightsError
     ├── NonFiniteError
@@ -63,6 +64,7 @@ __all__ = [
     "StructureChangedError",
     "TieError",
     "TopologyError",
+    "UnknownConfigKeyError",
     "UnsupportedValueError",
     "WeightsError",
     "WireError",
@@ -207,6 +209,17 @@ class DataExhaustedError(DataError, StopIteration):
         self.expected = expected
         #: The micro-batches the iterator yielded before it ran out.
         self.got = got
+
+
+class UnknownConfigKeyError(ConfigError):
+    """A config dict holds a key DeepSpeed does not know (DeepSpeed would ignore it silently)."""
+
+    def __init__(self, message: str, *, path: tuple[str, ...], suggestion: str | None) -> None:
+        super().__init__(message)
+        #: The key's path: its sections, then the key (``("zero_optimization", "stag")``).
+        self.path = path
+        #: The closest key DeepSpeed knows in that section, if one is close.
+        self.suggestion = suggestion
 
 
 class NonFiniteError(PipeDialectError, FloatingPointError):

@@ -7,7 +7,7 @@ plan = pipedialect.partition(model, split_points=["blocks.3"])  # two stages
 dialect = pipedialect.get_dialect("deepspeed")
 dialect.init_distributed()                                      # gloo on CPUs, NCCL on GPUs
 config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
-          "optimizer": {"type": "Adam", "params": {"lr": 3e-3}}}
+          "optimizer": {"type": "Adam", "params": {"lr": 3e-3, "torch_adam": True}}}
 module = dialect.pipe_engine(plan, config=config, loss_fn=cross_entropy_loss,
                              topology=dialect.make_topology(num_stages=2))
 engine = dialect.runtime_engine(module, config=config)          # DeepSpeed's PipelineEngine

@@ -32,13 +32,13 @@ PRINTED = 5e-5 + 1e-6
 def unsplit_losses() -> list[float]:
     """The example's model and data, trained in one process as its config means.
 
-    ``"type": "Adam"`` without ``torch_adam`` is DeepSpeed's FusedAdam in AdamW mode with no
-    weight decay (so Adam); ``gradient_clipping`` defaults to 1.0; each micro-batch loss is
-    divided by ``gradient_accumulation_steps``.
+    ``"type": "Adam"`` with ``torch_adam`` (and ``adam_w_mode`` left true) is torch's AdamW
+    with torch's defaults (``weight_decay`` 0.01); ``gradient_clipping`` defaults to 1.0; each
+    micro-batch loss is divided by ``gradient_accumulation_steps``.
     """
     model = TinyGPT(vocab=48, dim=32, max_len=16, num_blocks=8)
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
     data = iter(demo_batches(STEPS * GAS, replica=0))
     losses = []
     for _ in range(STEPS):

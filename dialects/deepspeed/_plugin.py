@@ -214,18 +214,54 @@ class DeepSpeedDialect(Dialect):
         forever: it is detected first (``_extensions`` [Note: stale build lock]).
 
         Raises:
+            ConfigError: the process was not started by a launcher (plain ``python``): DeepSpeed
+                would look for an MPI job instead and fail inside ``mpi4py``.
             ExtensionBuildError: a killed build left its lock; the message names the file.
         """
         import deepspeed
 
         from ._extensions import check_build_locks
 
+        _check_launched()
         check_build_locks()
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         deepspeed.init_distributed(dist_backend=backend)
+
+
+#: What ``deepspeed.init_distributed`` needs from a launcher before it falls back to MPI.
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+#: Set in the jobs DeepSpeed discovers itself: MPI (Open MPI, MPICH/PMI, MVAPICH), AzureML and
+#: SageMaker.
+_DISCOVERED_JOB_VARIABLES = (
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "MV2_COMM_WORLD_SIZE",
+    "AZUREML_EXPERIMENT_ID",
+    "SM_TRAINING_ENV",
+)
+
+
+def _check_launched() -> None:
+    """Refuse by name a process no launcher started, before DeepSpeed tries MPI discovery."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    missing = [name for name in _LAUNCH_VARIABLES if name not in os.environ]
+    if not missing or any(name in os.environ for name in _DISCOVERED_JOB_VARIABLES):
+        return
+    raise pipedialect.ConfigError(
+        "the deepspeed dialect runs one process per pipeline rank, but this process was not "
+        f"started by a launcher ({', '.join(missing)} not set), so DeepSpeed would look for "
+        "an MPI job and fail inside mpi4py. Start the script with `torchrun --nproc_per_node "
+        "N script.py` or DeepSpeed's `deepspeed --num_gpus N script.py` (N = stages x "
+        "replicas), or from Python with pipedialect.launch.launch(fn, N); or use the 'local' "
+        "dialect to run every stage in this process"
+    )
 
 
 @pipedialect.hookimpl

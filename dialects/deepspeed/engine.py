@@ -54,6 +54,7 @@ from pipedialect.agreement import (
     pull_micro_batches,
     root_nonfinite,
 )
+from pipedialect.batches import input_spec
 from pipedialect.param_groups import ParamGroupsFn, resolve_param_groups
 
 __all__ = [
@@ -153,6 +154,7 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
                     )
                 items = pull_micro_batches(source, count, what=what, source=origin)
                 if self.batch_fn is None:
+                    items = self._by_name(items)
                     for i, batch in enumerate(items):
                         self._check_batch(batch, i)
             except PipeDialectError as exc:
@@ -164,6 +166,15 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
                 error.__cause__ = exc
         agree_on_error(error, device=self.device, what=what)
         return items
+
+    def _by_name(self, items: list[Any]) -> list[Any]:
+        """Dict micro-batches as ``(inputs, labels)`` pairs, each input checked against stage 0
+        (``pipedialect.batches`` [Note: inputs by name])."""
+        wrapper = next((f for f in self.module.forward_funcs if isinstance(f, StageWrapper)), None)
+        if wrapper is None:
+            return items
+        spec = input_spec(wrapper.input_names, wrapper.mod if wrapper.stage_id == 0 else None)
+        return [spec.pair(batch, i) for i, batch in enumerate(items)]
 
     def _check_batch(self, batch: Any, index: int) -> None:
         """Refuse by name what DeepSpeed's loader would only assert on."""
