@@ -13,10 +13,12 @@ import pytest
 
 from pipedialect import ConfigError
 from pipedialect.planner import (
+    DEEPSPEED_SCHEDULE,
     TORCH_SCHEDULES,
     ActionKind,
     Program,
     deepspeed_program,
+    offer_of,
     torch_program,
 )
 
@@ -227,3 +229,18 @@ def test_torch_schedule_names_and_placements_are_the_torch_dialects() -> None:
                 assert list(program.placement) == [
                     dialect_schedules.stage_to_rank(theirs, 2 * v, 2)[k] for k in range(2 * v)
                 ]
+
+
+def test_offer_reads_the_schedules_and_modes_the_dialect_declares() -> None:
+    import pipedialect
+    from pipedialect.dialects.torch import available_schedules
+
+    torch_offer = offer_of(pipedialect.get_dialect("torch"))
+    assert torch_offer.schedules == available_schedules()
+    assert torch_offer.data_parallel
+    assert not torch_offer.fsdp and not torch_offer.tensor_parallel
+    assert any("FSDP): not offered by this dialect" in n for n in torch_offer.not_offered)
+    ds_offer = offer_of(pipedialect.get_dialect("deepspeed"))
+    assert ds_offer.schedules == (DEEPSPEED_SCHEDULE,)
+    with pytest.raises(ConfigError, match="one process"):
+        offer_of(pipedialect.get_dialect("local"))

@@ -53,7 +53,8 @@ def test_collectives_run_beside_the_computation_and_end_the_step() -> None:
     """One stage, one micro-batch, F = 1, B = 2, its gather 3 and its reduction 4: F waits for
     the gather (3 to 4), B runs 4 to 6, the reduction 6 to 10; the step ends at 10. Memory:
     the gathered 5 bytes from the gather to the reshard, 7 bytes of gradients from the backward
-    to the reduction, 1 byte of activations while the micro-batch is in flight."""
+    to the reduction, 1 byte of activations while the micro-batch is in flight: during the
+    backward all of them at once, 113 with the base 100."""
     times = StageTimes(1.0, 1.0, 1.0, all_gather=3.0, reduce_grad=4.0)
     sim = simulate(
         torch_program("gpipe", 1, 1),
@@ -62,7 +63,7 @@ def test_collectives_run_beside_the_computation_and_end_the_step() -> None:
         base_memory=100.0,
     )
     assert math.isclose(sim.step_time, 10.0)
-    assert sim.peak_memory == (112.0,)
+    assert sim.peak_memory == (113.0,)
 
 
 def test_the_all_reduce_blocks_and_the_optimizer_takes_its_time() -> None:

@@ -26,10 +26,11 @@ two steps. A rank's bubble is ``1 - busy / step time``, ``busy`` being its compu
 A micro-batch is *in flight* on a stage from the start of its forward until its last backward
 piece ends (``B``; ``W`` when the backward is split; ``I`` on a stage whose backward the dialect
 runs in one piece, ``split=False``). Those counts follow from each rank's order alone, so they
-are exact whatever the costs; memory is the rank's base bytes plus, at every point of its
+are exact whatever the costs; memory is the rank's base bytes plus, during every action of its
 order, each stage's in-flight count times its activation bytes, the gathered parameters between
 ``ALL_GATHER`` and ``RESHARD``, and unsharded gradients from a stage's first backward to its
-``REDUCE_GRAD``.
+``REDUCE_GRAD`` (a backward holds its micro-batch's activations and the gradients it makes at
+once).
 """
 
 from __future__ import annotations
@@ -433,6 +434,9 @@ def _occupancy(
         for action in program.ranks[r]:
             for a in action.leaves():
                 s = a.stage
+                # What the action takes first (its micro-batch's activations, its gradients,
+                # the gathered parameters), then the peak, then what it frees.
+                releases = False
                 if a.kind == _K.FORWARD:
                     count[s] += 1
                 elif a.kind in (_K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT):
@@ -442,14 +446,8 @@ def _occupancy(
                         or (a.kind == _K.BACKWARD_INPUT and not stages[s].split)
                         or (a.kind == _K.BACKWARD_WEIGHT and stages[s].split)
                     )
-                    if releases:
-                        count[s] -= 1
                 elif a.kind == _K.ALL_GATHER:
                     gathered[s] = True
-                elif a.kind == _K.RESHARD:
-                    gathered[s] = False
-                elif a.kind == _K.REDUCE_GRAD:
-                    grads[s] = False
                 for k in program.stages_of(r):
                     peak_stage[k] = max(peak_stage[k], count[k])
                 peak_rank[r] = max(peak_rank[r], sum(count))
@@ -461,4 +459,10 @@ def _occupancy(
                         for k in program.stages_of(r)
                     )
                     peak_bytes[r] = max(peak_bytes[r], held)
+                if releases:
+                    count[s] -= 1
+                elif a.kind == _K.RESHARD:
+                    gathered[s] = False
+                elif a.kind == _K.REDUCE_GRAD:
+                    grads[s] = False
     return tuple(peak_stage), tuple(peak_rank), (tuple(peak_bytes) if memory is not None else None)
