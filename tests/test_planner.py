@@ -182,3 +182,10 @@ def test_plan_on_the_command_line(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert data["config"]["train_batch_size"] == 8
     assert main([*argv[:6], "1", *argv[7:-4]]) == 1  # 1 byte per rank: nothing fits
     assert "no layout" in capsys.readouterr().err
+
+
+def test_a_tensor_parallel_glob_that_matches_nothing_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"tensor_parallel pattern 'blocks\.\*\.mlp' matches no"):
+        _plan(dialect=_ShardingTorch(), tensor_parallel={"blocks.*.mlp": "colwise"})
+    with pytest.raises(ConfigError, match="style 'diagonal'"):
+        _plan(dialect=_ShardingTorch(), tensor_parallel={"blocks.*.fc1": "diagonal"})

@@ -175,13 +175,17 @@ class Layout:
         """The process grid to pass as ``pipe_engine(..., topology=)``: the dialect's own
         ``make_topology`` when it lays out ``p`` pipeline ranks, else a
         :class:`~pipedialect.GridTopology` of ``pipe = p`` by ``data = d``."""
+        from ..errors import TopologyError
         from ..topology import GridTopology
 
         kwargs: dict[str, int] = {"data_parallel": self.data_parallel}
         if self.tensor_parallel > 1:
             kwargs["tensor_parallel"] = self.tensor_parallel
-        made = dialect.make_topology(self.num_stages, **kwargs)
-        if made.get_dim("pipe") == self.pipeline:
+        try:
+            made = dialect.make_topology(self.num_stages, **kwargs)
+        except TopologyError:
+            made = None
+        if made is not None and made.get_dim("pipe") == self.pipeline:
             return made
         return GridTopology(pipe=self.pipeline, data=self.data_parallel)
 

@@ -49,7 +49,8 @@ def checkpoint_label(patterns: Sequence[str] | None) -> str:
 
 
 def _resolve(model: nn.Module, patterns: Sequence[str], what: str) -> list[str]:
-    """The outermost modules the glob ``patterns`` match, in ``named_modules`` order."""
+    """The outermost modules the glob ``patterns`` match, in ``named_modules`` order (as
+    ``partition(..., checkpoint=)`` resolves them)."""
     names = [n for n, _ in model.named_modules() if n]
     matched: list[str] = []
     for pattern in patterns:
@@ -57,9 +58,8 @@ def _resolve(model: nn.Module, patterns: Sequence[str], what: str) -> list[str]:
             raise ConfigError(f"{what} entry {pattern!r} is not a module path or glob (a str)")
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            raise ActivationCheckpointError(
-                f"{what} pattern {pattern!r} matches no module of {type(model).__name__}"
-            )
+            error = ActivationCheckpointError if what == "checkpoint" else ConfigError
+            raise error(f"{what} pattern {pattern!r} matches no module of {type(model).__name__}")
         matched += [h for h in hits if h not in matched]
     return [n for n in names if n in matched and not any(n.startswith(o + ".") for o in matched)]
 
