@@ -5,14 +5,15 @@ A model of 8 blocks of unequal cost whose compute is emulated: each block holds 
 weight-gradient backward (the weight pass sits on the parameter's path, so a split backward
 runs it separately), by sleeping, so the measurement does not depend on how many cores the
 ranks share. The planner measures the model once (``plan_layout(..., measure_time=True)``),
-with the link latency measured by a ping-pong between two ranks, and predicts every layout of
-the search space; then each layout in ``LAYOUTS`` (degrees, schedules, micro-batch counts,
-recomputation; torch and DeepSpeed dialects) trains for real over gloo on this machine, one
-warm-up step and ``--steps`` timed steps, with the planner's split points. Printed: predicted
-against measured step time per layout (targets: median relative error <= 10%, Spearman rank
-correlation >= 0.9), the predicted peak of micro-batches in flight per stage against the one
-counted in the run (target: equal), and the measured step of the planner's choice against the
-fastest measured layout of its dialect and world size (target: within 5%).
+with the link latency measured by a ping-pong between two ranks and each runtime's own cost
+per computation and per step fitted to runs of the same model at no cost, and predicts every
+layout of the search space; then each layout in ``LAYOUTS`` (degrees, schedules, micro-batch
+counts, recomputation; torch and DeepSpeed dialects) trains for real over gloo on this
+machine, one warm-up step and ``--steps`` timed steps, with the planner's split points.
+Printed: predicted against measured step time per layout (targets: median relative error <=
+10%, Spearman rank correlation >= 0.9), the predicted peak of micro-batches in flight per stage
+against the one counted in the run (target: equal), and the measured step of the planner's
+choice against the fastest measured layout of its dialect and world size (target: within 5%).
 
     python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--out DIR]
 
@@ -377,10 +378,14 @@ def _plan(
     )
 
 
+CALIBRATION_COUNTS = (4, 8, 16, 32)
+
+
 def _calibrate(dialect: str, latency: float, steps: int) -> tuple[float, float]:
-    """Seconds the runtime adds per computation and per step, from two runs of the model at
-    no cost (2 ranks, 1F1B, 4 and 16 micro-batches): ``step = a * computations on the
-    critical path + c``, the count taken from the simulator."""
+    """Seconds the runtime adds per computation and per step, from runs of the model at no
+    cost (2 ranks, 1F1B, :data:`CALIBRATION_COUNTS` micro-batches, the median of ``steps + 2``
+    steps each): the least-squares fit ``step = a * computations on the critical path + c``,
+    the count taken from the simulator."""
     from pipedialect.planner import StageTimes, build_program, simulate
 
     schedule = "deepspeed_1f1b" if dialect == "deepspeed" else "1f1b"
@@ -391,27 +396,24 @@ def _calibrate(dialect: str, latency: float, steps: int) -> tuple[float, float]:
         latency,
         memory=1 << 40,
         schedules=[schedule],
-        micro_batches=[4, 16],
+        micro_batches=list(CALIBRATION_COUNTS),
     )
-    runs = [_find(plan, (dialect, 2, schedule, 2, 1, 1, m, None)) for m in (4, 16)]
+    runs = [_find(plan, (dialect, 2, schedule, 2, 1, 1, m, None)) for m in CALIBRATION_COUNTS]
     per_rank = launch(
         _run_layouts,
         2,
         [_payload(plan, lay, dialect, free=True) for lay in runs],
-        steps,
+        steps + 2,
         None,
         timeout=1800,
     )
-    measured = [statistics.median(per_rank[0][i]["steps"]) for i in range(2)]
+    measured = [statistics.median(per_rank[0][i]["steps"]) for i in range(len(runs))]
+    free = [StageTimes(0.0, 0.0, 0.0, action_overhead=1.0)] * 2
     counts = [
-        simulate(
-            build_program(schedule, 2, m, 1), [StageTimes(0.0, 0.0, 0.0, action_overhead=1.0)] * 2
-        ).step_time
-        for m in (4, 16)
+        simulate(build_program(schedule, 2, m, 1), free).step_time for m in CALIBRATION_COUNTS
     ]
-    per_action = max(0.0, (measured[1] - measured[0]) / (counts[1] - counts[0]))
-    per_step = max(0.0, measured[0] - per_action * counts[0])
-    return per_action, per_step
+    slope, intercept = statistics.linear_regression(counts, measured)
+    return max(0.0, slope), max(0.0, intercept)
 
 
 def main() -> None:
@@ -436,8 +438,9 @@ def main() -> None:
         overheads[dialect] = _calibrate(dialect, latency, opts.steps)
         per_action, per_step = overheads[dialect]
         print(
-            f"calibration ({dialect}, a model of no cost): {per_action * 1e3:.2f} ms per "
-            f"computation, {per_step * 1e3:.1f} ms per step"
+            f"calibration ({dialect}, a model of no cost, {len(CALIBRATION_COUNTS)} micro-batch "
+            f"counts): {per_action * 1e3:.2f} ms per computation, {per_step * 1e3:.1f} ms per "
+            "step"
         )
     for dialect, world in sorted({(s[0], s[1]) for s in specs}):
         per_action, per_step = overheads[dialect]
