@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from ._cli_check import add_check_parser
-from .planner._cli import add_plan_parser
+from ._cli_plan import add_plan_parser
 from .plugins import DialectInfo, list_dialects
 
 __all__ = ["main"]

@@ -1,11 +1,12 @@
-"""``pipedialect plan``: the planner on the command line.
+"""``pipedialect plan``: the planner (:mod:`pipedialect.planner`) on the command line.
 
 ``--model`` names one of the built-in test models (:mod:`pipedialect.models`: ``gpt``,
 ``skip``, ``mixed``, ``encdec``) or a ``module:function`` that returns ``(model,
 example_inputs)``; the other options are :func:`~pipedialect.planner.plan_layout`'s. It prints
 the chosen layout and the table of the others (``--json``: the same as JSON), and with
 ``--trace PATH`` writes the chosen layout's predicted step as a Chrome trace. The exit status
-is 0 with a plan, 1 when no layout fits, 2 for a usage error.
+is 0 with a plan, 1 when no layout fits, 2 for a usage error. The planner is imported only when
+the command runs.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def add_plan_parser(sub: Any) -> None:
 
 
 def _load(spec: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
-    from ..models import MODELS
+    from .models import MODELS
 
     if spec in MODELS:
         model_spec = MODELS[spec]
@@ -80,8 +81,8 @@ def _load(spec: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ..errors import ConfigError, PipeDialectError
-    from ._api import plan_layout
+    from .errors import ConfigError, PipeDialectError
+    from .planner import plan_layout
 
     try:
         model, example = _load(args.model, args.batch_size)
