@@ -5,6 +5,9 @@
 - ``pipedialect demo [--dialect D] [--stages N] [--dp N] [--steps N] [--meta] [--trace PATH]``
   trains a small GPT over pipeline stages and compares every step's loss with the unsplit model
   in one process.
+- ``pipedialect plan --model M --world-size N --memory X --global-batch B --bandwidth Y ...``
+  predicts every layout the dialect offers and prints the fastest that fits (see
+  ``pipedialect.planner``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from ._cli_check import add_check_parser
+from ._cli_plan import add_plan_parser
 from .plugins import DialectInfo, list_dialects
 
 __all__ = ["main"]
@@ -127,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_demo.set_defaults(func=_cmd_demo, parser=p_demo)
     add_check_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -1,0 +1,165 @@
+"""A model as the planner sees it: a chain of atoms between candidate split points.
+
+[Note: the chain]
+The planner cuts a model only where :func:`pipedialect.partition` can: after a candidate
+module (see :mod:`pipedialect.balance`). Between two consecutive candidates lies an *atom*, with
+its forward and backward seconds for one micro-batch of ``batch`` samples, the parameters and
+other state it reads (keyed by name, so a parameter two atoms share is counted once per stage),
+the tensors its forward saves for the backward (keyed by storage, likewise), and, for tensor
+parallelism, the part of all that inside tensor-parallel modules. ``boundary[c]`` is the bytes a
+cut after atom ``c`` carries. A stage is a run of atoms; its costs are their sums (their unions
+for keyed amounts).
+
+A chain is built from a model by :func:`pipedialect.planner.model_chain` (measured once, on
+fake tensors or for real), or written by hand for a model described by its layers' costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from ..errors import ConfigError
+
+__all__ = ["Atom", "Chain", "StageProfile"]
+
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class Atom:
+    """What lies between two consecutive candidate split points ([Note: the chain])."""
+
+    #: Forward seconds for one micro-batch of the chain's ``batch`` samples.
+    forward: float
+    #: Backward seconds, likewise (input and weight gradients together).
+    backward: float
+    #: Trainable parameter bytes, by parameter name.
+    parameters: Mapping[str, int] = field(default_factory=dict)
+    #: Other state bytes (buffers, frozen parameters), by name.
+    state: Mapping[str, int] = field(default_factory=dict)
+    #: Bytes the forward keeps for the backward, by storage.
+    saved: Mapping[Hashable, int] = field(default_factory=dict)
+    #: Forward seconds run again in the backward (the atom is recomputed, ``checkpoint=``): its
+    #: backward then costs ``backward + recompute``, and ``saved`` holds what the checkpoint
+    #: keeps rather than what the forward would.
+    recompute: float = 0.0
+    #: Forward and backward seconds inside tensor-parallel modules (part of the above).
+    tensor_forward: float = 0.0
+    tensor_backward: float = 0.0
+    #: The parameters and saved storages of tensor-parallel modules (sharded over the axis).
+    tensor_parameters: frozenset[str] = frozenset()
+    tensor_saved: frozenset[Hashable] = frozenset()
+    #: Bytes all-reduced over the tensor axis per micro-batch: in the forward (row-wise
+    #: outputs) and in the backward (column-wise input gradients).
+    tensor_forward_bytes: int = 0
+    tensor_backward_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """One stage's costs at the chain's micro-batch size, before any parallel layout."""
+
+    forward: float
+    backward: float
+    recompute: float
+    parameter_bytes: int
+    state_bytes: int
+    activation_bytes: int
+    #: Bytes the stage sends to the next one (0 for the last).
+    boundary_bytes: int
+    tensor_forward: float
+    tensor_backward: float
+    tensor_parameter_bytes: int
+    tensor_activation_bytes: int
+    tensor_forward_bytes: int
+    tensor_backward_bytes: int
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A model as a chain of atoms ([Note: the chain])."""
+
+    atoms: tuple[Atom, ...]
+    #: ``cuts[c]``: the split point (module path) that ends atom ``c``; ``len(atoms) - 1`` of them.
+    cuts: tuple[str, ...]
+    #: ``boundary[c]``: bytes a cut after atom ``c`` carries.
+    boundary: tuple[int, ...]
+    #: Samples per micro-batch the costs are for.
+    batch: int = 1
+    #: ``nested_from[c]``: cut ``c`` ends a module whose call contains cuts
+    #: ``nested_from[c] .. c - 1``, which cannot come right before it (see ``_balance_solver``).
+    nested_from: tuple[int, ...] | None = None
+    #: The last cut must be below this (the last stage must compute); default: any.
+    last_cut_below: int | None = None
+    #: The share of each backward that is the weight-gradient pass (split backward schedules
+    #: run it separately); matrix products spend about half their backward there.
+    weight_fraction: float = 0.5
+    #: A label for tables (``"checkpoint blocks.*"``).
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.atoms)
+        if n < 1:
+            raise ConfigError("a chain needs at least one atom")
+        if len(self.cuts) != n - 1 or len(self.boundary) != n - 1:
+            raise ConfigError(
+                f"a chain of {n} atoms needs {n - 1} cut names and boundary sizes, got "
+                f"{len(self.cuts)} and {len(self.boundary)}"
+            )
+        if self.batch < 1:
+            raise ConfigError(f"a chain's batch must be at least 1, got {self.batch}")
+        if not 0.0 <= self.weight_fraction <= 1.0:
+            raise ConfigError(f"weight_fraction must lie in [0, 1], got {self.weight_fraction}")
+        if self.nested_from is not None and len(self.nested_from) != n - 1:
+            raise ConfigError(f"nested_from needs {n - 1} values, got {len(self.nested_from)}")
+
+    @property
+    def max_stages(self) -> int:
+        """The most stages the chain can be cut into."""
+        last = len(self.atoms) - 1 if self.last_cut_below is None else self.last_cut_below
+        return 1 + min(len(self.cuts), last)
+
+    def stages(self, cuts: Sequence[int]) -> list[StageProfile]:
+        """The costs of the stages that ``cuts`` (ascending cut indices) make."""
+        bounds = [-1, *cuts, len(self.atoms) - 1]
+        out = []
+        for k in range(len(bounds) - 1):
+            atoms = self.atoms[bounds[k] + 1 : bounds[k + 1] + 1]
+            if not atoms:
+                raise ConfigError(f"cuts {list(cuts)} leave stage {k} empty")
+            params = _union(a.parameters for a in atoms)
+            state = _union(a.state for a in atoms)
+            saved = _union(a.saved for a in atoms)
+            tp_params = frozenset().union(*(a.tensor_parameters for a in atoms))
+            tp_saved = frozenset().union(*(a.tensor_saved for a in atoms))
+            out.append(
+                StageProfile(
+                    forward=sum(a.forward for a in atoms),
+                    backward=sum(a.backward for a in atoms),
+                    recompute=sum(a.recompute for a in atoms),
+                    parameter_bytes=sum(params.values()),
+                    state_bytes=sum(state.values()),
+                    activation_bytes=sum(saved.values()),
+                    boundary_bytes=self.boundary[bounds[k + 1]] if k < len(bounds) - 2 else 0,
+                    tensor_forward=sum(a.tensor_forward for a in atoms),
+                    tensor_backward=sum(a.tensor_backward for a in atoms),
+                    tensor_parameter_bytes=sum(v for n, v in params.items() if n in tp_params),
+                    tensor_activation_bytes=sum(v for s, v in saved.items() if s in tp_saved),
+                    tensor_forward_bytes=sum(a.tensor_forward_bytes for a in atoms),
+                    tensor_backward_bytes=sum(a.tensor_backward_bytes for a in atoms),
+                )
+            )
+        return out
+
+    def split_points(self, cuts: Sequence[int]) -> tuple[str, ...]:
+        """The module paths of ``cuts``: what :func:`pipedialect.partition` takes."""
+        return tuple(self.cuts[c] for c in cuts)
+
+
+def _union(maps: Iterable[Mapping[K, int]]) -> dict[K, int]:
+    merged: dict[K, int] = {}
+    for m in maps:
+        merged.update(m)
+    return merged

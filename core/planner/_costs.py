@@ -1,0 +1,418 @@
+"""The cost and memory model: one layout of one chain, as the simulator's inputs.
+
+[Note: cost model]
+For a layout (``p`` pipeline ranks with ``v`` stages each, ``d`` data-parallel replicas in mode
+``ddp`` or ``fsdp``, ``t``-way tensor parallelism, ``m`` micro-batches of ``b`` samples) and the
+stages its split points make, every stage gets:
+
+- time: the chain's seconds scaled by ``b / batch`` (costs proportional to the micro-batch);
+  the tensor-parallel part divided by ``t``, plus a ring all-reduce over the tensor axis of the
+  row-wise outputs (forward) and the column-wise input gradients (backward); recomputation runs
+  the checkpointed forward again at the start of the backward; the backward splits into an input
+  pass and a weight pass in the chain's ``weight_fraction``; every computation also costs
+  ``action_overhead`` seconds;
+- communication: a message across a boundary takes ``latency + bytes / bandwidth`` (activations
+  forward, their gradients back, the same size); a ring all-reduce of ``x`` bytes over ``n``
+  ranks takes ``2 (n - 1) / n * x / bandwidth + 2 (n - 1) * latency``, an all-gather or a
+  reduce-scatter half of that;
+- memory: parameters, gradients and ``optimizer_states`` tensors of optimizer state per
+  trainable parameter (Adam: 2), at the parameters' own size; the tensor-parallel parameters
+  divided by ``t``. Under ``ddp`` every replica holds them whole and all-reduces the gradients at
+  the end of the step; under ``fsdp`` each rank holds ``1/d`` of them, gathers a stage's
+  parameters before it computes (held until torch's lowering reshards them) and keeps its
+  gradients unsharded from the first backward to the reduce-scatter after the last one.
+  Activations: the bytes the stage's forward saves, scaled by ``b / batch`` (the tensor-parallel
+  part divided by ``t``), times the micro-batches in flight that the simulation counts.
+
+What is left out: overlap of communication with computation beyond what the program's order
+allows, contention between messages on one link, and memory that is neither state nor saved
+activations (allocator fragmentation, workspace, the received boundary buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..errors import ConfigError
+from ._chain import Chain, StageProfile
+from ._program import Program
+from ._simulate import Simulation, StageMemory, StageTimes, simulate
+
+__all__ = ["Cluster", "Layout", "Prediction", "predict"]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines a layout runs on."""
+
+    #: Ranks (processes, one accelerator each).
+    world_size: int
+    #: Bytes each rank may hold.
+    memory_per_rank: float
+    #: Bytes per second of one link (point-to-point and collectives alike).
+    bandwidth: float
+    #: Seconds per message, and per step of a ring collective.
+    latency: float = 0.0
+    #: Optimizer-state tensors per trainable parameter (Adam: 2, SGD with momentum: 1).
+    optimizer_states: int = 2
+    #: Seconds the optimizer takes per byte of trainable parameters a rank updates.
+    optimizer_seconds_per_byte: float = 0.0
+    #: Seconds every forward, backward and weight pass costs on top of its work.
+    action_overhead: float = 0.0
+    #: Seconds every step costs on top of its schedule (launch, bookkeeping).
+    step_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world_size must be at least 1, got {self.world_size}")
+        if self.memory_per_rank <= 0 or self.bandwidth <= 0:
+            raise ConfigError(
+                f"memory_per_rank and bandwidth must be positive, got {self.memory_per_rank} "
+                f"and {self.bandwidth}"
+            )
+        if self.latency < 0 or self.optimizer_states < 0:
+            raise ConfigError("latency and optimizer_states cannot be negative")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: degrees, schedule, micro-batches, recomputation, split points."""
+
+    #: The dialect's name.
+    dialect: str
+    #: The schedule (the dialect's name for it; ``deepspeed_1f1b`` for DeepSpeed's).
+    schedule: str
+    #: Pipeline ranks ``p``.
+    pipeline: int
+    #: Stages per pipeline rank ``v``.
+    stages_per_rank: int
+    #: Data-parallel replicas ``d``.
+    data_parallel: int
+    #: ``"ddp"`` or ``"fsdp"``.
+    data_parallel_mode: str
+    #: Tensor-parallel degree ``t``.
+    tensor_parallel: int
+    #: Micro-batches per step ``m``.
+    micro_batches: int
+    #: Samples per micro-batch.
+    micro_batch_size: int
+    #: The recomputation option's label (the ``checkpoint=`` pattern), or None.
+    checkpoint: str | None
+    #: The split points: what ``partition(model, split_points)`` takes.
+    split_points: tuple[str, ...] = ()
+    #: Cut indices into the chain (for the planner's own use).
+    cuts: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    #: The dialect's own ``pipe_engine`` options this layout needs.
+    engine_options: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+    #: What ``partition``'s ``checkpoint=`` gets for this option.
+    checkpoint_patterns: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        """``p * v``."""
+        return self.pipeline * self.stages_per_rank
+
+    @property
+    def world_size(self) -> int:
+        """``p * d * t``."""
+        return self.pipeline * self.data_parallel * self.tensor_parallel
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per step over all replicas."""
+        return self.data_parallel * self.micro_batches * self.micro_batch_size
+
+    def key(self) -> tuple[Any, ...]:
+        """A total order among layouts, for ties."""
+        return (
+            self.schedule,
+            self.pipeline,
+            self.stages_per_rank,
+            self.data_parallel,
+            self.data_parallel_mode,
+            self.tensor_parallel,
+            self.micro_batches,
+            self.checkpoint or "",
+            self.split_points,
+        )
+
+    def describe(self) -> str:
+        """One line: ``1f1b  p=4 v=1 d=2 ddp t=1  m=8 x 4``."""
+        parts = [self.schedule, f"p={self.pipeline}"]
+        if self.stages_per_rank != 1:
+            parts.append(f"v={self.stages_per_rank}")
+        if self.data_parallel > 1:
+            parts.append(f"d={self.data_parallel} {self.data_parallel_mode}")
+        if self.tensor_parallel > 1:
+            parts.append(f"t={self.tensor_parallel}")
+        parts.append(f"m={self.micro_batches}x{self.micro_batch_size}")
+        if self.checkpoint:
+            parts.append(f"recompute {self.checkpoint}")
+        return " ".join(parts)
+
+    def partition_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`pipedialect.partition` (besides the model)."""
+        kwargs: dict[str, Any] = {"split_points": list(self.split_points)}
+        if self.checkpoint_patterns:
+            kwargs["checkpoint"] = list(self.checkpoint_patterns)
+        return kwargs
+
+    def config(self) -> dict[str, Any]:
+        """The batch sizes of the DeepSpeed-style config ``pipe_engine`` takes."""
+        return {
+            "train_batch_size": self.global_batch,
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": self.micro_batches,
+        }
+
+    def pipe_engine_kwargs(self) -> dict[str, Any]:
+        """The dialect's own ``pipe_engine`` options (plus ``topology``: see :meth:`topology`)."""
+        return dict(self.engine_options)
+
+    def topology(self, dialect: Any) -> Any:
+        """The process grid to pass as ``pipe_engine(..., topology=)``: the dialect's own
+        ``make_topology`` when it lays out ``p`` pipeline ranks, else a
+        :class:`~pipedialect.GridTopology` of ``pipe = p`` by ``data = d``."""
+        from ..errors import TopologyError
+        from ..topology import GridTopology
+
+        kwargs: dict[str, int] = {"data_parallel": self.data_parallel}
+        if self.tensor_parallel > 1:
+            kwargs["tensor_parallel"] = self.tensor_parallel
+        try:
+            made = dialect.make_topology(self.num_stages, **kwargs)
+        except TopologyError:
+            made = None
+        if made is not None and made.get_dim("pipe") == self.pipeline:
+            return made
+        return GridTopology(pipe=self.pipeline, data=self.data_parallel)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the model predicts for one layout."""
+
+    layout: Layout
+    #: Seconds per step.
+    step_time: float
+    #: Peak bytes of each pipeline rank (every replica alike).
+    peak_memory: tuple[float, ...]
+    #: Whether every rank fits ``memory_per_rank``.
+    fits: bool
+    simulation: Simulation = field(repr=False)
+    #: The stages' costs at this micro-batch size, as the simulator got them.
+    stage_times: tuple[StageTimes, ...] = field(repr=False, default=())
+
+    @property
+    def bubble(self) -> float:
+        """The mean idle fraction of the ranks."""
+        return self.simulation.bubble_fraction
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second."""
+        return self.layout.global_batch / self.step_time if self.step_time else 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest rank's computation over the mean (1.0: even)."""
+        busy = self.simulation.busy
+        mean = sum(busy) / len(busy)
+        return max(busy) / mean if mean else 1.0
+
+
+def ring_all_reduce(nbytes: float, ranks: int, cluster: Cluster) -> float:
+    """Seconds of a ring all-reduce ([Note: cost model])."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / cluster.bandwidth + 2 * (ranks - 1) * cluster.latency
+
+
+def ring_gather(nbytes: float, ranks: int, cluster: Cluster) -> float:
+    """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` in all."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / cluster.bandwidth + (ranks - 1) * cluster.latency
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """One stage under a layout: what the simulator takes, and the state it holds."""
+
+    times: StageTimes
+    memory: StageMemory
+    #: Bytes of state always held (parameters, gradients, optimizer state; sharded under FSDP).
+    base: float
+    #: Trainable bytes the rank updates for this stage (after sharding).
+    trainable: float
+    #: Trainable bytes before data-parallel sharding (what DDP all-reduces).
+    gradient: float
+    #: Seconds of one boundary message to the next stage.
+    message: float
+
+
+def stage_inputs(
+    stage: StageProfile,
+    layout: Layout,
+    chain: Chain,
+    cluster: Cluster,
+    *,
+    split: bool,
+) -> StageInputs:
+    """The simulator's inputs for one stage ([Note: cost model])."""
+    scale = layout.micro_batch_size / chain.batch
+    t, d = layout.tensor_parallel, layout.data_parallel
+    forward = (stage.forward - stage.tensor_forward) + stage.tensor_forward / t
+    backward = (stage.backward - stage.tensor_backward) + stage.tensor_backward / t
+    recompute = stage.recompute * (forward / stage.forward) if stage.forward else 0.0
+    forward = forward * scale + ring_all_reduce(stage.tensor_forward_bytes * scale, t, cluster)
+    backward = backward * scale + ring_all_reduce(stage.tensor_backward_bytes * scale, t, cluster)
+    recompute *= scale
+    weight = backward * chain.weight_fraction
+    trainable = (stage.parameter_bytes - stage.tensor_parameter_bytes) + (
+        stage.tensor_parameter_bytes / t
+    )
+    activation = (
+        (stage.activation_bytes - stage.tensor_activation_bytes) + stage.tensor_activation_bytes / t
+    ) * scale
+    per_parameter = 2 + cluster.optimizer_states
+    fsdp = layout.data_parallel_mode == "fsdp" and d > 1
+    shard = d if fsdp else 1
+    base = trainable * per_parameter / shard + stage.state_bytes
+    gathered = trainable * (shard - 1) / shard
+    times = StageTimes(
+        forward=forward,
+        backward_input=backward - weight + recompute,
+        backward_weight=weight,
+        split=split,
+        action_overhead=cluster.action_overhead,
+        all_gather=ring_gather(trainable, d, cluster) if fsdp else 0.0,
+        reduce_grad=ring_gather(trainable, d, cluster) if fsdp else 0.0,
+    )
+    memory = StageMemory(
+        activation=activation,
+        gathered=gathered if fsdp else 0.0,
+        gradient=gathered if fsdp else 0.0,
+    )
+    message = cluster.latency + stage.boundary_bytes * scale / cluster.bandwidth
+    return StageInputs(times, memory, base, trainable / shard, trainable, message)
+
+
+def predict(
+    chain: Chain,
+    layout: Layout,
+    cluster: Cluster,
+    program: Program,
+    *,
+    split_first_stage: bool = True,
+    without_communication: bool = False,
+) -> Prediction:
+    """Predict one layout: its stages' costs ([Note: cost model]) replayed by the simulator.
+
+    Args:
+        chain: the model.
+        layout: the layout; its ``cuts`` index ``chain``'s cuts.
+        cluster: the machines.
+        program: the schedule's program for ``layout`` (``p`` ranks, ``m`` micro-batches).
+        split_first_stage: False when the dialect runs the first stage's backward in one piece
+            (its inputs need no gradient: [Note: split backward without a gradient-carrying
+            input] in the torch dialect).
+        without_communication: predict as if every message and collective were free (what the
+            planner compares against to tell communication from bubble).
+    """
+    if program.num_stages != layout.num_stages or program.micro_batches != layout.micro_batches:
+        raise ConfigError(f"the program does not fit the layout {layout.describe()}")
+    if len(layout.cuts) != layout.num_stages - 1:
+        raise ConfigError(f"layout {layout.describe()} needs {layout.num_stages - 1} cuts")
+    if without_communication:
+        cluster = replace(cluster, bandwidth=float("inf"), latency=0.0)
+    profiles = chain.stages(layout.cuts)
+    inputs = [
+        stage_inputs(s, layout, chain, cluster, split=split_first_stage or k > 0)
+        for k, s in enumerate(profiles)
+    ]
+    p = program.num_ranks
+    gradient = [0.0] * p
+    trainable = [0.0] * p
+    base = [0.0] * p
+    for k, inp in enumerate(inputs):
+        r = program.placement[k]
+        gradient[r] += inp.gradient
+        trainable[r] += inp.trainable
+        base[r] += inp.base
+    ddp = layout.data_parallel_mode != "fsdp"
+    all_reduce = [
+        ring_all_reduce(g, layout.data_parallel, cluster) if ddp else 0.0 for g in gradient
+    ]
+    optimizer = [cluster.optimizer_seconds_per_byte * b for b in trainable]
+    simulation = simulate(
+        program,
+        [i.times for i in inputs],
+        boundaries=[i.message for i in inputs[:-1]],
+        all_reduce=all_reduce,
+        optimizer=optimizer,
+        memory=[i.memory for i in inputs],
+        base_memory=base,
+    )
+    peak = simulation.peak_memory or tuple(base)
+    return Prediction(
+        layout=layout,
+        step_time=simulation.step_time + cluster.step_overhead,
+        peak_memory=peak,
+        fits=max(peak) <= cluster.memory_per_rank,
+        simulation=simulation,
+        stage_times=tuple(i.times for i in inputs),
+    )
+
+
+def lower_bounds(
+    chain: Chain,
+    layout: Layout,
+    cluster: Cluster,
+    placement: Sequence[int],
+    *,
+    split_first_stage: bool,
+) -> tuple[float, float]:
+    """A step time and a peak memory no simulation of ``layout`` can go below: the busiest
+    rank's computation plus its blocking all-reduce and optimizer; the fullest rank's state plus
+    one micro-batch of activations per stage."""
+    profiles = chain.stages(layout.cuts)
+    p = layout.pipeline
+    busy = [0.0] * p
+    gradient = [0.0] * p
+    trainable = [0.0] * p
+    memory = [0.0] * p
+    for k, s in enumerate(profiles):
+        inp = stage_inputs(s, layout, chain, cluster, split=split_first_stage or k > 0)
+        r = placement[k]
+        t = inp.times
+        busy[r] += layout.micro_batches * (t.forward + t.backward + 2 * t.action_overhead)
+        gradient[r] += inp.gradient
+        trainable[r] += inp.trainable
+        memory[r] += inp.base + inp.memory.activation
+    ddp = layout.data_parallel_mode != "fsdp"
+    step = max(
+        busy[r]
+        + (ring_all_reduce(gradient[r], layout.data_parallel, cluster) if ddp else 0.0)
+        + cluster.optimizer_seconds_per_byte * trainable[r]
+        for r in range(p)
+    )
+    return step + cluster.step_overhead, max(memory)
+
+
+def stage_weights(chain: Chain, layout: Layout, cluster: Cluster) -> list[float]:
+    """Each atom's computation under ``layout``'s tensor degree: what the split solver
+    balances (proportional to the stage time, whatever the micro-batch size)."""
+    t = layout.tensor_parallel
+    out = []
+    for a in chain.atoms:
+        work = (a.forward - a.tensor_forward) + a.tensor_forward / t
+        work += (a.backward - a.tensor_backward) + a.tensor_backward / t
+        work += a.recompute
+        if t > 1:
+            tp_bytes = a.tensor_forward_bytes + a.tensor_backward_bytes
+            work += ring_all_reduce(tp_bytes, t, cluster)
+        out.append(work)
+    return out
