@@ -20,7 +20,7 @@ import os
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, final
 
 from torch import nn
 
@@ -151,11 +151,13 @@ class EngineRequest(Generic[OptionsT]):
 class Dialect(abc.ABC):
     """One pipeline runtime.
 
-    A subclass sets the class attributes, declares its options and implements
-    :meth:`_build_pipeline` and :meth:`_build_engine`; it may override :attr:`stage_wrapper`,
-    :attr:`codec`, :attr:`tie_analyzer`, :meth:`make_topology`, :meth:`init_distributed` and
-    :meth:`local_stages`. An instance must be cheap to create and must not import its runtime
-    until an engine is built, so that listing dialects never imports, say, deepspeed.
+    A subclass sets the class attributes, declares its options and implements the two hooks
+    :meth:`_build_pipeline` and :meth:`_build_engine` (abstract: a class without them cannot be
+    registered; :meth:`pipe_engine` and :meth:`runtime_engine` are final); it may override
+    :attr:`stage_wrapper`, :attr:`codec`, :attr:`tie_analyzer`, :meth:`make_topology`,
+    :meth:`init_distributed` and :meth:`local_stages`. An instance must be cheap to create and
+    must not import its runtime until an engine is built, so that listing dialects never
+    imports, say, deepspeed.
     """
 
     #: The name users pass to :func:`pipedialect.get_dialect`.
@@ -213,6 +215,7 @@ class Dialect(abc.ABC):
             for k, stage in enumerate(plan.stages)
         ]
 
+    @final
     def pipe_engine(
         self,
         plan: PipelinePlan,
@@ -316,6 +319,7 @@ class Dialect(abc.ABC):
         )
         return self._build_pipeline(request)
 
+    @final
     def runtime_engine(
         self,
         module: nn.Module,
@@ -366,35 +370,19 @@ class Dialect(abc.ABC):
         )
         return self._build_engine(request)
 
+    @abc.abstractmethod
     def _build_pipeline(self, request: PipelineRequest[Any]) -> nn.Module:
         """Build this rank's pipeline module from a checked request: what a dialect implements.
 
-        (A dialect written before this hook existed overrides :meth:`pipe_engine` itself; that
-        keeps working, without the shared checks.)
+        :meth:`pipe_engine` is the only caller, after the shared checks.
         """
-        raise NotImplementedError(f"dialect {self.name!r} does not implement _build_pipeline")
 
+    @abc.abstractmethod
     def _build_engine(self, request: EngineRequest[Any]) -> RuntimeEngine:
-        """Build the engine that trains ``request.module``: what a dialect implements."""
-        raise NotImplementedError(f"dialect {self.name!r} does not implement _build_engine")
+        """Build the engine that trains ``request.module``: what a dialect implements.
 
-    @classmethod
-    def unimplemented(cls) -> list[str]:
-        """The hooks this class leaves to the base: for each pair, neither is overridden.
-
-        A dialect implements :meth:`_build_pipeline` (or overrides :meth:`pipe_engine`) and
-        :meth:`_build_engine` (or overrides :meth:`runtime_engine`).
+        :meth:`runtime_engine` is the only caller, after the shared checks.
         """
-        missing = [
-            hook
-            for hook, public in (
-                ("_build_pipeline", "pipe_engine"),
-                ("_build_engine", "runtime_engine"),
-            )
-            if getattr(cls, hook) is getattr(Dialect, hook)
-            and getattr(cls, public) is getattr(Dialect, public)
-        ]
-        return missing
 
     def parse_options(self, given: Mapping[str, Any], *, engine: bool = False) -> Any:
         """Return :attr:`options` (or :attr:`engine_options`) built from ``given``.

@@ -25,8 +25,8 @@ from pipedialect import (
     TopologyError,
     partition,
 )
+from pipedialect.config import build_optimizer, parse_config
 from pipedialect.dialects.local import LocalDialect
-from pipedialect.dialects.local.config import build_optimizer, parse_config
 from pipedialect.dialects.local.engine import LocalEngine, LocalPipeline
 from pipedialect.models import MODELS, ModelSpec
 

@@ -26,7 +26,7 @@ import pipedialect
 import pipedialect.checkpoint as ckpt
 from pipedialect import CheckpointError
 from pipedialect.partition import partition
-from pipedialect.testing.launcher import launch
+from pipedialect.launch import launch
 
 LAUNCH_TIMEOUT = 900.0
 
