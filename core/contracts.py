@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "BOUNDARY_CAPABILITIES",
     "Capability",
     "RuntimeEngine",
+    "StageSpec",
     "TensorCodec",
     "TieAnalyzer",
     "Topology",
@@ -63,6 +65,32 @@ BOUNDARY_CAPABILITIES: frozenset[Capability] = frozenset(
         Capability.SKIP_CONNECTIONS,
     }
 )
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage wrapper needs to know about its stage; built by the plan.
+
+    Values are named as in the plan's graph: a model input by its parameter name, the output
+    of stage ``k`` as ``submod_k`` and its ``i``-th item as ``submod_k.i``
+    (:meth:`pipedialect.PipelinePlan.stage_spec`).
+    """
+
+    #: The stage's index.
+    stage_id: int
+    #: The number of stages of the plan.
+    num_stages: int
+    #: The stage's value name in the plan's graph (``"submod_<stage_id>"``).
+    name: str
+    #: The model's inputs, in the order the data loader supplies them.
+    input_names: tuple[str, ...]
+    #: The stage's arguments, in call order.
+    arg_names: tuple[str, ...]
+    #: What the stage receives, in wire order: its own arguments, then values later stages
+    #: need (the first stage receives the model's inputs).
+    receives: tuple[str, ...]
+    #: What it sends to the next stage (what that one receives); empty for the last stage.
+    sends: tuple[str, ...]
 
 
 @runtime_checkable

@@ -31,8 +31,15 @@ from .errors import ConfigError, TopologyError
 from .param_groups import ParamGroupsFn
 from .partition import PipelinePlan
 from .stage import StageWrapper
-from .ties import DefaultTieAnalyzer, TieRanks, check_topology, check_topology_object
-from .topology import GridTopology, join_process_group
+from .ties import DefaultTieAnalyzer, TieRanks
+from .topology import (
+    GridTopology,
+    check_topology,
+    check_topology_object,
+    check_world_size,
+    join_process_group,
+    joined_world_size,
+)
 
 __all__ = [
     "ENGINE_FEATURES",
@@ -91,22 +98,15 @@ class PipelineRequest(Generic[OptionsT]):
 
     def process_grid(self) -> Topology:
         """The grid to run on, one stage per pipe rank: the caller's topology, checked against
-        the plan and the process group, or ``pipe = stages`` by ``data = ranks / stages``.
+        the plan and the process group (:mod:`pipedialect.topology`), or ``pipe = stages`` by
+        ``data = ranks / stages``.
 
         Raises:
             ConfigError: the process group is not initialised.
             TopologyError: the ranks cannot hold the stages, or the topology does not match
-                the plan or the process group.
+                the plan (a pipe coordinate per stage, no model axis) or the process group.
         """
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError(
-                f"the process group is not initialised: call get_dialect({self.dialect.name!r})"
-                ".init_distributed() on every rank (started by torchrun or an equivalent) "
-                "before building the engine"
-            )
-        world, stages = dist.get_world_size(), self.plan.num_stages
+        world, stages = joined_world_size(self.dialect.name), self.plan.num_stages
         topology = self.topology
         if topology is None:
             if world % stages:
@@ -115,12 +115,8 @@ class PipelineRequest(Generic[OptionsT]):
                     f"{stages} processes"
                 )
             return self.dialect.make_topology(stages, world // stages)
-        check_topology(self.plan, topology)
-        if topology.world_size() != world:
-            raise TopologyError(
-                f"the topology describes {topology.world_size()} ranks but the process group "
-                f"has {world}; launch pipe x data = {topology.world_size()} processes"
-            )
+        check_topology(topology, stages)
+        check_world_size(topology, world)
         return topology
 
     def tie_ranks(self, topology: Topology) -> TieRanks:
@@ -200,17 +196,9 @@ class Dialect(abc.ABC):
 
         Each wrapper gets its own codec instance: codecs keep per-boundary state.
         """
-        liveness, arg_names = plan.liveness_dict(), plan.arg_names_dict()
         return [
             self.stage_wrapper(
-                stage,
-                k,
-                plan.stage_names[k],
-                plan.num_stages,
-                liveness,
-                arg_names,
-                codec=self.codec,
-                dynamic_shapes=dynamic_shapes,
+                stage, plan.stage_spec(k), codec=self.codec, dynamic_shapes=dynamic_shapes
             )
             for k, stage in enumerate(plan.stages)
         ]
