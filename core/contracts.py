@@ -10,7 +10,7 @@ import abc
 import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -121,8 +121,14 @@ class TensorCodec(abc.ABC):
     """Turns a boundary value into tensors plus a metadata string, and back.
 
     ``decode(*encode(obj))`` must give back ``obj``; a fresh instance must be able to decode
-    what another encoded (the metadata string carries everything but the tensors).
+    what another encoded (the metadata string carries everything but the tensors). A codec
+    whose format cannot tell some containers apart says so in :attr:`keeps_containers`.
     """
+
+    #: The containers ``decode`` gives back as they were encoded, of ``"tuple"``, ``"list"``,
+    #: ``"dict"`` and ``"namedtuple"``; any other comes back as a plain tuple (a dict as the
+    #: tuple of its values). The split-point guards judge decoded values by it.
+    keeps_containers: ClassVar[frozenset[str]] = frozenset({"tuple", "list", "dict", "namedtuple"})
 
     @abc.abstractmethod
     def encode(

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ._fx import decoded_by
 from .contracts import StageSpec, TensorCodec
 from .errors import ConfigError, WireError
 from .wire import WireDecoder, WireEncoder
@@ -146,8 +147,13 @@ class StageWrapper(nn.Module):
         return [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
 
     def run(self, received: Sequence[Any]) -> Any:
-        """Call the stage's module on its arguments, picked out of ``received``."""
-        return self.mod(*(received[i] for i in self._arg_index))
+        """Call the stage's module on its arguments, picked out of ``received``.
+
+        Values after the first stage came through :attr:`codec`, and the module's split-point
+        guards judge them as it decodes them ([Note: split-point outputs] in ``_fx``).
+        """
+        with decoded_by(self.codec if self.stage_id > 0 else None):
+            return self.mod(*(received[i] for i in self._arg_index))
 
     def send(self, received: Sequence[Any], out: Any) -> tuple[torch.Tensor, ...]:
         """Collect the values of :attr:`sends` and encode them as wire tensors."""

@@ -44,7 +44,8 @@ What the seed format cannot express (use :class:`~pipedialect.SchemaCodec` inste
     tensor (a device-to-host copy) to decode.
 
 :class:`PathCodec` puts this codec behind the :class:`~pipedialect.TensorCodec` interface
-(the top level decodes as a list, nested sequences as tuples).
+(the top level decodes as a list, nested sequences as tuples); its ``keeps_containers`` says so,
+and the split-point guards judge what it decodes by that.
 
 The pipeline engine
 ===================
