@@ -1,17 +1,17 @@
 """``pipedialect check NAME...``: run the conformance suite against installed dialects.
 
 It runs pytest in this process on ``--pyargs pipedialect.testing.suite`` with ``--dialect NAME``
-for each name, under a neutral configuration (an empty ini file in a temporary directory, no
-cache), so the result does not depend on the directory it is run from. pytest's output ends with
-the suite's per-area summary. The exit status is 0 when every test passed or was skipped by
-capability, 1 when one failed, 2 for a usage error or an unknown dialect, 5 when ``-k``
-selected nothing.
+for each name and the suite's plugin loaded (``-p pipedialect.testing.plugin``: the plugin is
+opt-in, pytest never loads it by itself), under a neutral configuration (an empty ini file in a
+temporary directory, no cache), so the result does not depend on the directory it is run from.
+pytest's output ends with the suite's per-area summary. The exit status is 0 when every test
+passed or was skipped by capability, 1 when one failed, 2 for a usage error or an unknown
+dialect, 5 when ``-k`` selected nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -81,6 +81,8 @@ def _pytest_args(args: argparse.Namespace, ini: Path) -> list[str]:
         "--rootdir",
         _suite_dir(),
         "-p",
+        "pipedialect.testing.plugin",
+        "-p",
         "no:cacheprovider",
         "--tb=short",
         "-W",
@@ -92,8 +94,6 @@ def _pytest_args(args: argparse.Namespace, ini: Path) -> list[str]:
         "--conformance-timeout",
         str(args.timeout),
     ]
-    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        argv += ["-p", "pipedialect.testing.plugin"]
     for name in args.names:
         argv += ["--dialect", name]
     for option in args.dialect_option:

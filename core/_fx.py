@@ -30,7 +30,13 @@ the value is first used, on every micro-batch (a few ``isinstance`` tests): the 
 constants equal the recorded ones, and every value the trace held as a Proxy is a tensor, a
 number, or tuples/lists/dicts of those (never ``None``, a string or another object, which the
 trace would have answered ``is None``/``isinstance`` for wrongly). The guard is a node of the
-stage graph, so it runs on every dialect, on the value the stage received.
+stage graph, so it runs on every dialect, on the value the stage received. That value went
+through the stage's codec, so the guard judges its structure as that codec defines it (the stage
+wrapper names the codec, :func:`decoded_by`): a container the codec does not keep
+(``TensorCodec.keeps_containers``; the seed's path codec keeps only tuples) may arrive as a
+plain tuple, which the code after the split point reads alike by position; a dict or namedtuple
+that arrives so although that code reads it by key or attribute is refused with an
+:class:`UnsupportedValueError` naming the codec, the real cause.
 
 [Note: checkpointed calls]
 ``partition(..., checkpoint=["blocks.*"])`` keeps each matched module as one ``call_module``
@@ -45,6 +51,8 @@ code names the helper and the module, so fingerprints stay deterministic.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import itertools
 import logging
@@ -59,7 +67,8 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from .errors import ActivationCheckpointError, CaptureError
+from .contracts import TensorCodec
+from .errors import ActivationCheckpointError, CaptureError, UnsupportedValueError
 
 __all__: list[str] = []
 
@@ -624,6 +633,33 @@ def is_guard(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is check_split_output
 
 
+#: The codec that decoded the values the running stage received; None outside a stage wrapper.
+_DECODED_BY: contextvars.ContextVar[TensorCodec | None] = contextvars.ContextVar(
+    "pipedialect_decoded_by", default=None
+)
+#: Every container kind a spec records: what a value that no codec decoded keeps.
+_ALL_CONTAINERS = frozenset({"tuple", "list", "dict", "namedtuple"})
+
+
+@contextlib.contextmanager
+def decoded_by(codec: TensorCodec | None) -> Iterator[None]:
+    """Let the split-point guards in this block judge values as ``codec`` decodes them."""
+    token = _DECODED_BY.set(codec)
+    try:
+        yield
+    finally:
+        _DECODED_BY.reset(token)
+
+
+class _LostByCodec(Exception):
+    """A container the code after a split point reads by key arrived as the codec's tuple."""
+
+    def __init__(self, where: str, kind: str) -> None:
+        super().__init__(where, kind)
+        self.where = where
+        self.kind = kind
+
+
 def check_split_output(value: Any, stage: int, split_point: str, spec: Any, reason: str) -> None:
     """Refuse a split-point output that differs from what the torch.fx capture assumed.
 
@@ -636,7 +672,20 @@ def check_split_output(value: Any, stage: int, split_point: str, spec: Any, reas
             "call_function", check_split_output, (value, stage, split_point, spec, reason), {}
         )
         return
-    problem = _mismatch(value, spec, ())
+    codec = _DECODED_BY.get()
+    keeps = _ALL_CONTAINERS if codec is None else frozenset(codec.keeps_containers)
+    try:
+        problem = _mismatch(value, spec, (), keeps)
+    except _LostByCodec as lost:
+        at = f" at {lost.where}" if lost.where else ""
+        what = "dict keys" if lost.kind == "dict" else "namedtuple fields"
+        raise UnsupportedValueError(
+            f"[Stage {stage}] the output of split point {split_point!r}{at} is a {lost.kind} "
+            f"in the model, but this stage's codec {codec!r} gives a {lost.kind} back as a "
+            f"plain tuple of its values: the {what} that the code after {split_point!r} reads "
+            "are lost. Use a codec that keeps them (SchemaCodec, the default), or return a "
+            f"tuple from {split_point!r}."
+        ) from None
     if problem is None:
         return
     where, what = problem
@@ -678,8 +727,14 @@ def _same_constant(value: Any, expected: Any) -> bool:
     return bool(value == expected)
 
 
-def _mismatch(value: Any, spec: Any, path: tuple[Any, ...]) -> tuple[str, str] | None:
-    """Where and how ``value`` differs from ``spec``; ``None`` when it agrees."""
+def _mismatch(
+    value: Any, spec: Any, path: tuple[Any, ...], keeps: frozenset[str] = _ALL_CONTAINERS
+) -> tuple[str, str] | None:
+    """Where and how ``value`` differs from ``spec``; ``None`` when it agrees.
+
+    ``keeps`` are the containers the codec that decoded ``value`` gives back as they were; any
+    other arrives as a plain tuple, and that is no difference.
+    """
     if spec == _LEAF:
         bad = _not_tensor_like(value, path)
         if bad is None:
@@ -696,13 +751,17 @@ def _mismatch(value: Any, spec: Any, path: tuple[Any, ...]) -> tuple[str, str] |
             "the code after it on that value"
         )
     if kind == "R":
-        return _mismatch_reads(value, spec, path)
+        return _mismatch_reads(value, spec, path, keeps)
     recorded = {"tuple": "a tuple", "list": "a list", "dict": "a dict"}.get(kind, "")
     if kind == "namedtuple":
         recorded = f"a {spec[1].rsplit('.', 1)[-1]}"
         same_type = _type_name(type(value)) == spec[1]
     else:
         same_type = type(value).__name__ == kind and type(value) in (tuple, list, dict)
+    if not same_type and kind not in keeps and type(value) is tuple:
+        if kind == "dict":  # the code after the split point reads it by key
+            raise _LostByCodec(where, kind)
+        same_type = True  # read by position, which the tuple keeps
     if not same_type:
         return where, f"is {_describe(value)}, but the torch.fx capture recorded {recorded}"
     if kind == "dict":
@@ -720,16 +779,18 @@ def _mismatch(value: Any, spec: Any, path: tuple[Any, ...]) -> tuple[str, str] |
             )
         items = enumerate(value)
     for (key, item), child in zip(items, children, strict=True):
-        problem = _mismatch(item, child, (*path, key))
+        problem = _mismatch(item, child, (*path, key), keeps)
         if problem is not None:
             return problem
     return None
 
 
-def _mismatch_reads(value: Any, spec: Any, path: tuple[Any, ...]) -> tuple[str, str] | None:
+def _mismatch_reads(
+    value: Any, spec: Any, path: tuple[Any, ...], keeps: frozenset[str]
+) -> tuple[str, str] | None:
     _, steps, whole = spec
     if whole:
-        problem = _mismatch(value, _LEAF, path)
+        problem = _mismatch(value, _LEAF, path, keeps)
         if problem is not None:
             return problem
     for step in steps:
@@ -742,12 +803,15 @@ def _mismatch_reads(value: Any, spec: Any, path: tuple[Any, ...]) -> tuple[str, 
             else:
                 item = value.get(key, step[2])
         except Exception as exc:
+            lost = "namedtuple" if op == "." else "dict" if isinstance(key, str) else ""
+            if lost and lost not in keeps and type(value) is tuple:
+                raise _LostByCodec(_path_text(path), lost) from None
             read = _path_text([key] if op == "[]" else [(op, key)])
             return _path_text(path), (
                 f"is {_describe(value)}, from which the torch.fx capture read {read} "
                 f"({type(exc).__name__}: {exc})"
             )
-        problem = _mismatch(item, child, (*path, key if op == "[]" else (op, key)))
+        problem = _mismatch(item, child, (*path, key if op == "[]" else (op, key)), keeps)
         if problem is not None:
             return problem
     return None

@@ -9,7 +9,8 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ __all__ = [
     "BOUNDARY_CAPABILITIES",
     "Capability",
     "RuntimeEngine",
+    "StageSpec",
     "TensorCodec",
     "TieAnalyzer",
     "Topology",
@@ -65,6 +67,32 @@ BOUNDARY_CAPABILITIES: frozenset[Capability] = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage wrapper needs to know about its stage; built by the plan.
+
+    Values are named as in the plan's graph: a model input by its parameter name, the output
+    of stage ``k`` as ``submod_k`` and its ``i``-th item as ``submod_k.i``
+    (:meth:`pipedialect.PipelinePlan.stage_spec`).
+    """
+
+    #: The stage's index.
+    stage_id: int
+    #: The number of stages of the plan.
+    num_stages: int
+    #: The stage's value name in the plan's graph (``"submod_<stage_id>"``).
+    name: str
+    #: The model's inputs, in the order the data loader supplies them.
+    input_names: tuple[str, ...]
+    #: The stage's arguments, in call order.
+    arg_names: tuple[str, ...]
+    #: What the stage receives, in wire order: its own arguments, then values later stages
+    #: need (the first stage receives the model's inputs).
+    receives: tuple[str, ...]
+    #: What it sends to the next stage (what that one receives); empty for the last stage.
+    sends: tuple[str, ...]
+
+
 @runtime_checkable
 class Topology(Protocol):
     """A process grid with a ``pipe`` axis, as DeepSpeed's ``ProcessTopology`` provides.
@@ -93,8 +121,14 @@ class TensorCodec(abc.ABC):
     """Turns a boundary value into tensors plus a metadata string, and back.
 
     ``decode(*encode(obj))`` must give back ``obj``; a fresh instance must be able to decode
-    what another encoded (the metadata string carries everything but the tensors).
+    what another encoded (the metadata string carries everything but the tensors). A codec
+    whose format cannot tell some containers apart says so in :attr:`keeps_containers`.
     """
+
+    #: The containers ``decode`` gives back as they were encoded, of ``"tuple"``, ``"list"``,
+    #: ``"dict"`` and ``"namedtuple"``; any other comes back as a plain tuple (a dict as the
+    #: tuple of its values). The split-point guards judge decoded values by it.
+    keeps_containers: ClassVar[frozenset[str]] = frozenset({"tuple", "list", "dict", "namedtuple"})
 
     @abc.abstractmethod
     def encode(

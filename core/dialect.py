@@ -20,7 +20,7 @@ import os
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, final
 
 from torch import nn
 
@@ -33,8 +33,15 @@ from .errors import ConfigError, TopologyError
 from .param_groups import ParamGroupsFn
 from .partition import PipelinePlan
 from .stage import StageWrapper
-from .ties import DefaultTieAnalyzer, TieRanks, check_topology, check_topology_object
-from .topology import GridTopology, join_process_group
+from .ties import DefaultTieAnalyzer, TieRanks
+from .topology import (
+    GridTopology,
+    check_topology,
+    check_topology_object,
+    check_world_size,
+    join_process_group,
+    joined_world_size,
+)
 
 __all__ = [
     "ENGINE_FEATURES",
@@ -93,22 +100,15 @@ class PipelineRequest(Generic[OptionsT]):
 
     def process_grid(self) -> Topology:
         """The grid to run on, one stage per pipe rank: the caller's topology, checked against
-        the plan and the process group, or ``pipe = stages`` by ``data = ranks / stages``.
+        the plan and the process group (:mod:`pipedialect.topology`), or ``pipe = stages`` by
+        ``data = ranks / stages``.
 
         Raises:
             ConfigError: the process group is not initialised.
             TopologyError: the ranks cannot hold the stages, or the topology does not match
-                the plan or the process group.
+                the plan (a pipe coordinate per stage, no model axis) or the process group.
         """
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError(
-                f"the process group is not initialised: call get_dialect({self.dialect.name!r})"
-                ".init_distributed() on every rank (started by torchrun or an equivalent) "
-                "before building the engine"
-            )
-        world, stages = dist.get_world_size(), self.plan.num_stages
+        world, stages = joined_world_size(self.dialect.name), self.plan.num_stages
         topology = self.topology
         if topology is None:
             if world % stages:
@@ -117,12 +117,8 @@ class PipelineRequest(Generic[OptionsT]):
                     f"{stages} processes"
                 )
             return self.dialect.make_topology(stages, world // stages)
-        check_topology(self.plan, topology)
-        if topology.world_size() != world:
-            raise TopologyError(
-                f"the topology describes {topology.world_size()} ranks but the process group "
-                f"has {world}; launch pipe x data = {topology.world_size()} processes"
-            )
+        check_topology(topology, stages)
+        check_world_size(topology, world)
         return topology
 
     def tie_ranks(self, topology: Topology) -> TieRanks:
@@ -153,11 +149,13 @@ class EngineRequest(Generic[OptionsT]):
 class Dialect(abc.ABC):
     """One pipeline runtime.
 
-    A subclass sets the class attributes, declares its options and implements
-    :meth:`_build_pipeline` and :meth:`_build_engine`; it may override :attr:`stage_wrapper`,
-    :attr:`codec`, :attr:`tie_analyzer`, :meth:`make_topology`, :meth:`init_distributed` and
-    :meth:`local_stages`. An instance must be cheap to create and must not import its runtime
-    until an engine is built, so that listing dialects never imports, say, deepspeed.
+    A subclass sets the class attributes, declares its options and implements the two hooks
+    :meth:`_build_pipeline` and :meth:`_build_engine` (abstract: a class without them cannot be
+    registered; :meth:`pipe_engine` and :meth:`runtime_engine` are final); it may override
+    :attr:`stage_wrapper`, :attr:`codec`, :attr:`tie_analyzer`, :meth:`make_topology`,
+    :meth:`init_distributed` and :meth:`local_stages`. An instance must be cheap to create and
+    must not import its runtime until an engine is built, so that listing dialects never
+    imports, say, deepspeed.
     """
 
     #: The name users pass to :func:`pipedialect.get_dialect`.
@@ -200,21 +198,14 @@ class Dialect(abc.ABC):
 
         Each wrapper gets its own codec instance: codecs keep per-boundary state.
         """
-        liveness, arg_names = plan.liveness_dict(), plan.arg_names_dict()
         return [
             self.stage_wrapper(
-                stage,
-                k,
-                plan.stage_names[k],
-                plan.num_stages,
-                liveness,
-                arg_names,
-                codec=self.codec,
-                dynamic_shapes=dynamic_shapes,
+                stage, plan.stage_spec(k), codec=self.codec, dynamic_shapes=dynamic_shapes
             )
             for k, stage in enumerate(plan.stages)
         ]
 
+    @final
     def pipe_engine(
         self,
         plan: PipelinePlan,
@@ -321,6 +312,7 @@ class Dialect(abc.ABC):
         )
         return self._build_pipeline(request)
 
+    @final
     def runtime_engine(
         self,
         module: nn.Module,
@@ -372,35 +364,19 @@ class Dialect(abc.ABC):
         )
         return self._build_engine(request)
 
+    @abc.abstractmethod
     def _build_pipeline(self, request: PipelineRequest[Any]) -> nn.Module:
         """Build this rank's pipeline module from a checked request: what a dialect implements.
 
-        (A dialect written before this hook existed overrides :meth:`pipe_engine` itself; that
-        keeps working, without the shared checks.)
+        :meth:`pipe_engine` is the only caller, after the shared checks.
         """
-        raise NotImplementedError(f"dialect {self.name!r} does not implement _build_pipeline")
 
+    @abc.abstractmethod
     def _build_engine(self, request: EngineRequest[Any]) -> RuntimeEngine:
-        """Build the engine that trains ``request.module``: what a dialect implements."""
-        raise NotImplementedError(f"dialect {self.name!r} does not implement _build_engine")
+        """Build the engine that trains ``request.module``: what a dialect implements.
 
-    @classmethod
-    def unimplemented(cls) -> list[str]:
-        """The hooks this class leaves to the base: for each pair, neither is overridden.
-
-        A dialect implements :meth:`_build_pipeline` (or overrides :meth:`pipe_engine`) and
-        :meth:`_build_engine` (or overrides :meth:`runtime_engine`).
+        :meth:`runtime_engine` is the only caller, after the shared checks.
         """
-        missing = [
-            hook
-            for hook, public in (
-                ("_build_pipeline", "pipe_engine"),
-                ("_build_engine", "runtime_engine"),
-            )
-            if getattr(cls, hook) is getattr(Dialect, hook)
-            and getattr(cls, public) is getattr(Dialect, public)
-        ]
-        return missing
 
     def parse_options(self, given: Mapping[str, Any], *, engine: bool = False) -> Any:
         """Return :attr:`options` (or :attr:`engine_options`) built from ``given``.

@@ -22,7 +22,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, overload
+from typing import Any
 
 from torch import fx, nn
 
@@ -34,16 +34,14 @@ from ._module_paths import (
     resolve_leaves,
 )
 from .balance import BalanceMethod, PlanCosts, profile_model
+from .contracts import StageSpec
 from .errors import ActivationCheckpointError, ConfigError, PartitionError, SplitPointError
 from .liveness import compute_liveness
-from .stage import StageWrapper
 from .ties import TieGroup, find_tie_groups
 
 __all__ = ["PipelinePlan", "partition"]
 
 logger = logging.getLogger(__name__)
-
-_W = TypeVar("_W", bound=StageWrapper)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -91,32 +89,17 @@ class PipelinePlan:
         """The names of the values ``stage_id`` sends to the next stage."""
         return self.liveness[stage_id + 1] if stage_id + 1 < self.num_stages else ()
 
-    def liveness_dict(self) -> dict[int, list[str]]:
-        """``{stage id: [received value names]}``, the seed's ``liveness`` format."""
-        return {k: list(names) for k, names in enumerate(self.liveness)}
-
-    def arg_names_dict(self) -> dict[int, list[str]]:
-        """The seed's ``stage_id_2_arg_names``: ``{-1: inputs, stage id: [argument names]}``."""
-        table = {-1: list(self.input_names)}
-        table.update({k: list(names) for k, names in enumerate(self.stage_arg_names)})
-        return table
-
-    @overload
-    def wrap(self, **kwargs: Any) -> list[StageWrapper]: ...
-
-    @overload
-    def wrap(self, wrapper_cls: type[_W], **kwargs: Any) -> list[_W]: ...
-
-    def wrap(self, wrapper_cls: type[Any] = StageWrapper, **kwargs: Any) -> list[Any]:
-        """Return one ``wrapper_cls`` per stage, built with the seed's arguments plus ``kwargs``."""
-        liveness = self.liveness_dict()
-        arg_names = self.arg_names_dict()
-        return [
-            wrapper_cls(
-                stage, k, self.stage_names[k], self.num_stages, liveness, arg_names, **kwargs
-            )
-            for k, stage in enumerate(self.stages)
-        ]
+    def stage_spec(self, stage_id: int) -> StageSpec:
+        """What the wrapper of ``stage_id`` receives, runs on and sends (see ``StageWrapper``)."""
+        return StageSpec(
+            stage_id=stage_id,
+            num_stages=self.num_stages,
+            name=self.stage_names[stage_id],
+            input_names=self.input_names,
+            arg_names=self.stage_arg_names[stage_id],
+            receives=self.liveness[stage_id],
+            sends=self.sends(stage_id),
+        )
 
     def describe(self) -> str:
         """A readable summary: per stage, its parameters, arguments, what it receives and sends."""

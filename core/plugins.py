@@ -373,7 +373,7 @@ def _check_dialect(dialect: object, plugin: str) -> None:
             f"plugin {plugin!r} registered {dialect!r} without a non-empty string `name`"
         )
     cls: type[Dialect] = dialect if isinstance(dialect, type) else type(dialect)
-    abstract = sorted({*getattr(cls, "__abstractmethods__", ()), *cls.unimplemented()})
+    abstract = sorted(getattr(cls, "__abstractmethods__", ()))
     if abstract:
         missing = ", ".join(abstract)
         raise PluginError(

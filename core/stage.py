@@ -8,10 +8,10 @@ carry everything else.
 
 Values are named as in the plan's top-level graph: a model input by its parameter name, the
 output of stage ``k`` as ``submod_k``, and its ``i``-th item as ``submod_k.i`` when the stage
-returns several values. ``liveness[k]`` lists what stage ``k`` receives (its own arguments, then
-values later stages need); ``stage_id_2_arg_names[k]`` the arguments of stage ``k`` in call
-order, and ``stage_id_2_arg_names[-1]`` the model inputs in the order the data loader supplies
-them.
+returns several values. A wrapper learns its stage's names from the plan's
+:class:`~pipedialect.contracts.StageSpec` (:meth:`~pipedialect.PipelinePlan.stage_spec`): what
+the stage receives (its own arguments, then values later stages need), its arguments in call
+order, what it sends on, and the model's inputs in the order the data loader supplies them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .contracts import TensorCodec
+from ._fx import decoded_by
+from .contracts import StageSpec, TensorCodec
 from .errors import ConfigError, WireError
 from .wire import WireDecoder, WireEncoder
 
@@ -30,53 +31,51 @@ __all__ = ["StageWrapper"]
 
 
 class StageWrapper(nn.Module):
-    """Run stage ``stage_id`` of a partitioned model; subclassed by each dialect.
+    """Run one stage of a partitioned model; subclassed by each dialect.
 
     Args:
         mod: the stage's GraphModule (parameters keep the original model's names).
-        stage_id: this stage's index.
-        name: the stage's value name in the plan's graph (``"submod_<stage_id>"``).
-        total_stages: the number of stages.
-        liveness: for every stage id, the names of the values it receives.
-        stage_id_2_arg_names: for every stage id, its argument names; ``-1`` maps to the model's
-            inputs in data-loader order.
+        spec: what the stage receives, runs on and sends: ``plan.stage_spec(stage_id)``.
         codec: the codec for boundary values; a fresh :class:`~pipedialect.SchemaCodec`
             by default.
         dynamic_shapes: allow boundary structure and shapes to change between micro-batches
             (the receiver then reads the metadata every time).
+
+    Raises:
+        ConfigError: the spec does not describe a stage: its id is outside its stages, the
+            first stage receives other values than the model's inputs, or an argument of the
+            stage is not among what it receives.
     """
 
     def __init__(
         self,
         mod: fx.GraphModule | nn.Module,
-        stage_id: int,
-        name: str,
-        total_stages: int,
-        liveness: Mapping[int, Sequence[str]],
-        stage_id_2_arg_names: Mapping[int, Sequence[str]],
+        spec: StageSpec,
         *,
         codec: TensorCodec | None = None,
         dynamic_shapes: bool = False,
     ) -> None:
         super().__init__()
+        stage_id, total_stages = spec.stage_id, spec.num_stages
         if not 0 <= stage_id < total_stages:
             raise ConfigError(f"stage_id {stage_id} is outside 0..{total_stages - 1}")
         self.mod = mod
+        self.spec = spec
         self.stage_id = stage_id
-        self.name = name
+        self.name = spec.name
         self.total_stages = total_stages
         self.last = stage_id == total_stages - 1
         self.dynamic_shapes = dynamic_shapes
         self.log_prefix = f"[Stage {stage_id}]"
-        self.input_names: tuple[str, ...] = tuple(stage_id_2_arg_names.get(-1, ()))
-        self.arg_names: tuple[str, ...] = tuple(self._lookup(stage_id_2_arg_names, stage_id))
-        if stage_id == 0:
-            self.receives: tuple[str, ...] = self.input_names
-        else:
-            self.receives = tuple(self._lookup(liveness, stage_id))
-        self.sends: tuple[str, ...] = (
-            () if self.last else tuple(self._lookup(liveness, stage_id + 1))
-        )
+        self.input_names: tuple[str, ...] = spec.input_names
+        self.arg_names: tuple[str, ...] = spec.arg_names
+        self.receives: tuple[str, ...] = spec.receives
+        self.sends: tuple[str, ...] = () if self.last else spec.sends
+        if stage_id == 0 and self.receives != self.input_names:
+            raise ConfigError(
+                f"{self.log_prefix} the first stage receives the model's inputs "
+                f"{list(self.input_names)}, but the spec says {list(self.receives)}"
+            )
         missing = [a for a in self.arg_names if a not in self.receives]
         if missing:
             raise ConfigError(
@@ -102,15 +101,6 @@ class StageWrapper(nn.Module):
         """
         self._encoder.reset()
         self._decoder.reset()
-
-    def _lookup(self, table: Mapping[int, Sequence[str]], key: int) -> Sequence[str]:
-        try:
-            return table[key]
-        except KeyError:
-            raise ConfigError(
-                f"{self.log_prefix} no entry for stage {key} in the liveness/argument tables "
-                f"(keys: {sorted(table)})"
-            ) from None
 
     # -- the three steps of a stage ------------------------------------------------------
 
@@ -157,8 +147,13 @@ class StageWrapper(nn.Module):
         return [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
 
     def run(self, received: Sequence[Any]) -> Any:
-        """Call the stage's module on its arguments, picked out of ``received``."""
-        return self.mod(*(received[i] for i in self._arg_index))
+        """Call the stage's module on its arguments, picked out of ``received``.
+
+        Values after the first stage came through :attr:`codec`, and the module's split-point
+        guards judge them as it decodes them ([Note: split-point outputs] in ``_fx``).
+        """
+        with decoded_by(self.codec if self.stage_id > 0 else None):
+            return self.mod(*(received[i] for i in self._arg_index))
 
     def send(self, received: Sequence[Any], out: Any) -> tuple[torch.Tensor, ...]:
         """Collect the values of :attr:`sends` and encode them as wire tensors."""

@@ -24,10 +24,9 @@ differ) raise :class:`~pipedialect.TieError` naming both.
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,9 +34,7 @@ from torch import nn
 from .contracts import TieAnalyzer, Topology
 from .errors import TieError, TopologyError
 from .stage import StageWrapper
-
-if TYPE_CHECKING:
-    from .partition import PipelinePlan
+from .topology import check_topology_object
 
 __all__ = [
     "DefaultTieAnalyzer",
@@ -45,18 +42,21 @@ __all__ = [
     "TieRanks",
     "analyze_tie_ranks",
     "check_tie_objects",
-    "check_topology",
-    "check_topology_object",
     "find_tie_groups",
     "retie_parameters",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: What :func:`analyze_tie_ranks` returns: for each group, the rank lists whose members must
-#: stay equal (one list per coordinate on the non-pipe axes, ranks in stage order), and the
-#: group's stage ids, sorted, in the order of the ranks in each of those lists.
-TieRanks = tuple[list[list[list[int]]], list[list[int]]]
+
+class TieRanks(NamedTuple):
+    """What :func:`analyze_tie_ranks` returns: a tuple ``(ranks, stages)``, as Slapo's."""
+
+    #: For each group, the rank lists whose members must stay equal: one list per coordinate
+    #: on the non-pipe axes, each in stage order.
+    ranks: list[list[list[int]]]
+    #: For each group, its stage ids, sorted: ``stages[g][j]`` holds ``ranks[g][c][j]``.
+    stages: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -146,42 +146,6 @@ def _axis_values(coord: Any) -> dict[str, int]:
     return values
 
 
-#: The calls of a :class:`~pipedialect.Topology` that tie analysis makes.
-_TOPOLOGY_CALLS = ("get_dim", "filter_match", "get_coord")
-
-
-def check_topology_object(topology: Any, calls: Sequence[str] = _TOPOLOGY_CALLS) -> int:
-    """Raise :class:`TopologyError` unless ``topology`` answers ``calls``; return its pipe size.
-
-    Checked up front so that a wrong object (a class instead of an instance, a topology of
-    another library) gets a named error instead of a ``TypeError`` deep inside the analysis.
-    """
-    wanted = "get_dim(axis), filter_match(**axes), get_coord(rank) and world_size()"
-    if isinstance(topology, type):
-        raise TopologyError(
-            f"topology must be a topology object, got the class {topology.__name__}; create "
-            f"one first (e.g. {topology.__name__}(num_pp=..., num_mp=1, num_dp=...))"
-        )
-    missing = [call for call in calls if not callable(getattr(topology, call, None))]
-    if missing:
-        raise TopologyError(
-            f"topology {topology!r} ({type(topology).__name__}) has no "
-            f"{', '.join(f'{m}()' for m in missing)} method; a topology needs {wanted}, as "
-            "DeepSpeed's ProcessTopology and pipedialect.GridTopology provide"
-        )
-    raw = topology.get_dim("pipe")
-    try:
-        num_pipe = operator.index(raw)
-    except TypeError:
-        num_pipe = 0
-    if isinstance(raw, bool) or num_pipe < 1:
-        raise TopologyError(
-            f"topology {type(topology).__name__}.get_dim('pipe') returned {raw!r}; it must "
-            "return the number of pipeline stages, a positive int"
-        )
-    return num_pipe
-
-
 def analyze_tie_ranks(
     tie_weight_groups: Iterable[Iterable[tuple[str, int]]], topology: Topology
 ) -> TieRanks:
@@ -229,18 +193,7 @@ def analyze_tie_ranks(
         order = sorted(first, key=first.__getitem__)
         tie_ranks.append([[table[coord] for table in by_stage] for coord in order])
         tie_stages.append(stages)
-    return tie_ranks, tie_stages
-
-
-def check_topology(plan: PipelinePlan, topology: Topology) -> None:
-    """Raise :class:`TopologyError` unless ``topology`` has one pipe coordinate per plan stage."""
-    num_pipe = check_topology_object(topology, ("get_dim",))
-    if num_pipe != plan.num_stages:
-        raise TopologyError(
-            f"the topology's pipe axis has {num_pipe} coordinates but the plan has "
-            f"{plan.num_stages} stages; build the topology with num_pp={plan.num_stages} "
-            "(one stage per pipe rank)"
-        )
+    return TieRanks(tie_ranks, tie_stages)
 
 
 class DefaultTieAnalyzer(TieAnalyzer):
@@ -284,7 +237,7 @@ def check_tie_objects(
                 f"{where}tie group {group.key} ({', '.join(f'{n}@{s}' for n, s in group)}) "
                 f"is held as {len(objects)} different Parameter objects "
                 f"({', '.join(objects.values())}); build the stage modules from one model "
-                "(plan.wrap()) so that tied parameters stay one object"
+                "(dialect.wrap_stages(plan)) so that tied parameters stay one object"
             )
 
 
@@ -318,7 +271,7 @@ def _slot(stages: Sequence[nn.Module], name: str, stage: int, key: str) -> _Slot
     if module is None or not isinstance(param, nn.Parameter):
         raise TieError(
             f"[Stage {stage}] has no parameter {name!r} of tie group {key}; the stage modules "
-            "do not match the plan (build them with plan.wrap() or dialect.wrap_stages(plan))"
+            "do not match the plan (build them with dialect.wrap_stages(plan))"
         )
     return _Slot(name, stage, module, attr, param)
 

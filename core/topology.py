@@ -2,21 +2,35 @@
 
 :class:`GridTopology` is the ``pipe`` x ``data`` grid for dialects without a runtime topology
 class; :func:`join_process_group` is what :meth:`~pipedialect.dialect.Dialect.init_distributed`
-does by default.
+does by default. Every check of a topology is here, written once for every dialect:
+:func:`check_topology_object` (the calls it answers, its pipe size), :func:`check_topology`
+(one pipe coordinate per stage, no model axis), :func:`joined_world_size` and
+:func:`check_world_size` (the process group exists and has the topology's ranks);
+:meth:`PipelineRequest.process_grid() <pipedialect.dialect.PipelineRequest.process_grid>` runs
+them in that order.
 """
 
 from __future__ import annotations
 
+import operator
 import os
-from collections.abc import Iterable
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-from .contracts import Capability
+from .contracts import Capability, Topology
 from .errors import ConfigError, TopologyError
 
-__all__ = ["GridCoord", "GridTopology", "join_process_group"]
+__all__ = [
+    "GridCoord",
+    "GridTopology",
+    "check_topology",
+    "check_topology_object",
+    "check_world_size",
+    "join_process_group",
+    "joined_world_size",
+]
 
 #: What ``torch.distributed``'s default ``env://`` rendezvous reads; a launcher sets them.
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -107,3 +121,89 @@ def join_process_group(
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend)
+
+
+#: The calls of a :class:`~pipedialect.Topology` that tie analysis makes.
+_TOPOLOGY_CALLS = ("get_dim", "filter_match", "get_coord")
+
+
+def check_topology_object(topology: Any, calls: Sequence[str] = _TOPOLOGY_CALLS) -> int:
+    """Raise :class:`TopologyError` unless ``topology`` answers ``calls``; return its pipe size.
+
+    Checked up front so that a wrong object (a class instead of an instance, a topology of
+    another library) gets a named error instead of a ``TypeError`` deep inside the analysis.
+    """
+    wanted = "get_dim(axis), filter_match(**axes), get_coord(rank) and world_size()"
+    if isinstance(topology, type):
+        raise TopologyError(
+            f"topology must be a topology object, got the class {topology.__name__}; create "
+            f"one first (e.g. {topology.__name__}(num_pp=..., num_mp=1, num_dp=...))"
+        )
+    missing = [call for call in calls if not callable(getattr(topology, call, None))]
+    if missing:
+        raise TopologyError(
+            f"topology {topology!r} ({type(topology).__name__}) has no "
+            f"{', '.join(f'{m}()' for m in missing)} method; a topology needs {wanted}, as "
+            "DeepSpeed's ProcessTopology and pipedialect.GridTopology provide"
+        )
+    raw = topology.get_dim("pipe")
+    try:
+        num_pipe = operator.index(raw)
+    except TypeError:
+        num_pipe = 0
+    if isinstance(raw, bool) or num_pipe < 1:
+        raise TopologyError(
+            f"topology {type(topology).__name__}.get_dim('pipe') returned {raw!r}; it must "
+            "return the number of pipeline stages, a positive int"
+        )
+    return num_pipe
+
+
+def check_topology(topology: Any, num_stages: int | None = None) -> int:
+    """Raise :class:`TopologyError` unless ``topology`` can hold a plan; return its pipe size.
+
+    It must answer ``get_dim`` with a positive pipe size, equal to ``num_stages`` when given
+    (one stage per pipe coordinate), and have no model axis beyond 1: pipedialect does not
+    shard stages for tensor parallelism.
+    """
+    num_pipe = check_topology_object(topology, ("get_dim",))
+    model = topology.get_dim("model") or 1
+    if model > 1:
+        raise TopologyError(
+            f"the topology has a model-parallel axis of size {model}; pipedialect does not "
+            "shard stages for tensor parallelism: use a topology with model=1 (num_mp=1), e.g. "
+            "dialect.make_topology(num_stages, data_parallel)"
+        )
+    if num_stages is not None and num_pipe != num_stages:
+        raise TopologyError(
+            f"the topology's pipe axis has {num_pipe} coordinates but the plan has "
+            f"{num_stages} stages; build the topology with num_pp={num_stages} "
+            "(one stage per pipe rank)"
+        )
+    return num_pipe
+
+
+def joined_world_size(dialect_name: str) -> int:
+    """The size of the default process group, which a multi-process engine needs.
+
+    Raises:
+        ConfigError: the process group is not initialised.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            f"the process group is not initialised: call get_dialect({dialect_name!r})"
+            ".init_distributed() on every rank (started by torchrun or an equivalent) "
+            "before building the engine"
+        )
+    return int(dist.get_world_size())
+
+
+def check_world_size(topology: Topology, world_size: int) -> None:
+    """Raise :class:`TopologyError` unless ``topology`` describes ``world_size`` ranks."""
+    if topology.world_size() != world_size:
+        raise TopologyError(
+            f"the topology describes {topology.world_size()} ranks but the process group "
+            f"has {world_size}; launch pipe x data = {topology.world_size()} processes"
+        )

@@ -626,7 +626,7 @@ def checkpointing_run(steps: int = 3, gas: int = 2) -> list[dict[str, Any]]:
     spec = spec_for("gpt")
     plan = partition(spec.build(0), spec.split_points_for(2))
     plain = PipelineModule(
-        layers=plan.wrap(dialect.stage_wrapper),
+        layers=dialect.wrap_stages(plan),
         topology=dialect.make_topology(2, 1),
         loss_fn=spec.loss_fn,
         partition_method="uniform",

@@ -15,12 +15,14 @@ import types
 from pathlib import Path
 from typing import Any
 
+import _slapo_workers as first_test
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipedialect import CodecError, MetadataError, UnsupportedValueError
+import pipedialect
+from pipedialect import CodecError, MetadataError, UnsupportedValueError, partition
 from pipedialect.dialects.deepspeed import pipeline
 from pipedialect.dialects.deepspeed.pipeline import (
     PathCodec,
@@ -460,3 +462,66 @@ def test_errors_are_codec_errors() -> None:
     assert issubclass(MetadataError, CodecError)
     with pytest.raises(CodecError):
         PathCodec().decode([], "x")
+
+
+# -- the path codec on a stage boundary ------------------------------------------------------
+
+
+def test_slapos_split_output_crosses_the_path_codec_as_the_unsplit_model_computes() -> None:
+    """Slapo's first pipeline test in one process: the block at the cut returns
+    ``(h, [tanh(h), None], 3, 0.5)``, the path codec gives the list back as a tuple (its
+    definition), and the split-point guard accepts it: loss and gradients are the unsplit
+    model's."""
+    plan = partition(first_test.TwelveLinears(), [first_test.SPLIT])
+    reference = first_test.TwelveLinears()
+    stages = first_test.seed_stages(plan)
+    inputs, labels = first_test.batch()
+    wire = stages[0](inputs)
+    (received,) = stages[1].receive((wire,), {})
+    assert type(received[1]) is tuple and received[1][1] is None and received[2:] == (3, 0.5)
+    loss = first_test.loss_fn(stages[1](wire), labels)
+    expected = first_test.loss_fn(reference(inputs), labels)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0.0)
+    loss.backward()
+    expected.backward()
+    grads = {n: p.grad for stage in plan.stages for n, p in stage.named_parameters()}
+    assert set(grads) == {n for n, _ in reference.named_parameters()}
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-6, atol=1e-8, msg=name)
+
+
+class _KeyedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"h": self.linear(x), "aux": None}
+
+
+class _ReadsByKey(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _KeyedBlock()
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        return self.head(out["h"]) if out["aux"] is None else out["h"]
+
+
+def test_a_dict_read_by_key_through_the_path_codec_is_refused_naming_the_codec() -> None:
+    """The path codec gives a dict back as the tuple of its values: the code after the split
+    point cannot read its keys, and the error says so (not a capture problem)."""
+    model = _ReadsByKey()
+    plan = partition(model, ["block"])
+    x = torch.randn(2, 4)
+    stages = first_test.seed_stages(plan)
+    with pytest.raises(UnsupportedValueError) as info:
+        stages[1](stages[0](x))
+    message = str(info.value)
+    assert message.startswith("[Stage 1] the output of split point 'block' is a dict"), message
+    assert "codec PathCodec() gives a dict back as a plain tuple of its values" in message
+    assert "dict keys" in message and "example_inputs" not in message
+    keeping = pipedialect.get_dialect("deepspeed").wrap_stages(plan)  # SchemaCodec
+    torch.testing.assert_close(keeping[1](keeping[0](x)), model(x), rtol=0.0, atol=0.0)

@@ -32,6 +32,8 @@ from pipedialect.testing._options import parse_dialect_options
 from pipedialect.testing._requirements import CAPABILITY_SKIP_PREFIX, missing_requirements
 
 CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:]))"
+#: The opt-in: what a project running the suite from its own tests puts in its conftest.py.
+CONFTEST = 'pytest_plugins = ["pipedialect.testing.plugin"]\n'
 
 
 def run(
@@ -155,10 +157,10 @@ class _Declares(pipedialect.Dialect):
     name = "declares"
     capabilities = frozenset({Capability.TIED_WEIGHTS, Capability.CUDA_ONLY})
 
-    def pipe_engine(self, plan, stage_modules=None, **kwargs):  # type: ignore[no-untyped-def]
+    def _build_pipeline(self, request):  # type: ignore[no-untyped-def]
         raise NotImplementedError
 
-    def runtime_engine(self, module, **kwargs):  # type: ignore[no-untyped-def]
+    def _build_engine(self, request):  # type: ignore[no-untyped-def]
         raise NotImplementedError
 
 
@@ -180,6 +182,7 @@ def test_capability_requirements_give_reasons_the_summary_recognises() -> None:
 
 
 def test_suite_is_inert_without_a_dialect(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_imports_suite.py").write_text(
         "from pipedialect.testing.suite import *  # noqa: F403\n\n\ndef test_own() -> None:\n"
         "    pass\n"
@@ -191,6 +194,7 @@ def test_suite_is_inert_without_a_dialect(tmp_path: Path) -> None:
 
 
 def test_a_subclass_pins_its_dialect_with_a_fixture(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_pinned.py").write_text(
         textwrap.dedent(
             """
@@ -214,6 +218,7 @@ def test_a_subclass_pins_its_dialect_with_a_fixture(tmp_path: Path) -> None:
 
 def test_the_suite_catches_a_codec_that_loses_dict_keys(tmp_path: Path) -> None:
     """A single-process dialect with a broken codec fails the codec area, naming the keys."""
+    (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_broken_codec.py").write_text(
         textwrap.dedent(
             """
@@ -260,6 +265,7 @@ def test_the_suite_trains_through_the_codec_the_dialect_declares(tmp_path: Path)
     ``Dialect.pipe_engine``, the local engine wrapped its stages with the default codec and this
     dialect passed.
     """
+    (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_lossy_codec.py").write_text(
         textwrap.dedent(
             """

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipedialect import ConfigError, StructureChangedError, WireError
-from pipedialect.dialects.deepspeed.pipeline import DeepSpeedPipeStageWrapper
+from pipedialect import ConfigError, StageWrapper, StructureChangedError, WireError
+from pipedialect.dialects.deepspeed import DeepSpeedDialect
 from pipedialect.partition import partition
 
 
@@ -65,9 +65,9 @@ class Carry(nn.Module):
         return self.out(h), extra
 
 
-def first_stage(model: nn.Module, split: str) -> DeepSpeedPipeStageWrapper:
+def first_stage(model: nn.Module, split: str) -> StageWrapper:
     plan = partition(model, [split])
-    return plan.wrap(DeepSpeedPipeStageWrapper)[0]
+    return DeepSpeedDialect().wrap_stages(plan)[0]
 
 
 def test_too_many_tensors_for_deepspeeds_meta_buffer() -> None:
@@ -112,7 +112,7 @@ def test_shape_change_is_refused_unless_shapes_are_dynamic() -> None:
     with pytest.raises(StructureChangedError, match=r"changed shape from \(3, 4\) to \(5, 4\)"):
         stage(torch.randn(5, 4))
     plan = partition(Carry(), ["emit"])
-    dynamic = plan.wrap(DeepSpeedPipeStageWrapper, dynamic_shapes=True)
+    dynamic = DeepSpeedDialect().wrap_stages(plan, dynamic_shapes=True)
     dynamic[0](torch.randn(3, 4))
     dynamic[1](dynamic[0](torch.randn(5, 4)))
 
@@ -136,7 +136,7 @@ def test_wire_puts_gradient_floats_first_and_disguises_the_rest() -> None:
         "grad": None,
     }
     plan = partition(model, ["emit"])
-    stages = plan.wrap(DeepSpeedPipeStageWrapper)
+    stages = DeepSpeedDialect().wrap_stages(plan)
     x = torch.randn(3, 4)
     wire = stages[0](x)
     assert [t.dtype for t in wire] == [
@@ -167,17 +167,13 @@ def test_reset_wire_state_accepts_a_new_shape_and_checks_deepspeeds_rules_again(
 
 
 def _pipe_engine_error(**kwargs: object) -> str:
-    from pipedialect.dialects.deepspeed._build import build_pipeline_module
-
     plan = partition(Carry(), ["emit"])
     config: dict[str, object] = {"train_batch_size": 2, **kwargs.pop("config_extra", {})}  # type: ignore[dict-item]
     with pytest.raises(ConfigError) as info:
-        build_pipeline_module(
+        DeepSpeedDialect().pipe_engine(
             plan,
-            plan.wrap(DeepSpeedPipeStageWrapper),
             config=config,
             loss_fn=lambda out, labels: out[0].sum(),
-            topology=object(),
             **kwargs,
         )
     return str(info.value)

@@ -182,7 +182,7 @@ def test_what_a_dialect_does_not_declare_is_refused_before_the_hook() -> None:
 def test_given_stage_modules_are_passed_through_and_counted() -> None:
     dialect = _Recorder()
     plan = _plan()
-    stages = plan.wrap()
+    stages = [StageWrapper(s, plan.stage_spec(k)) for k, s in enumerate(plan.stages)]
     dialect.pipe_engine(plan, stages, config=_config(), loss_fn=_loss)
     assert list(dialect.seen[-1].stages) == stages
     with pytest.raises(ConfigError, match="got 1 stage modules for a plan of 2 stages"):

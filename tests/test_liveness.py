@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipedialect import PartitionError, TensorCodec, partition
+from pipedialect import PartitionError, StageWrapper, TensorCodec, partition
 from pipedialect.liveness import compute_liveness
 from pipedialect.models import MODELS
 
@@ -197,7 +197,9 @@ def test_stage_zero_inputs_keep_their_labels_when_bypassed() -> None:
     assert plan.liveness[0] == ("a", "b", "c")
     assert plan.liveness[1] == ("submod_0", "a", "b")
     assert plan.liveness[2] == ("submod_1", "a", "b")
-    wrappers = plan.wrap(codec=JsonCodec())
+    wrappers = [
+        StageWrapper(s, plan.stage_spec(k), codec=JsonCodec()) for k, s in enumerate(plan.stages)
+    ]
     a, b, c = (torch.full((2, 3), float(v)) for v in (1.0, 10.0, 100.0))
     value: Any = wrappers[0](a, b, c)
     for wrapper in wrappers[1:]:
@@ -239,6 +241,8 @@ def test_nested_tuple_outputs_reach_later_stages() -> None:
     reference = copy.deepcopy(model)
     plan = partition(model, ["pairs"])
     assert plan.liveness[1] == ("submod_0",)
-    wrappers = plan.wrap(codec=JsonCodec())
+    wrappers = [
+        StageWrapper(s, plan.stage_spec(k), codec=JsonCodec()) for k, s in enumerate(plan.stages)
+    ]
     x = torch.randn(2, 2)
     assert torch.equal(wrappers[1](wrappers[0](x)), reference(x))

@@ -25,8 +25,8 @@ from pipedialect import (
     TopologyError,
     partition,
 )
+from pipedialect.config import build_optimizer, parse_config
 from pipedialect.dialects.local import LocalDialect
-from pipedialect.dialects.local.config import build_optimizer, parse_config
 from pipedialect.dialects.local.engine import LocalEngine, LocalPipeline
 from pipedialect.models import MODELS, ModelSpec
 
@@ -231,7 +231,7 @@ def test_pipeline_module_is_callable_like_the_model() -> None:
 def test_the_boundary_really_carries_every_kind_of_value() -> None:
     spec = MODELS["mixed"]
     plan = partition(spec.build(), spec.split_points_for(2))
-    wrappers = plan.wrap()
+    wrappers = LocalDialect().wrap_stages(plan)
     (x, ids), _ = next(spec.micro_batches(1))
     wire = wrappers[0](x, ids)
     (state,) = wrappers[1].receive((wire,), {})
@@ -485,7 +485,7 @@ def test_topology_must_match_one_replica_of_the_stages() -> None:
 def test_stage_modules_with_an_untied_copy_are_tied_again_or_refused() -> None:
     plan = _plan()
     config = _config({"type": "SGD", "params": {"lr": 0.1}})
-    stages = plan.wrap()
+    stages = LocalDialect().wrap_stages(plan)
     stages[3] = copy.deepcopy(stages[3])
     dialect = LocalDialect()
     dialect.pipe_engine(plan, stages, config=config, loss_fn=MODELS["gpt"].loss_fn)

@@ -2,7 +2,8 @@
 
 The rest of the suite runs against the strict editable install; these tests prove that the wheel
 carries every module, the typing marker and the entry points and works without deepspeed
-installed, and that ``pipedialect check`` passes from a wheel, a strict editable install and
+installed, that pytest in another project never loads the suite's (opt-in) plugin, and that
+``pipedialect check`` passes from a wheel, a strict editable install and
 setuptools' default editable install (an import hook mapping ``pipedialect`` to ``core/``: see
 [Note: importing the suite by name] in ``pipedialect.testing.plugin``). One environment serves
 every test (installing torch is the slow part); each test installs pipedialect, then removes it.
@@ -103,7 +104,7 @@ def test_wheel_contains_every_module_and_entry_point(wheel: Path) -> None:
     assert "local = pipedialect.dialects.local" in entry_points
     assert "torch = pipedialect.dialects.torch" in entry_points
     assert "pipedialect = pipedialect.cli:main" in entry_points
-    assert "[pytest11]" in entry_points
+    assert "[pytest11]" not in entry_points  # the suite's pytest plugin is opt-in
 
 
 def test_wheel_works_in_a_fresh_venv(wheel: Path, venv: Path, installed: list[str]) -> None:
@@ -120,6 +121,40 @@ def test_wheel_works_in_a_fresh_venv(wheel: Path, venv: Path, installed: list[st
     assert listing == "['deepspeed', 'local', 'torch'] False"
     cli = _run([str(venv / "bin" / "pipedialect"), "list"])
     assert "deepspeed" in cli.stdout and "pipedialect" in cli.stdout
+
+
+#: An unrelated project's only test: pipedialect (and so torch) must stay out of its session.
+UNRELATED_TEST = """
+import sys
+
+
+def test_nothing_of_pipedialect_is_loaded(pytestconfig):
+    loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("pipedialect"))
+    assert loaded == []
+    assert pytestconfig.pluginmanager.get_plugin("pipedialect.testing.plugin") is None
+"""
+
+
+def test_pytest_in_an_unrelated_project_does_not_load_the_plugin(
+    wheel: Path, venv: Path, installed: list[str], tmp_path: Path
+) -> None:
+    """pipedialect installed (with pytest) changes nothing in another project's pytest: no
+    option, no marker, no plugin, and collecting its tests imports neither torch nor us."""
+    _run([*installed, f"{wheel}[testing]"])
+    (tmp_path / "test_unrelated.py").write_text(UNRELATED_TEST)
+    pytest_argv = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider"]
+    proc = _run([*pytest_argv, "-q"], cwd=tmp_path)
+    assert "1 passed" in proc.stdout, proc.stdout
+    options = _run([*pytest_argv, "--help"], cwd=tmp_path).stdout
+    assert "--dialect" not in options and "pipedialect" not in options
+    markers = _run([*pytest_argv, "--markers"], cwd=tmp_path).stdout
+    assert "pipedialect" not in markers, markers
+    env = {k: v for k, v in os.environ.items() if k not in ("PIPEDIALECT_PLUGINS", "PYTHONPATH")}
+    refused = subprocess.run(
+        [*pytest_argv, "--dialect", "local"], cwd=tmp_path, capture_output=True, text=True, env=env
+    )
+    assert refused.returncode == pytest.ExitCode.USAGE_ERROR, refused.stdout + refused.stderr
+    assert "unrecognized arguments: --dialect" in refused.stderr
 
 
 @pytest.mark.parametrize("how", ["wheel", "strict-editable", "default-editable"])

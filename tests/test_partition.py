@@ -27,6 +27,7 @@ from pipedialect import (
     StageWrapper,
     partition,
 )
+from pipedialect.dialects.deepspeed.pipeline import analyze_pipeline_module
 from pipedialect.models import MODELS, GPTBlock, ModelSpec
 
 CASES = [(name, stages) for name in MODELS for stages in (2, 4)]
@@ -446,8 +447,9 @@ def test_concrete_args_fix_flags_and_none_inputs() -> None:
 
 def test_plan_helpers_use_the_seed_formats() -> None:
     plan = partition(MODELS["skip"].build(), ["blocks.0", "blocks.1", "blocks.2"])
-    assert plan.liveness_dict() == {k: list(v) for k, v in enumerate(plan.liveness)}
-    assert plan.arg_names_dict() == {
+    arg_names, _, liveness = analyze_pipeline_module(plan)
+    assert liveness == {k: list(v) for k, v in enumerate(plan.liveness)}
+    assert arg_names == {
         -1: ["x"],
         0: ["x"],
         1: ["submod_0.1"],
@@ -456,7 +458,10 @@ def test_plan_helpers_use_the_seed_formats() -> None:
     }
     assert plan.sends(0) == ("submod_0.1", "submod_0.0")
     assert plan.sends(3) == ()
-    wrappers = plan.wrap(dynamic_shapes=True)
+    wrappers = [
+        StageWrapper(stage, plan.stage_spec(k), dynamic_shapes=True)
+        for k, stage in enumerate(plan.stages)
+    ]
     assert [type(w) for w in wrappers] == [StageWrapper] * 4
     assert [(w.stage_id, w.name, w.total_stages) for w in wrappers] == [
         (k, f"submod_{k}", 4) for k in range(4)
@@ -467,7 +472,8 @@ def test_plan_helpers_use_the_seed_formats() -> None:
     class MyWrapper(StageWrapper):
         pass
 
-    assert all(isinstance(w, MyWrapper) for w in plan.wrap(MyWrapper))
+    mine = [MyWrapper(stage, plan.stage_spec(k)) for k, stage in enumerate(plan.stages)]
+    assert all(isinstance(w, MyWrapper) for w in mine)
     text = plan.describe()
     assert "[Stage 3] submod_3" in text and "receives:  ['submod_2', 'submod_0.0']" in text
     assert "PipelinePlan(num_stages=4" in repr(plan)

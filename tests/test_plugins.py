@@ -128,7 +128,7 @@ def test_third_party_plugin_is_found_and_listed(installed_plugins: dict[str, Pat
         "status": "ok",
         "error": None,
         "description": "registry test dialect",
-        # a dialect written before options were declared: it overrides pipe_engine itself
+        # a dialect that declares no options of its own
         "options": [],
         "engine_options": [],
         "engine_features": [],
@@ -228,10 +228,10 @@ class _InProcessDialect(pipedialect.Dialect):
     name = "inproc"
     version = "7"
 
-    def pipe_engine(self, plan, stage_modules=None, **kwargs):  # type: ignore[no-untyped-def]
+    def _build_pipeline(self, request):  # type: ignore[no-untyped-def]
         raise NotImplementedError
 
-    def runtime_engine(self, module, **kwargs):  # type: ignore[no-untyped-def]
+    def _build_engine(self, request):  # type: ignore[no-untyped-def]
         raise NotImplementedError
 
 

@@ -34,7 +34,8 @@ from pipedialect import (
 from pipedialect.dialects.local import LocalDialect
 from pipedialect.launch import launch
 from pipedialect.models import MODELS
-from pipedialect.ties import check_tie_objects, check_topology, retie_parameters
+from pipedialect.ties import check_tie_objects, retie_parameters
+from pipedialect.topology import check_topology
 
 
 class FakeTopology:
@@ -131,7 +132,7 @@ def test_wrappers_are_looked_through_and_keys_stay_unique() -> None:
     plan = partition(Collide(), ["cut"])
     keys = [g.key for g in plan.tie_groups]
     assert len(set(keys)) == 2 and all("." not in k for k in keys)
-    assert find_tie_groups(plan.wrap()) == plan.tie_groups
+    assert find_tie_groups(pipedialect.get_dialect("local").wrap_stages(plan)) == plan.tie_groups
 
 
 def test_one_pass_over_the_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,9 +193,9 @@ def test_stage_outside_the_pipe_axis_is_an_error() -> None:
 def test_plan_and_topology_stage_counts_must_agree() -> None:
     spec = MODELS["gpt"]
     plan = partition(spec.build(), spec.split_points_for(4))
-    check_topology(plan, GridTopology(pipe=4, data=2))
+    check_topology(GridTopology(pipe=4, data=2), plan.num_stages)
     with pytest.raises(TopologyError, match="pipe axis has 3 coordinates but the plan has 4"):
-        check_topology(plan, GridTopology(pipe=3))
+        check_topology(GridTopology(pipe=3), plan.num_stages)
 
 
 def test_default_tie_analyzer() -> None:
@@ -213,7 +214,7 @@ def test_default_tie_analyzer() -> None:
 def test_stage_modules_holding_copies_of_a_tie_are_refused() -> None:
     spec = MODELS["gpt"]
     plan = partition(spec.build(), spec.split_points_for(4))
-    stages = plan.wrap()
+    stages = pipedialect.get_dialect("local").wrap_stages(plan)
     check_tie_objects(plan.tie_groups, stages)
     stages[3] = copy.deepcopy(stages[3])
     with pytest.raises(TieError, match=r"tie0_wte_weight .*wte\.weight@0, lm_head\.weight@3"):
@@ -268,11 +269,11 @@ def test_check_topology_names_what_the_object_lacks() -> None:
     spec = MODELS["gpt"]
     plan = partition(spec.build(), spec.split_points_for(2))
     with pytest.raises(TopologyError, match=r"\(object\) has no get_dim\(\) method"):
-        check_topology(plan, object())  # type: ignore[arg-type]
+        check_topology(object(), plan.num_stages)
     with pytest.raises(TopologyError, match="got the class GridTopology"):
-        check_topology(plan, GridTopology)  # type: ignore[arg-type]
+        check_topology(GridTopology, plan.num_stages)
     with pytest.raises(TopologyError, match=r"get_dim\('pipe'\) returned None"):
-        check_topology(plan, _NoneDims())  # type: ignore[arg-type]
+        check_topology(_NoneDims(), plan.num_stages)
 
 
 # -- re-tying stages in one process ---------------------------------------------------------
@@ -359,7 +360,7 @@ def test_copies_that_differ_take_the_lowest_stages_value() -> None:
     model = SharedWeights()
     plan = partition(model, ["cut"])
     original = model.a.weight.detach().clone()
-    stages = [copy.deepcopy(s) for s in plan.wrap()]
+    stages = [copy.deepcopy(s) for s in pipedialect.get_dialect("local").wrap_stages(plan)]
     with torch.no_grad():
         _root(stages[0]).get_parameter("b.weight").add_(0)  # still one object with a.weight
         _root(stages[1]).get_parameter("c.weight").add_(1.0)
@@ -367,7 +368,7 @@ def test_copies_that_differ_take_the_lowest_stages_value() -> None:
     a, b = _root(stages[0]).a.weight, _root(stages[0]).b.weight
     assert a is b is _root(stages[1]).c.weight and torch.equal(a, original)
 
-    meta = [copy.deepcopy(s) for s in plan.wrap()]
+    meta = [copy.deepcopy(s) for s in pipedialect.get_dialect("local").wrap_stages(plan)]
     meta[0].to("meta")  # to("meta") gives every holder its own copy, on stage 0 too
     assert retie_parameters(plan.tie_groups, meta) == 2
     kept = _root(meta[1]).c.weight
@@ -379,7 +380,7 @@ def test_copies_that_differ_take_the_lowest_stages_value() -> None:
 def test_copies_that_cannot_be_one_parameter_are_refused() -> None:
     spec = MODELS["gpt"]
     plan = partition(spec.build(), spec.split_points_for(2))
-    stages = plan.wrap()
+    stages = pipedialect.get_dialect("local").wrap_stages(plan)
     stages[1] = copy.deepcopy(stages[1])
     head = _root(stages[1]).lm_head
     head.weight.requires_grad_(False)

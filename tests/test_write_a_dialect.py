@@ -96,7 +96,7 @@ import pytest
 
 import mine._dialect as page
 from mine import MyDialect
-from pipedialect.dialects.local.config import clip_gradients
+from pipedialect.config import clip_gradients
 from pipedialect.testing.suite import TestTraining
 
 
@@ -127,8 +127,8 @@ def broken(engine_class):
     class Broken(MyDialect):
         name = "mine-" + engine_class.__name__.lower()
 
-        def runtime_engine(self, module, *, config=None, **options):
-            return engine_class(module, config or module.config)
+        def _build_engine(self, request):
+            return engine_class(request.module, request.config or request.module.config)
 
     return Broken()
 

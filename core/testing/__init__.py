@@ -1,8 +1,8 @@
-"""Helpers for testing pipedialect and its dialects.
+"""Testing dialects: the conformance suite and the pytest plugin that runs it.
 
-:mod:`pipedialect.models` holds small deterministic models, each with its loss
-function, recommended split points and micro-batch generator; the project's tests, the
-conformance suite and the demo all train these.
+:mod:`pipedialect.testing.suite` holds the suite's test classes (what a third party imports);
+:mod:`pipedialect.testing.plugin` is the opt-in pytest plugin that points them at installed
+dialects (``--dialect NAME``); ``pipedialect check NAME`` runs both.
 """
 
 from __future__ import annotations

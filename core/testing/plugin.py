@@ -1,24 +1,31 @@
-"""The pytest plugin of pipedialect (entry point ``pytest11``): delivers the conformance suite.
+"""The pytest plugin of pipedialect: delivers the conformance suite.
 
-It is inert unless asked. It adds options (``--dialect``, ``--dialect-option``,
-``--conformance-timeout``) and markers, and acts only on the suite's own tests: those collected
-without a ``--dialect`` (say, a project whose test module imports the suite but runs without the
-option) are deselected, never run and never an error. Nothing heavy is imported until a suite
-test is collected.
+It is opt-in: pytest never loads it by itself (pipedialect declares no ``pytest11`` entry
+point), so installing pipedialect changes no other project's test sessions. ``pipedialect
+check`` loads it (``-p pipedialect.testing.plugin``); so does ``pytest --pyargs
+pipedialect.testing.suite -p pipedialect.testing.plugin --dialect NAME``, and a project that runs
+the suite from its own tests names it in its top-level ``conftest.py``::
+
+    pytest_plugins = ["pipedialect.testing.plugin"]
+
+It adds options (``--dialect``, ``--dialect-option``, ``--conformance-timeout``) and markers,
+and acts only on the suite's own tests: those collected without a ``--dialect`` (say, a
+project whose test module imports the suite but runs without the option) are deselected, never
+run and never an error.
 
 With ``--dialect NAME`` (several allowed) the suite's tests are parametrized over the dialects;
-the suite (``pytest --pyargs pipedialect.testing.suite --dialect NAME``, or a test module doing
-``from pipedialect.testing.suite import *``) then runs against each, and a per-area summary ends
-the output.
+the suite (or a test module doing ``from pipedialect.testing.suite import *``) then runs against
+each, and a per-area summary ends the output.
 
 [Note: importing the suite by name]
 pytest imports a test file by its path: it walks up the directories that hold an
 ``__init__.py`` and names the module after them, putting the directory above on ``sys.path``.
 From a wheel or a strict editable install that gives ``pipedialect.testing.suite.test_x``. From
 setuptools' default editable install the files are the source tree's, ``<repo>/core/testing/
-suite/``, so pytest would import a second copy of the package, ``core``, whose ``Dialect`` class
-is not the installed dialects' (every one then looks broken). So the suite's files and packages
-are collected by nodes that import them by their name in pipedialect, whatever the layout.
+suite/`` (the source directory ``core/`` is the package ``pipedialect``), so pytest would import a
+second copy of the package, ``core``, whose ``Dialect`` class is not the installed dialects'
+(every one then looks broken). So the suite's files and packages are collected by nodes that
+import them by their name in pipedialect, whatever the layout.
 """
 
 from __future__ import annotations

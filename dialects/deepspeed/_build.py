@@ -15,42 +15,32 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from pipedialect import ConfigError, TieAnalyzer, TieError, Topology, TopologyError
+from pipedialect.dialect import given_options
 from pipedialect.ties import DefaultTieAnalyzer, TieGroup, retie_parameters
 
 if TYPE_CHECKING:
+    from pipedialect.dialect import PipelineRequest
+    from pipedialect.partition import PipelinePlan
+
     from ._module import PipeDialectPipelineModule, TieSpec
 
 __all__ = ["build_pipeline_module", "check_zero_stage"]
 
-_KNOWN_KWARGS = frozenset(
-    {
-        "config",
-        "loss_fn",
-        "topology",
-        "fp16",
-        "bf16",
-        "dynamic_shapes",
-        "dynamic_shape",
-        "activation_checkpoint_interval",
-        "init_weights",
-    }
-)
 #: PipelineModule arguments about checkpointing that a whole-stage checkpoint cannot honour.
 _REFUSED_CHECKPOINT_KWARGS = frozenset({"activation_checkpoint_func", "checkpointable_layers"})
 
 
 def build_pipeline_module(
-    sch_metadata: Any,
-    stage_modules: Sequence[nn.Module],
-    *,
-    tie_analyzer: TieAnalyzer | None = None,
-    **kwargs: Any,
+    request: PipelineRequest[Any], tie_analyzer: TieAnalyzer
 ) -> PipeDialectPipelineModule:
-    """Validate everything, then build the ``PipelineModule`` (see ``deepspeed_pipe_engine``).
+    """Check what is DeepSpeed's own, then build the ``PipelineModule`` of ``request.stages``.
 
-    ``tie_analyzer`` maps tied parameters onto ranks (the dialect's; the default analyzer for
-    the seed's ``deepspeed_pipe_engine``).
+    :meth:`pipedialect.Dialect.pipe_engine` has checked the shared arguments (``config``,
+    ``loss_fn``, the topology object, the options' names, the stage count);
+    ``request.process_grid()`` checks the topology against the plan and the process group.
+    ``tie_analyzer`` maps tied parameters onto ranks.
     """
+    kwargs = given_options(request.options)
     refused = sorted(set(kwargs) & _REFUSED_CHECKPOINT_KWARGS)
     if refused:
         raise ConfigError(
@@ -58,44 +48,28 @@ def build_pipeline_module(
             "checkpointed whole with torch's non-reentrant checkpoint; pass only "
             "activation_checkpoint_interval (any value >= 1 means the same)"
         )
-    unknown = set(kwargs) - _KNOWN_KWARGS
-    if unknown:
-        raise ConfigError(
-            f"unknown argument(s) {sorted(unknown)} for the DeepSpeed pipeline engine; "
-            f"accepted: {', '.join(sorted(_KNOWN_KWARGS))}"
-        )
-    missing = [k for k in ("config", "loss_fn", "topology") if kwargs.get(k) is None]
-    if missing:
-        raise ConfigError(
-            f"the DeepSpeed pipeline engine needs {', '.join(missing)}: pass config=<DeepSpeed "
-            "config dict>, loss_fn=<callable(outputs, labels)> and topology=<e.g. "
-            "PipeModelDataParallelTopology(num_pp, num_mp=1, num_dp)>"
-        )
-    config, loss_fn, topology = kwargs["config"], kwargs["loss_fn"], kwargs["topology"]
-    if not callable(loss_fn):
-        raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
+    config = request.config
     _check_precision(config, kwargs)
     check_zero_stage(config)
     interval = checkpoint_interval_of(config, kwargs)
-    stages = list(stage_modules)
-    _check_topology(topology, len(stages))
-    _check_process_group(topology)
-    _materialise_local_stage(sch_metadata, topology, kwargs.get("init_weights"))
-    ties = resolve_ties(tie_groups_of(sch_metadata), stages, topology, tie_analyzer)
+    topology = _process_grid(request)
+    stages = list(request.stages)
+    _materialise_local_stage(request.plan, topology, request.init_weights)
+    ties = resolve_ties(tie_groups_of(request.plan), stages, topology, tie_analyzer)
 
     from ._module import PipeDialectPipelineModule
 
     return PipeDialectPipelineModule(
         stages,
         topology=topology,
-        loss_fn=loss_fn,
+        loss_fn=request.loss_fn,
         ties=ties,
-        dynamic_shape=dynamic_shapes_of(kwargs),
+        dynamic_shape=request.dynamic_shapes,
         activation_checkpoint_interval=interval,
     )
 
 
-def _materialise_local_stage(plan: Any, topology: Topology, init_weights: Any) -> None:
+def _materialise_local_stage(plan: PipelinePlan, topology: Topology, init_weights: Any) -> None:
     """Fill this rank's stage (its pipe coordinate) of a meta plan before DeepSpeed sees it.
 
     It runs before the ``PipelineModule`` is built (which moves its layers to the device) and
@@ -104,16 +78,8 @@ def _materialise_local_stage(plan: Any, topology: Topology, init_weights: Any) -
     import torch
     import torch.distributed as dist
 
-    from pipedialect.partition import PipelinePlan
     from pipedialect.weights import prepare_local_stages
 
-    if not isinstance(plan, PipelinePlan):
-        if init_weights is not None:
-            raise ConfigError(
-                "init_weights needs the PipelinePlan returned by pipedialect.partition, got "
-                f"{type(plan).__name__}; materialise the stage modules yourself instead"
-            )
-        return
     stage = int(topology.get_coord(dist.get_rank()).pipe)
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -150,17 +116,7 @@ def _check_interval(name: str, value: Any) -> None:
         )
 
 
-def dynamic_shapes_of(kwargs: Mapping[str, Any]) -> bool:
-    """``dynamic_shapes`` (every dialect's name) or ``dynamic_shape`` (DeepSpeed's own)."""
-    given = {k: bool(kwargs[k]) for k in ("dynamic_shapes", "dynamic_shape") if k in kwargs}
-    if len(set(given.values())) > 1:
-        raise ConfigError(f"dynamic_shapes and dynamic_shape disagree: {given}; pass one of them")
-    return any(given.values())
-
-
-def _check_precision(config: Any, kwargs: Mapping[str, Any]) -> None:
-    if not isinstance(config, Mapping):
-        return  # a JSON path: DeepSpeed reads and checks it
+def _check_precision(config: Mapping[str, Any], kwargs: Mapping[str, Any]) -> None:
     for key in ("fp16", "bf16"):
         if key not in kwargs:
             continue
@@ -211,11 +167,15 @@ def check_zero_stage(config: Any) -> int:
     return stage
 
 
-def _check_topology(topology: Any, num_stages: int) -> None:
-    if not isinstance(topology, Topology):
-        raise TopologyError(
-            f"topology must be a process topology (get_dim, filter_match, get_coord, "
-            f"world_size), such as deepspeed.pipe.PipeModelDataParallelTopology; got {topology!r}"
+def _process_grid(request: PipelineRequest[Any]) -> Topology:
+    """The caller's topology, which must be one of DeepSpeed's own classes, checked against the
+    plan and the process group (``request.process_grid()``); the launcher must set LOCAL_RANK."""
+    topology = request.topology
+    if topology is None:
+        raise ConfigError(
+            "the DeepSpeed dialect needs topology=<one of DeepSpeed's topology classes>, e.g. "
+            "dialect.make_topology(num_stages, data_parallel) "
+            "(PipeModelDataParallelTopology(num_pp, num_mp=1, num_dp))"
         )
     if not hasattr(topology, "get_axis_names"):
         raise TopologyError(
@@ -223,60 +183,17 @@ def _check_topology(topology: Any, num_stages: int) -> None:
             f"process grid from them), got {type(topology).__name__}; use "
             "dialect.make_topology(num_stages, data_parallel)"
         )
-    pipe = topology.get_dim("pipe")
-    if pipe != num_stages:
-        raise TopologyError(
-            f"the topology has {pipe} pipeline stages but the plan has {num_stages}; build it "
-            f"with num_pp={num_stages}, or partition the model into {pipe} stages"
-        )
-    if topology.get_dim("model") > 1:
-        raise TopologyError(
-            f"the topology has a model-parallel axis of size {topology.get_dim('model')}; "
-            "pipedialect does not shard stages for tensor parallelism, use num_mp=1"
-        )
-
-
-def _check_process_group(topology: Topology) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError(
-            "the process group is not initialised: call dialect.init_distributed() (or "
-            "deepspeed.init_distributed()) on every rank before building the engine"
-        )
-    world = dist.get_world_size()
-    if world != topology.world_size():
-        raise TopologyError(
-            f"the topology describes {topology.world_size()} ranks but the process group has "
-            f"{world}; launch pipe x data = {topology.world_size()} processes"
-        )
+    grid = request.process_grid()
     if os.environ.get("LOCAL_RANK") is None:
         raise ConfigError(
             "LOCAL_RANK is not set; launch with torchrun or the deepspeed launcher, which set it"
         )
+    return grid
 
 
-def tie_groups_of(sch_metadata: Any) -> list[tuple[str, list[tuple[str, int]]]]:
-    """Return ``(key, [(parameter name, stage), ...])`` for each tie group of a plan.
-
-    Accepts a :class:`~pipedialect.PipelinePlan` (``tie_groups``) or Slapo's
-    ``ScheduleMetadata`` (``tie_weights``: parameter -> list of ``(name, stage)``).
-    """
-    groups = getattr(sch_metadata, "tie_groups", None)
-    if groups is not None:
-        return [(str(g.key), [(str(n), int(s)) for n, s in g]) for g in groups]
-    legacy = getattr(sch_metadata, "tie_weights", None)
-    if legacy is None:
-        raise ConfigError(
-            f"{type(sch_metadata).__name__} has neither tie_groups (a PipelinePlan) nor "
-            "tie_weights; pass the plan returned by pipedialect.partition"
-        )
-    out = []
-    for members in legacy.values() if isinstance(legacy, Mapping) else legacy:
-        pairs = sorted({(str(n), int(s)) for n, s in members}, key=lambda p: (p[1], p[0]))
-        key = "tie_" + "_".join(f"{n}@{s}" for n, s in pairs).replace(".", "_")
-        out.append((key, pairs))
-    return sorted(out)
+def tie_groups_of(plan: PipelinePlan) -> list[tuple[str, list[tuple[str, int]]]]:
+    """Return ``(key, [(parameter name, stage), ...])`` for each tie group of ``plan``."""
+    return [(str(g.key), [(str(n), int(s)) for n, s in g]) for g in plan.tie_groups]
 
 
 def resolve_ties(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import torch
 
@@ -402,6 +402,8 @@ class PathCodec(TensorCodec):
 
     #: How many parsed metadata strings are kept.
     MAX_STRUCTURES: Final = 64
+    #: The seed format records positions only: every list and dict comes back as a tuple.
+    keeps_containers: ClassVar[frozenset[str]] = frozenset({"tuple"})
 
     def __init__(self) -> None:
         self._parsed: dict[str, list[list[str]]] = {}

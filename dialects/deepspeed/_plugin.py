@@ -16,7 +16,7 @@ from pipedialect import Capability, Dialect, RuntimeEngine, Topology
 from pipedialect.contracts import BOUNDARY_CAPABILITIES
 from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, PipelineRequest, given_options
 
-from ._stage import DeepSpeedPipeStageWrapper
+from ._stage import DeepSpeedStageWrapper
 
 __all__ = [
     "DeepSpeedDialect",
@@ -142,9 +142,9 @@ class DeepSpeedDialect(Dialect):
     }
 
     @property
-    def stage_wrapper(self) -> type[DeepSpeedPipeStageWrapper]:
-        """:class:`~pipedialect.dialects.deepspeed.pipeline.DeepSpeedPipeStageWrapper`."""
-        return DeepSpeedPipeStageWrapper
+    def stage_wrapper(self) -> type[DeepSpeedStageWrapper]:
+        """The wrapper adding DeepSpeed's wire rules to :class:`~pipedialect.StageWrapper`."""
+        return DeepSpeedStageWrapper
 
     def _build_pipeline(self, request: PipelineRequest[DeepSpeedOptions]) -> nn.Module:
         """Build DeepSpeed's ``PipelineModule`` of the wrapped stages.
@@ -155,17 +155,7 @@ class DeepSpeedDialect(Dialect):
         """
         from ._build import build_pipeline_module
 
-        module = build_pipeline_module(
-            request.plan,
-            request.stages,
-            config=request.config,
-            loss_fn=request.loss_fn,
-            topology=request.topology,
-            dynamic_shapes=request.dynamic_shapes,
-            init_weights=request.init_weights,
-            tie_analyzer=self.tie_analyzer,
-            **given_options(request.options),
-        )
+        module = build_pipeline_module(request, self.tie_analyzer)
         module.pipedialect_config = request.config  # runtime_engine's default config
         return module
 

@@ -27,7 +27,7 @@ import torch
 from pipedialect import StageWrapper, WireError
 from pipedialect.wire import leaf_paths
 
-__all__ = ["DeepSpeedPipeStageWrapper"]
+__all__ = ["DeepSpeedStageWrapper"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +76,12 @@ class _GradAnchor(torch.autograd.Function):
         return (grads[0], *zeros)
 
 
-class DeepSpeedPipeStageWrapper(StageWrapper):
+class DeepSpeedStageWrapper(StageWrapper):
     """A stage as DeepSpeed's ``PipelineModule`` calls it: a tuple of tensors in and out.
 
-    Args:
-        mod: the stage's GraphModule.
-        stage_id: this stage's index.
-        name: the stage's value name in the plan's graph (``"submod_<stage_id>"``).
-        total_stages: the number of stages.
-        liveness: for every stage id, the names of the values it receives.
-        stage_id_2_arg_names: for every stage id, its argument names; ``-1`` maps to the
-            model's inputs in data-loader order.
-        codec, dynamic_shapes: as for :class:`~pipedialect.StageWrapper`.
+    Built like any :class:`~pipedialect.StageWrapper` (``mod, spec, *, codec,
+    dynamic_shapes``); the seed's constructor is
+    :class:`~pipedialect.dialects.deepspeed.pipeline.DeepSpeedPipeStageWrapper`'s.
     """
 
     #: Whether the DeepSpeed-specific wire checks have run (once, unless shapes are dynamic).

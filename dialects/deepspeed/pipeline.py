@@ -1,7 +1,9 @@
 """The API of Slapo's ``slapo.framework_dialect.deepspeed.pipeline``, under the same names.
 
 Code written against the seed's documentation keeps working: the names and signatures below are
-the seed's. This module does not import deepspeed.
+the seed's. The module is an adapter over the DeepSpeed dialect, and the only place where the
+seed's shapes live (its stage wrapper's positional tables, the ``-1`` key for the model's
+inputs). It does not import deepspeed.
 
 The path codec
 ==============
@@ -42,35 +44,34 @@ What the seed format cannot express (use :class:`~pipedialect.SchemaCodec` inste
     tensor (a device-to-host copy) to decode.
 
 :class:`PathCodec` puts this codec behind the :class:`~pipedialect.TensorCodec` interface
-(the top level decodes as a list, nested sequences as tuples).
+(the top level decodes as a list, nested sequences as tuples); its ``keeps_containers`` says so,
+and the split-point guards judge what it decodes by that.
 
 The pipeline engine
 ===================
 
-:class:`DeepSpeedPipeStageWrapper` runs one stage inside DeepSpeed's ``PipelineModule``;
-:func:`deepspeed_pipe_engine` builds that ``PipelineModule`` from the stage wrappers;
-:func:`analyze_tie_ranks` maps tied parameters onto ranks. Unlike Slapo's, they run on upstream
-DeepSpeed (no fork) and drop nothing:
-
-- tied weights across stages are registered with DeepSpeed's own tie machinery: equal at start,
-  gradients all-reduced every step, counted once in gradient norms, saved once in checkpoints;
-- the stage wrappers use :class:`~pipedialect.SchemaCodec` (lossless) and the wire layout of
-  ``pipedialect.wire`` (floats that need no gradient are bit-cast, so DeepSpeed gives none to
-  them); several gradient-carrying tensors may cross one boundary;
-- every argument, the topology and the ties are checked before the first collective call.
+:func:`deepspeed_pipe_engine` is the DeepSpeed dialect's ``pipe_engine`` under the seed's
+signature: the same checks, the same ``PipelineModule`` (see docs/deepspeed.rst).
+:class:`DeepSpeedPipeStageWrapper` is the dialect's stage wrapper with the seed's constructor;
+:func:`analyze_pipeline_module` gives a plan's tables in the seed's format for it (Slapo's
+function of the same name). :func:`analyze_tie_ranks` maps tied parameters onto ranks. Unlike
+Slapo's, they run on upstream DeepSpeed (no fork) and drop nothing: tied weights across stages
+are registered with DeepSpeed's own tie machinery, and several gradient-carrying tensors may
+cross one boundary. The wrapper uses :class:`~pipedialect.SchemaCodec` (lossless) unless given
+``codec=PathCodec()``, the seed's own wire.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch import nn
+from torch import fx, nn
 
-from pipedialect.agreement import check_plan_agreement
+from pipedialect import ConfigError, PipelinePlan, TensorCodec
+from pipedialect.contracts import StageSpec
 from pipedialect.ties import analyze_tie_ranks
 
-from ._build import build_pipeline_module
 from ._codec_path import (
     PathCodec,
     WrappedTypeCode,
@@ -81,12 +82,14 @@ from ._codec_path import (
     get_simple_nested_list_str,
     unflatten,
 )
-from ._stage import DeepSpeedPipeStageWrapper
+from ._plugin import DeepSpeedDialect
+from ._stage import DeepSpeedStageWrapper
 
 __all__ = [
     "DeepSpeedPipeStageWrapper",
     "PathCodec",
     "WrappedTypeCode",
+    "analyze_pipeline_module",
     "analyze_tie_ranks",
     "decode_metadata",
     "deepspeed_pipe_engine",
@@ -97,34 +100,126 @@ __all__ = [
     "unflatten",
 ]
 
+#: The seed's ``stage_id_2_arg_names`` key for the model's inputs (in data-loader order).
+_INPUTS = -1
+
+
+class DeepSpeedPipeStageWrapper(DeepSpeedStageWrapper):
+    """The DeepSpeed dialect's stage wrapper, built from the seed's arguments.
+
+    Args:
+        mod: the stage's GraphModule (``plan.stages[stage_id]``).
+        stage_id: this stage's index.
+        name: the stage's value name in the plan's graph (``"submod_<stage_id>"``).
+        total_stages: the number of stages.
+        liveness: for every stage id, the names of the values it receives.
+        stage_id_2_arg_names: for every stage id, its argument names; ``-1`` maps to the
+            model's inputs in data-loader order.
+        codec: the boundary codec: :class:`~pipedialect.SchemaCodec` by default,
+            :class:`PathCodec` for the seed's wire.
+        dynamic_shapes: as for :class:`~pipedialect.StageWrapper`.
+
+    Raises:
+        ConfigError: a table has no entry for this stage (or for the next one), or its entries
+            do not describe the stage.
+    """
+
+    def __init__(
+        self,
+        mod: fx.GraphModule | nn.Module,
+        stage_id: int,
+        name: str,
+        total_stages: int,
+        liveness: Mapping[int, Sequence[str]],
+        stage_id_2_arg_names: Mapping[int, Sequence[str]],
+        *,
+        codec: TensorCodec | None = None,
+        dynamic_shapes: bool = False,
+    ) -> None:
+        spec = _seed_spec(stage_id, name, total_stages, liveness, stage_id_2_arg_names)
+        super().__init__(mod, spec, codec=codec, dynamic_shapes=dynamic_shapes)
+
+
+def _seed_spec(
+    stage_id: int,
+    name: str,
+    total_stages: int,
+    liveness: Mapping[int, Sequence[str]],
+    arg_names: Mapping[int, Sequence[str]],
+) -> StageSpec:
+    """The :class:`~pipedialect.contracts.StageSpec` the seed's tables give ``stage_id``."""
+
+    def lookup(table: Mapping[int, Sequence[str]], key: int) -> tuple[str, ...]:
+        try:
+            return tuple(table[key])
+        except KeyError:
+            raise ConfigError(
+                f"[Stage {stage_id}] no entry for stage {key} in the liveness/argument tables "
+                f"(keys: {sorted(table)})"
+            ) from None
+
+    inputs = tuple(arg_names.get(_INPUTS, ()))
+    in_range = 0 <= stage_id < total_stages  # else the wrapper refuses the stage id
+    last = stage_id == total_stages - 1
+    return StageSpec(
+        stage_id=stage_id,
+        num_stages=total_stages,
+        name=name,
+        input_names=inputs,
+        arg_names=lookup(arg_names, stage_id) if in_range else (),
+        receives=inputs if stage_id == 0 or not in_range else lookup(liveness, stage_id),
+        sends=() if last or not in_range else lookup(liveness, stage_id + 1),
+    )
+
+
+def analyze_pipeline_module(
+    plan: PipelinePlan,
+) -> tuple[dict[int, list[str]], dict[int, str], dict[int, list[str]]]:
+    """The seed's tables of ``plan``: ``(stage_id_2_arg_names, stage_id_2_name, liveness)``.
+
+    What Slapo's ``slapo.pipeline.analyze_pipeline_module`` returns for its partitioned
+    module, computed from the plan: ``stage_id_2_arg_names[k]`` the arguments of stage ``k``
+    and ``stage_id_2_arg_names[-1]`` the model's inputs, ``stage_id_2_name[k]`` the stage's
+    value name, ``liveness[k]`` what stage ``k`` receives. Stage ``k``'s wrapper is
+    ``DeepSpeedPipeStageWrapper(plan.stages[k], k, stage_id_2_name[k], plan.num_stages,
+    liveness, stage_id_2_arg_names)``.
+    """
+    arg_names = {_INPUTS: list(plan.input_names)}
+    arg_names.update({k: list(names) for k, names in enumerate(plan.stage_arg_names)})
+    names = dict(enumerate(plan.stage_names))
+    liveness = {k: list(received) for k, received in enumerate(plan.liveness)}
+    return arg_names, names, liveness
+
 
 def deepspeed_pipe_engine(
-    sch_metadata: Any, stage_modules: Sequence[nn.Module], **kwargs: Any
+    sch_metadata: PipelinePlan, stage_modules: Sequence[nn.Module], **kwargs: Any
 ) -> nn.Module:
     """DeepSpeed pipeline engine: the ``PipelineModule`` that runs ``stage_modules``.
 
+    ``get_dialect("deepspeed").pipe_engine(sch_metadata, stage_modules, **kwargs)``: every
+    argument is checked there, once, as for any dialect.
+
     Args:
-        sch_metadata: the :class:`~pipedialect.PipelinePlan` the stages come from (Slapo's
-            ``ScheduleMetadata`` with ``tie_weights`` is accepted too); its tie groups are
-            registered with DeepSpeed.
+        sch_metadata: the :class:`~pipedialect.PipelinePlan` the stages come from (the seed's
+            schedule metadata); its tie groups are registered with DeepSpeed.
         stage_modules: one stage wrapper per pipeline stage, in stage order.
         **kwargs: ``config`` (the DeepSpeed config), ``loss_fn(outputs, labels)`` and
             ``topology`` (a DeepSpeed ``ProcessTopology`` whose pipe axis has one entry per
             stage) are required; ``fp16`` / ``bf16`` must agree with the config;
             ``dynamic_shapes`` (or DeepSpeed's ``dynamic_shape``) lets boundary shapes change
             between micro-batches; ``activation_checkpoint_interval`` (any value >= 1)
-            checkpoints each whole stage with torch's non-reentrant checkpoint.
+            checkpoints each whole stage with torch's non-reentrant checkpoint; ``init_weights``
+            fills this rank's stage of a meta-device plan.
 
     Returns:
         The ``deepspeed.pipe.PipelineModule`` (a subclass registering the plan's ties).
 
     Raises:
-        ConfigError: a required argument is missing or unknown, or the process group is not
-            initialised.
+        ConfigError: a required argument is missing or unknown, ``sch_metadata`` is not a
+            plan, or the process group is not initialised.
         TopologyError: the topology's pipe axis differs from the number of stages, it has a
             model-parallel axis, or it does not match the world size.
         TieError: a tie cannot be honoured (two different Parameter objects on one stage).
         PlanDisagreementError: the ranks built different plans, topologies or options.
     """
-    check_plan_agreement(sch_metadata, dialect="deepspeed", options=kwargs, stages=stage_modules)
-    return build_pipeline_module(sch_metadata, stage_modules, **kwargs)
+    return DeepSpeedDialect().pipe_engine(sch_metadata, stage_modules, **kwargs)

@@ -31,7 +31,8 @@ class LocalDialect(Dialect):
         the CPU (every stage is local here).
         """
         from pipedialect.config import parse_config
-        from pipedialect.ties import check_topology, retie_parameters
+        from pipedialect.ties import retie_parameters
+        from pipedialect.topology import check_topology
         from pipedialect.weights import prepare_local_stages
 
         from .engine import LocalPipeline
@@ -39,7 +40,7 @@ class LocalDialect(Dialect):
         plan, topology = request.plan, request.topology
         parse_config(request.config)
         if topology is not None:
-            check_topology(plan, topology)
+            check_topology(topology, plan.num_stages)
             if topology.world_size() != plan.num_stages:
                 raise TopologyError(
                     f"the local dialect runs one replica of each of the {plan.num_stages} stages "

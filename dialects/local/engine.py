@@ -33,6 +33,7 @@ from pipedialect.agreement import (
     first_nonfinite_loss,
     nonfinite_loss_error,
 )
+from pipedialect.config import clip_gradients, parse_config
 from pipedialect.engine import (
     DeepSpeedStyleEngine,
     read_checkpoint_file,
@@ -42,9 +43,7 @@ from pipedialect.engine import (
 from pipedialect.param_groups import ParamGroupsFn
 from pipedialect.partition import PipelinePlan
 
-from .config import clip_gradients, parse_config
-
-__all__ = ["DeepSpeedStyleEngine", "LocalEngine", "LocalPipeline"]
+__all__ = ["LocalEngine", "LocalPipeline"]
 
 
 LossFn = Callable[[Any, Any], torch.Tensor]

@@ -17,6 +17,7 @@ from torch import nn
 
 from pipedialect import ConfigError, Topology, TopologyError
 from pipedialect.config import parse_config
+from pipedialect.topology import check_topology, check_world_size, joined_world_size
 
 from ._replicas import check_data_parallel_mode
 from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
@@ -54,21 +55,8 @@ def _grid(topology: Topology | None) -> tuple[int, int] | None:
     """The topology's ``(pipe, data)`` sizes; None without a topology."""
     if topology is None:
         return None
-    if not isinstance(topology, Topology):
-        raise TopologyError(
-            f"topology must be a process topology (get_dim, filter_match, get_coord, "
-            f"world_size), such as dialect.make_topology(num_stages, data_parallel); got "
-            f"{topology!r}"
-        )
-    pipe = topology.get_dim("pipe")
+    pipe = check_topology(topology)  # the pipe axis counts ranks here, not stages
     data = topology.get_dim("data") or 1
-    model = topology.get_dim("model") or 1
-    if model > 1:
-        raise TopologyError(
-            f"the torch dialect runs pipeline and data parallelism, but the topology has a model "
-            f"axis of {model}; use a topology with model=1, e.g. "
-            "dialect.make_topology(num_stages, data_parallel)"
-        )
     if topology.world_size() != pipe * data:
         raise TopologyError(
             f"the topology has {topology.world_size()} ranks but a pipe axis of {pipe} and a "
@@ -99,8 +87,6 @@ def build_pipeline(
 
     The shared arguments were checked by :meth:`pipedialect.Dialect.pipe_engine`.
     """
-    import torch.distributed as dist
-
     plan, topology = request.plan, request.topology
     check_data_parallel_mode(data_parallel_mode)
     grid = _grid(topology)
@@ -115,20 +101,11 @@ def build_pipeline(
     num_stages = plan.num_stages
     if grid is not None:
         placement = resolve_placement(spec, num_stages, grid[0], stages_per_rank)
-    if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError(
-            "the process group is not initialised: call dialect.init_distributed() on every "
-            "rank before building the engine"
-        )
-    world = dist.get_world_size()
+    world = joined_world_size(request.dialect.name)
+    if topology is not None:
+        check_world_size(topology, world)
     if grid is None:
         placement = resolve_placement(spec, num_stages, world, stages_per_rank)
-    elif world != grid[0] * grid[1]:
-        raise TopologyError(
-            f"the topology describes {grid[0] * grid[1]} ranks ({grid[0]} pipeline x {data} "
-            f"data parallel) but the process group has {world}; launch "
-            f"{grid[0] * grid[1]} processes"
-        )
     return _construct(
         plan,
         list(request.stages),

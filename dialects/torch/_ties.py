@@ -117,7 +117,7 @@ class TieSync:
                         f"[Stage {stage}] tie group {group.key}: {name!r} here and {other!r} on "
                         f"stage {other_stage} run on the same rank ({owner}) but are different "
                         "Parameter objects; stages on one rank must share a tied parameter. "
-                        "Build the stage modules with plan.wrap()."
+                        "Build the stage modules with dialect.wrap_stages(plan)."
                     )
                 held.setdefault(owner, (name, stage, found))
             mine = held.get(rank)

@@ -11,10 +11,10 @@ import pipedialect
 class _Base(pipedialect.Dialect):
     capabilities = frozenset({pipedialect.Capability.MULTI_PROCESS})
 
-    def pipe_engine(self, plan: Any, stage_modules: Any = None, **kwargs: Any) -> Any:
+    def _build_pipeline(self, request: Any) -> Any:
         raise NotImplementedError
 
-    def runtime_engine(self, module: Any, **kwargs: Any) -> Any:
+    def _build_engine(self, request: Any) -> Any:
         raise NotImplementedError
 
 

@@ -13,10 +13,10 @@ class MidwayDialect(pipedialect.Dialect):
 
     name = "midway"
 
-    def pipe_engine(self, plan: Any, stage_modules: Any = None, **kwargs: Any) -> Any:
+    def _build_pipeline(self, request: Any) -> Any:
         raise NotImplementedError
 
-    def runtime_engine(self, module: Any, **kwargs: Any) -> Any:
+    def _build_engine(self, request: Any) -> Any:
         raise NotImplementedError
 
 

@@ -45,8 +45,8 @@ class HangDialect(LocalDialect):
     deaf = False
     native = False
 
-    def runtime_engine(self, module: Any, **kwargs: Any) -> Any:
-        return _Hanging(super().runtime_engine(module, **kwargs), self.deaf, self.native)
+    def _build_engine(self, request: Any) -> Any:
+        return _Hanging(super()._build_engine(request), self.deaf, self.native)
 
     def local_stages(self, engine: Any) -> Any:
         return super().local_stages(engine._engine)

@@ -15,10 +15,10 @@ class ToyDialect(pipedialect.Dialect):
     description = "registry test dialect"
     capabilities = frozenset({pipedialect.Capability.TIED_WEIGHTS})
 
-    def pipe_engine(self, plan: Any, stage_modules: Any = None, **kwargs: Any) -> Any:
+    def _build_pipeline(self, request: Any) -> Any:
         raise NotImplementedError("the toy dialect builds no engine")
 
-    def runtime_engine(self, module: Any, **kwargs: Any) -> Any:
+    def _build_engine(self, request: Any) -> Any:
         raise NotImplementedError("the toy dialect builds no engine")
 
 

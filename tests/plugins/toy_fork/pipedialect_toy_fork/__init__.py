@@ -13,10 +13,10 @@ class ToyForkDialect(pipedialect.Dialect):
     name = "toy"
     version = "0.9.0"
 
-    def pipe_engine(self, plan: Any, stage_modules: Any = None, **kwargs: Any) -> Any:
+    def _build_pipeline(self, request: Any) -> Any:
         raise NotImplementedError
 
-    def runtime_engine(self, module: Any, **kwargs: Any) -> Any:
+    def _build_engine(self, request: Any) -> Any:
         raise NotImplementedError
 
 
