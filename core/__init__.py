@@ -17,6 +17,7 @@ from .dialect import Dialect
 from .errors import *  # every exception and warning: errors.__all__
 from .hookspecs import hookimpl, hookspec
 from .partition import PipelinePlan, partition
+from .planner import plan_layout
 from .plugins import DialectInfo, get_dialect, list_dialects
 from .stage import StageWrapper
 from .ties import DefaultTieAnalyzer, TieGroup, analyze_tie_ranks, find_tie_groups
@@ -67,6 +68,7 @@ __all__ = [
     "TieGroup",
     "Topology",
     "TopologyError",
+    "UnknownConfigKeyError",
     "UnsupportedValueError",
     "WeightsError",
     "WireError",
@@ -78,5 +80,6 @@ __all__ = [
     "hookspec",
     "list_dialects",
     "partition",
+    "plan_layout",
     "trace",
 ]

@@ -160,3 +160,12 @@ def test_partition_and_trace_stay_functions_in_every_import_order() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_package_root_exports_every_error_and_a_sorted_all() -> None:
+    import pipedialect
+    from pipedialect import errors
+
+    assert set(errors.__all__) <= set(pipedialect.__all__)
+    assert pipedialect.__all__ == sorted(pipedialect.__all__)
+    assert all(hasattr(pipedialect, name) for name in pipedialect.__all__)
