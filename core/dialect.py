@@ -29,7 +29,7 @@ from .codec import SchemaCodec
 from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, Topology
 from .errors import ConfigError, TopologyError
 from .param_groups import ParamGroupsFn
-from .partition import PipelinePlan
+from .partition import PipelinePlan, check_capture_dtype
 from .stage import StageWrapper
 from .ties import DefaultTieAnalyzer, TieRanks, check_topology, check_topology_object
 from .topology import GridTopology, join_process_group
@@ -266,6 +266,7 @@ class Dialect(abc.ABC):
         if missing:
             raise ConfigError(f"the {self.name} pipe_engine() needs {' and '.join(missing)}")
         checked = _check_config(config, f"{self.name} pipe_engine")
+        check_capture_dtype(plan, checked)
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
         if dynamic_shapes and Capability.DYNAMIC_SHAPES not in self.capabilities:
