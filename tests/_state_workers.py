@@ -47,7 +47,7 @@ class Block(nn.Module):
 class StateNet(nn.Module):
     """Split after ``b1``: stage 0 writes buffer ``last``, stage 1 reads it; BatchNorm in both.
 
-    ``last`` is the batch mean of ``b0``'s output (a write that does not depend on earlier
+    ``last`` is the batch mean of ``|b0|``'s output (a write that does not depend on earlier
     micro-batches); ``count`` (with ``counting``) counts forwards in place; ``table`` is a
     non-persistent constant.
     """
@@ -69,11 +69,11 @@ class StateNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.b0(x + self.table)
         with torch.no_grad():
-            self.last.copy_(h.mean(0))
+            self.last.copy_(h.abs().mean(0))
         if self.counting:
             self.count.add_(1)
         h = self.b1(h)
-        return self.head(self.b2(h + self.last))
+        return self.head(self.b2(h) + self.last)
 
 
 class RunningMean(nn.Module):
@@ -222,12 +222,8 @@ def run(
     """
     model, loss_fn, batches, points = build(model_name)
     example = {("ids" if isinstance(model, Bf16Net) else "x"): batches[0][0]} if export else None
-    plan = partition(
-        model,
-        points,
-        example_inputs=example,
-        dtype=torch.bfloat16 if bf16 and export else None,
-    )
+    precision = {"dtype": torch.bfloat16} if bf16 and export else {}
+    plan = partition(model, points, example_inputs=example, **precision)
     dialect = pipedialect.get_dialect(dialect_name)
     dialect.init_distributed()
     kwargs: dict[str, Any] = {"config": config(bf16=bf16), "loss_fn": loss_fn}
@@ -258,7 +254,7 @@ def run(
         "stages": stages,
         "state": state,
         "buffer_dtypes": dtypes,
-        "buffers": [(b.name, b.owner, b.readers) for b in plan.buffers],
+        "buffers": [(b.name, b.owner, b.readers) for b in getattr(plan, "buffers", ())],
         "checkpoint": path,
     }
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import _bf16_workers as bf
+import _hf_workers as hf
 import _state_workers as w
 import pytest
 import torch
@@ -398,10 +399,15 @@ def test_a_later_stage_reads_what_its_writer_stage_wrote() -> None:
     model = w.StateNet()
     reference = copy.deepcopy(model)
     plan = partition(model, ["b1"])
-    separate = copy.deepcopy(plan.graph)  # every stage with its own parameters and buffers
+    separate = [copy.deepcopy(stage) for stage in plan.stages]  # each with its own buffers
     for seed in range(3):
-        x = _x(seed)
-        torch.testing.assert_close(separate(x), reference(x))
+        values: dict[str, Any] = {"x": _x(seed)}
+        for k, stage in enumerate(separate):
+            out = stage(*(values[n] for n in plan.stage_arg_names[k]))
+            if isinstance(out, tuple):
+                values.update((f"submod_{k}.{i}", v) for i, v in enumerate(out))
+            values[f"submod_{k}"] = out
+        torch.testing.assert_close(out, reference(values["x"]))
 
 
 class SharedNorm(nn.Module):
@@ -519,6 +525,51 @@ def test_bf16_export_plan_trains_as_the_bf16_recipe() -> None:
         assert torch.equal(value, want.float()), name
     assert got["buffer_dtypes"] == {"pos": "torch.float32", "stat.mean": "torch.float32"}
     assert ("stat.mean", 0, (1,)) in got["buffers"]
+
+
+class _Named(nn.Module):
+    """A transformers model called by its input names, for the hand-written bf16 recipe."""
+
+    def __init__(self, case: hf.HFCase, model: nn.Module) -> None:
+        super().__init__()
+        self.case = case
+        self.model = model
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.case.reference_forward(self.model, inputs)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_transformers_models_train_in_bf16_through_export(name: str) -> None:
+    """The route transformers models take: captured with bf16 parameters, a plan trains
+    bitwise as the unsplit bf16 model; captured in fp32 it is refused under bf16 (it crashed)."""
+    case = hf.CASES[name]
+    config = dict(w.config(bf16=True), train_micro_batch_size_per_gpu=2, train_batch_size=4)
+    dialect = pipedialect.get_dialect("local")
+    fp32 = case.partition(case.build(0), 2)
+    with pytest.raises(ConfigError, match=r"dtype=torch\.bfloat16"):
+        dialect.pipe_engine(fp32, config=config, loss_fn=case.loss_fn)
+    model, reference = case.build(0), case.build(0)
+    plan = partition(
+        model,
+        case.split_points[2],
+        example_inputs=case.example_inputs(),
+        concrete_args=case.fixed,
+        dtype=torch.bfloat16,
+    )
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # as it was
+    engine = dialect.runtime_engine(dialect.pipe_engine(plan, config=config, loss_fn=case.loss_fn))
+    batches = list(case.micro_batches(w.STEPS * w.GAS))
+    losses = [
+        float(engine.train_batch(iter(batches[s * w.GAS : (s + 1) * w.GAS])))
+        for s in range(w.STEPS)
+    ]
+    expected = bf.reference_bf16(
+        _Named(case, reference), case.loss_fn, iter(batches), w.STEPS, w.GAS, lr=w.LR
+    )
+    assert losses == expected["losses"]
+    for param_name, param in model.named_parameters():
+        assert torch.equal(param.float(), expected["params"][f"model.{param_name}"]), param_name
 
 
 # -- item 11: forward defaults; dataclass outputs ---------------------------------------------
