@@ -430,9 +430,23 @@ _REGION_PATH = "pipedialect_region_path"
 _REGION_KIND = "pipedialect_region_kind"
 
 
+#: The :class:`StageTracer` tracing a stage's code again, innermost last.
+_RETRACING: list[fx.Tracer] = []
+
+
+def _replay(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """While a stage's code is traced again, record ``fn(*args)`` instead of running it."""
+    if not _RETRACING:
+        return None
+    return _RETRACING[-1].create_proxy("call_function", fn, args, {})
+
+
 def enter_grad_mode(enabled: bool) -> bool:
     """Enter a ``no_grad``/``enable_grad``/``set_grad_enabled`` region; return the mode to
     restore ([Note: grad-mode regions])."""
+    recorded = _replay(enter_grad_mode, (enabled,))
+    if recorded is not None:
+        return recorded  # type: ignore[no-any-return]
     previous = torch.is_grad_enabled()
     torch._C._set_grad_enabled(enabled)
     return previous
@@ -440,13 +454,17 @@ def enter_grad_mode(enabled: bool) -> bool:
 
 def exit_grad_mode(previous: bool) -> None:
     """Leave a region entered by :func:`enter_grad_mode`."""
-    torch._C._set_grad_enabled(previous)
+    if _replay(exit_grad_mode, (previous,)) is None:
+        torch._C._set_grad_enabled(previous)
 
 
 def enter_autocast(
     device_type: str, dtype: torch.dtype | None, enabled: bool, cache_enabled: bool | None
 ) -> torch.autocast:
     """Enter a ``torch.autocast`` region as the model entered it; return it, to leave."""
+    recorded = _replay(enter_autocast, (device_type, dtype, enabled, cache_enabled))
+    if recorded is not None:
+        return recorded  # type: ignore[no-any-return]
     region = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
     region.__enter__()  # type: ignore[no-untyped-call]
     return region
@@ -454,7 +472,8 @@ def enter_autocast(
 
 def exit_autocast(region: torch.autocast) -> None:
     """Leave a region entered by :func:`enter_autocast`."""
-    region.__exit__(None, None, None)
+    if _replay(exit_autocast, (region,)) is None:
+        region.__exit__(None, None, None)
 
 
 _ENTERS = (enter_grad_mode, enter_autocast)
@@ -462,13 +481,20 @@ _EXITS = (exit_grad_mode, exit_autocast)
 
 
 class StageTracer(fx.Tracer):
-    """The tracer fx re-traces a stage's code with when it unpickles it: the region helpers
-    are recorded, not run."""
+    """The tracer fx traces a stage's code again with when it unpickles it: the region helpers
+    record themselves then instead of changing the tracing process's grad mode."""
 
-    def __init__(self) -> None:
-        super().__init__(
-            autowrap_functions=(*_ENTERS, *_EXITS, _state.buffer_value),
-        )
+    def trace(
+        self,
+        root: nn.Module | Callable[..., Any],
+        concrete_args: dict[str, Any] | None = None,
+    ) -> fx.Graph:
+        """Trace ``root`` with the region helpers recording themselves."""
+        _RETRACING.append(self)
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            _RETRACING.pop()
 
 
 def _tracing() -> SplitTracer | None:
@@ -587,6 +613,7 @@ def recording_regions() -> Iterator[None]:
 
         return enter
 
+    grad_enabled = torch.is_grad_enabled()
     try:
         patch(grad_mode.no_grad, "__enter__", entering(False, "torch.no_grad()"))
         patch(grad_mode.no_grad, "__exit__", leaving)
@@ -602,6 +629,7 @@ def recording_regions() -> Iterator[None]:
     finally:
         for cls, name, original in reversed(originals):
             setattr(cls, name, original)
+        torch._C._set_grad_enabled(grad_enabled)  # a region left open by a failed trace
 
 
 def _drop_empty_regions(graph: fx.Graph) -> None:
@@ -1239,6 +1267,11 @@ class ModalGraphModule(fx.GraphModule):
             ModalGraphModule.__init__(module, root, graph, root.__dict__["eval_graph"])
 
         return init
+
+    def __copy__(self) -> ModalGraphModule:
+        copied = ModalGraphModule(self, self.graph, self.eval_graph, type(self).__name__)
+        copied.meta = getattr(self, "meta", {})
+        return copied
 
     def __reduce__(self) -> tuple[Any, ...]:
         _, (body, import_block) = super().__reduce__()

@@ -120,8 +120,10 @@ class PipelinePlan:
     #: torch.export (``partition(..., dtype=)``), which the engine must train in; None for the
     #: torch.fx capture, whose stages compute in whatever dtype the parameters have.
     param_dtype: torch.dtype | None = None
-    #: The default values of inputs that have one (forward's defaults), by name: a batch may
-    #: omit trailing inputs that have a default.
+    #: forward's default values of the inputs whose default a stage can take in place of a
+    #: value (Python numbers and bools), by name: a batch may omit such trailing inputs. A
+    #: ``None`` default is not here: the capture traced the input as a value, so an input that
+    #: may be left out is fixed with ``concrete_args`` instead.
     input_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -559,13 +561,16 @@ def _param_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 def _input_defaults(model: nn.Module, input_names: Sequence[str]) -> dict[str, Any]:
-    """forward's default values of the plan's inputs that have one."""
+    """forward's default values of the plan's inputs that the stages can take instead of a
+    value: Python numbers. The capture traced each input as a value; a ``None`` (or other
+    object) default could not stand in for one (``concrete_args`` fixes such an input)."""
     parameters = inspect.signature(model.forward).parameters
-    return {
-        name: parameters[name].default
-        for name in input_names
-        if name in parameters and parameters[name].default is not inspect.Parameter.empty
-    }
+    defaults: dict[str, Any] = {}
+    for name in input_names:
+        parameter = parameters.get(name)
+        if parameter is not None and type(parameter.default) in (bool, int, float, complex):
+            defaults[name] = parameter.default
+    return defaults
 
 
 def _engine_param_dtype(config: Mapping[str, Any]) -> torch.dtype | None:

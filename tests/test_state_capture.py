@@ -149,6 +149,17 @@ def test_grad_mode_and_autocast_regions_are_kept(path: str) -> None:
     assert torch.is_grad_enabled()
 
 
+def test_regions_survive_pickling() -> None:
+    """Unpickling re-traces a stage's code: the region helpers record themselves then."""
+    plan = partition(Regions(), ["mid"])
+    copied = pickle.loads(pickle.dumps(plan.stages[0]))
+    x = _x(4)
+    out = copied(x)
+    assert out.dtype == torch.bfloat16  # the autocast region is still there
+    torch.testing.assert_close(out, plan.stages[0](x))
+    assert torch.is_grad_enabled()
+
+
 class RegionAcross(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -608,9 +619,21 @@ def test_a_split_point_returning_a_dataclass_verifies_under_example_inputs() -> 
     torch.testing.assert_close(plan.graph(_x(2)), model(_x(2)))
 
 
+class Defaults(DataclassNet):
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, scale: float = 2.0, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = super().forward(x, scale)
+        if bias is not None:  # traced as a value: the plan adds it
+            out = out + bias
+        return out
+
+
 def test_forward_defaults_are_recorded_for_the_inputs_that_have_them() -> None:
-    plan = partition(DataclassNet(), ["head"])
-    assert plan.input_names == ("x", "scale")
+    """A number default can stand in for an omitted input; a None default cannot (the trace
+    took the input as a value), so it is not offered."""
+    plan = partition(Defaults(), ["head"])
+    assert plan.input_names == ("x", "scale", "bias")
     assert dict(plan.input_defaults) == {"scale": 2.0}
     exported = partition(DataclassNet(), ["head"], example_inputs={"x": _x()})
     assert exported.input_names == ("x",) and dict(exported.input_defaults) == {}
