@@ -143,6 +143,9 @@ class SplitTracer(fx.Tracer):
         # Nodes whose value comes from a split point whose structure is unknown.
         self._opaque: dict[fx.Node, SplitOutput] = {}
         self._buffer_names: dict[int, str] | None = None
+        #: For each probed call (a split point, a checkpointed module), the ids of the buffers
+        #: its module's traced code writes ([Note: module state] in ``_state``).
+        self.buffer_writes: dict[fx.Node, frozenset[int]] = {}
 
     def trace(
         self,
@@ -419,6 +422,8 @@ class Captured:
     added_attrs: list[str]
     #: The split-point guards in the graph ([Note: split-point outputs]).
     guards: list[fx.Node] = field(default_factory=list)
+    #: For the module calls whose code was traced by itself, the ids of the buffers it writes.
+    buffer_writes: dict[fx.Node, frozenset[int]] = field(default_factory=dict)
 
 
 # -- grad-mode and autocast regions ([Note: grad-mode regions]) -------------------------------
@@ -792,7 +797,7 @@ def capture(
     _drop_empty_regions(graph)
     guards = _insert_guards(graph, tracer.splits)
     graph.lint()
-    return Captured(graph, added, guards)
+    return Captured(graph, added, guards, tracer.buffer_writes)
 
 
 def _capture_message(model: nn.Module, exc: Exception, failed_in: str | None) -> str:
@@ -912,10 +917,12 @@ def _probe(
     result: Any = None
     spec: Any = None
     reason = ""
+    written: frozenset[int] | None = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            probe.trace(m)
+            graph = probe.trace(m)
+        written = _state.written_buffers(graph, m, m.training)
         result = probe.result
         spec = _spec_of(result, probe)
     except Exception as exc:
@@ -937,6 +944,8 @@ def _probe(
         for node in reversed(stray):
             outer.graph.erase_node(node)
         return None, None, "its arguments hold traced values inside an object the probe cannot see"
+    if written is not None:
+        outer.buffer_writes[call] = written
     if spec is None:
         return None, None, reason
     return result, spec, ""

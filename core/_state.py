@@ -214,7 +214,7 @@ class StateSnapshot:
                 if buffer is not None and not buffer.is_meta and id(buffer) not in self._values:
                     self._values[id(buffer)] = buffer.detach().clone()
 
-    def watch(self, how: str, hint: str = "") -> Callable[..., None]:
+    def watch(self, how: str) -> Callable[..., None]:
         """A forward hook for the model's root: it remembers the first change forward made
         (torch.export puts Python attributes back itself once it is done, so they must be
         looked at while forward has just returned). :meth:`check_unchanged` raises it."""
@@ -223,21 +223,19 @@ class StateSnapshot:
             if self._seen is None:
                 try:
                     # export holds fake tensors in the tables while it runs: attributes only.
-                    self.check_unchanged(how, hint=hint, tables=False)
+                    self.check_unchanged(how, tables=False)
                 except CaptureError as exc:
                     self._seen = exc
 
         return hook
 
-    def check_unchanged(
-        self, how: str, ignore: Iterable[str] = (), hint: str = "", tables: bool = True
-    ) -> None:
+    def check_unchanged(self, how: str, ignore: Iterable[str] = (), tables: bool = True) -> None:
         """Refuse a Python attribute or a buffer that tracing changed (or that a
         :meth:`watch` hook saw changed).
 
-        ``how`` names the capture (for the message); ``ignore`` are root attributes the
-        capture itself added (tensor constants); ``hint`` is what to do, appended; without
-        ``tables`` only Python attributes are compared.
+        ``how`` names the capture ("torch.fx" or "torch.export", for the message); ``ignore``
+        are root attributes the capture itself added (tensor constants); without ``tables`` only
+        Python attributes are compared.
 
         Raises:
             CaptureError: naming the module path and the attribute or buffer.
@@ -252,7 +250,7 @@ class StateSnapshot:
                 if key in _NOT_STATE or (module is self._model and key in skipped):
                     continue
                 if key not in saved:
-                    self._refuse(how, path, module, key, "sets", f"to {_shown(current[key])}", hint)
+                    self._refuse(how, path, module, key, "sets", f"to {_shown(current[key])}")
                 value, contents = saved[key]
                 if not _same(value, current[key]) or (
                     current[key] is value and not _same_contents(contents, value)
@@ -262,7 +260,7 @@ class StateSnapshot:
                         if current[key] is not value
                         else "in place"
                     )
-                    self._refuse(how, path, module, key, "changes", what, hint)
+                    self._refuse(how, path, module, key, "changes", what)
         if not tables:
             return
         for (path, module), saved_tables in zip(self._modules, self._tables, strict=True):
@@ -278,7 +276,7 @@ class StateSnapshot:
                             f"the forward of {where} ({type(module).__name__}) replaces its "
                             f"{kind} {key!r} while {how} traced it; the stages would hold the "
                             "object it had at capture. Update the tensor in place "
-                            f"(self.{key}.copy_(...)) instead of assigning a new one{hint}"
+                            f"(self.{key}.copy_(...)) instead of assigning a new one"
                         )
             for key, buffer in saved_tables[1].items():
                 saved_value = None if buffer is None else self._values.get(id(buffer))
@@ -293,26 +291,35 @@ class StateSnapshot:
                         "capture records (an update through module._buffers, .data, or a "
                         "tensor the model holds twice?): the stages would never repeat it. "
                         f"Update it in place on the attribute itself (self.{key}.mul_(...)) in "
-                        f"forward{hint}"
+                        "forward"
                     )
 
     def _refuse(
-        self, how: str, path: str, module: nn.Module, key: str, verb: str, what: str, hint: str
+        self, how: str, path: str, module: nn.Module, key: str, verb: str, what: str
     ) -> None:
         where = repr(path) if path else "the model"
+        buffer = (
+            f"keep the value in a buffer updated in place (self.register_buffer({key!r}, ...) "
+            f"and self.{key}.add_(...))"
+        )
+        if not path:
+            fix = f"Move the update out of forward, or {buffer}"
+        elif how == "torch.fx":
+            fix = (
+                f"Make {path!r} a leaf module (leaf_modules=[{path!r}]): a leaf module's real "
+                f"forward runs at every call; or {buffer}"
+            )
+        else:
+            fix = (
+                f"{buffer[0].upper()}{buffer[1:]}, or partition without example_inputs (the "
+                f"torch.fx capture) with leaf_modules=[{path!r}]: a leaf module's real forward "
+                "runs at every call"
+            )
         raise CaptureError(
             f"the forward of {where} ({type(module).__name__}) {verb} {key!r}"
             + (f" {what}" if what else "")
             + f" while {how} traced it. A Python attribute update cannot be part of a stage "
-            "graph: it would happen once, at capture, and never in training. "
-            + (
-                f"Make {path!r} a leaf module (leaf_modules=[{path!r}]): a leaf module's real "
-                "forward runs at every call; or keep the value in a buffer updated in place "
-                f"(self.register_buffer({key!r}, ...) and self.{key}.add_(...)){hint}"
-                if path
-                else f"Move the update out of forward, or keep the value in a buffer updated "
-                f"in place (self.register_buffer({key!r}, ...)){hint}"
-            )
+            f"graph: it would happen once, at capture, and never in training. {fix}"
         )
 
     def restore(self) -> None:
@@ -452,14 +459,32 @@ def _pure_builtin(module: nn.Module) -> bool:
     )
 
 
+def written_buffers(graph: fx.Graph, root: nn.Module, training: bool) -> frozenset[int]:
+    """The ids of ``root``'s buffers that ``graph`` (a trace of ``root``'s forward) writes."""
+    names = BufferNames(root)
+    aliases = alias_table(graph, names, root)
+    written: set[str] = set()
+    for node in graph.nodes:
+        for target in _mutated(node, root, aliases):
+            written.update(aliases.get(target, ()))
+        if node.op == "call_module":
+            written.update(module_writes(root.get_submodule(str(node.target)), names, training))
+    return frozenset(id(names.tensors[n]) for n in written)
+
+
 def analyze(
     graph: fx.Graph,
     stage_of: Mapping[fx.Node, int],
     names: BufferNames,
     training: bool,
     last_stage: int,
+    known: Mapping[fx.Node, frozenset[int]] | None = None,
 ) -> BufferUse:
-    """Which stage reads and writes which buffer in ``graph`` ([Note: module state])."""
+    """Which stage reads and writes which buffer in ``graph`` ([Note: module state]).
+
+    ``known`` gives the buffers (by id) a module call writes when its code was traced by
+    itself (a split point's); other calls are judged by :func:`module_writes`.
+    """
     use = BufferUse()
     aliases = alias_table(graph, names, names.model)
     for node in graph.nodes:
@@ -475,7 +500,13 @@ def analyze(
             held = names.of_module(module)
             use.add(use.reads, held, stage)
             use.add(use.module_uses, held, (stage, str(node.target)))
-            use.add(use.writes, module_writes(module, names, training), stage)
+            traced = None if known is None else known.get(node)
+            written = (
+                module_writes(module, names, training)
+                if traced is None
+                else [names.by_id[i] for i in traced if i in names.by_id]
+            )
+            use.add(use.writes, written, stage)
     return use
 
 
@@ -733,7 +764,7 @@ def _module_hint(calls: Iterable[tuple[int, str]]) -> str:
     if not shown:
         return ""
     return (
-        " (modules called as one op that write it: "
+        " (modules called as one op that hold it: "
         + ", ".join(f"{path!r} in stage {s}" for s, path in shown)
         + ")"
     )
@@ -894,8 +925,3 @@ def describe_value(node: fx.Node) -> str:
     if is_buffer_value(node):
         return f"buffer {node.args[1]!r}"
     return node.name
-
-
-def callables() -> tuple[Callable[..., Any], ...]:
-    """The functions of this module stage graphs call."""
-    return (buffer_value,)

@@ -295,10 +295,9 @@ def partition(
             forward taking ``**kwargs`` accepts other names there, e.g. ``return_dict``), and
             the stages are specialised to these shapes and dtypes (stage 0 checks them); each
             mode is captured ([Note: stage modes] in ``_fx``). This is the route for code fx
-            cannot trace,
-            such as transformers models ([Note: export capture] in ``_export``); it does not
-            take ``leaf_modules``. The plan is then checked against the model on them
-            (:meth:`PipelinePlan.verify`) before it is returned.
+            cannot trace, such as transformers models ([Note: export capture] in
+            ``_export``); it does not take ``leaf_modules``. The plan is then checked against
+            the model on them (:meth:`PipelinePlan.verify`) before it is returned.
         dtype: with ``example_inputs``, the dtype the floating-point parameters have while
             the forward is captured and checked (buffers keep theirs), which must be the one
             the engine trains in: ``torch.bfloat16`` for ``"bf16": {"enabled": true}``
@@ -434,16 +433,14 @@ def _partition(
                 leaf_modules,
                 point_modules,
                 ckpt_paths,
-                snapshot.watch("torch.export", _EXPORT_STATE_HINT),
+                snapshot.watch("torch.export"),
             )
             mine = list(captured.added_attrs)
             if not mode:
                 mine = _fx.share_constants(model, captured.graph, mine, added)
             added.extend(mine)
             snapshot.check_unchanged(
-                how,
-                ignore=[n for n in added if _CAPTURE_CONSTANT.fullmatch(n)],
-                hint="" if named_inputs is None else _EXPORT_STATE_HINT,
+                how, ignore=[n for n in added if _CAPTURE_CONSTANT.fullmatch(n)]
             )
             graph = captured.graph
             try:
@@ -466,7 +463,9 @@ def _partition(
                 )
             if mode and ckpt_paths:
                 _check_checkpoint_called(model, graph, ckpt_paths, leaf_paths)
-            uses.append(_state.analyze(graph, stage_of, names, mode, count - 1))
+            uses.append(
+                _state.analyze(graph, stage_of, names, mode, count - 1, captured.buffer_writes)
+            )
             modes[mode] = (graph, stage_of, split_nodes)
         model.train(training)
         buffer_plan = _state.plan_buffers(uses, points)
@@ -522,10 +521,6 @@ def _partition(
 #: Names the captures give the constants they set on the model (fx's tensor constants,
 #: export's constants and subgraphs).
 _CAPTURE_CONSTANT = re.compile(r"_tensor_constant\d+|_torchbind_obj\d+|_export_constant\d+")
-_EXPORT_STATE_HINT = (
-    ", or partition without example_inputs (the torch.fx capture), where leaf_modules=[...] "
-    "keeps a module's real forward"
-)
 
 
 def _capture(

@@ -484,9 +484,50 @@ def test_a_module_called_as_one_op_may_write_its_buffers() -> None:
         partition(ModuleRead(), ["a"], leaf_modules=["m"])
     message = str(info.value)
     assert "buffer 'm.scale' is written by stages [0, 1]" in message
-    assert "modules called as one op that write it: 'm' in stage 1" in message
+    assert "modules called as one op that hold it: 'm' in stage 1" in message
     plan = partition(ModuleRead(), ["a"])  # traced through: stage 1 is sent the value
     assert [b.readers for b in plan.buffers] == [(1,)]
+
+
+class Table(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0.5, 1.5, DIM))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.table
+
+
+class SharedTableBlock(nn.Module):
+    def __init__(self, table: Table) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.table = table
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(self.table(h)))
+
+
+class SharedTableNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        table = Table()
+        self.blocks = nn.ModuleList(SharedTableBlock(table) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_constant_buffer_shared_by_split_points_is_held_by_each() -> None:
+    """Split points run as one call, but their code is traced by itself too: a block that
+    only reads a buffer it shares with the other blocks does not own it."""
+    model = SharedTableNet()
+    plan = partition(model, ["blocks.0", "blocks.1"])
+    (table,) = plan.buffers
+    assert (table.name, table.owner, table.readers) == ("blocks.0.table.table", None, (0, 1, 2))
+    plan.verify(_x())
 
 
 def test_consolidate_after_training_equals_the_unsplit_state_dict(tmp_path: Path) -> None:
