@@ -183,9 +183,13 @@ def test_a_region_around_a_split_point_is_refused_by_name(path: str) -> None:
     message = str(info.value)
     assert "split point 'b'" in message and "no_grad()" in message, message
     assert "Choose a split point outside the region" in message
-    plan = _partition(RegionAcross(), ["c"], path)  # the region ends after 'c': kept in stage 0
-    x = _x(1)
-    torch.testing.assert_close(plan.graph(x), RegionAcross.forward(plan.model, x))  # type: ignore[arg-type]
+    model = RegionAcross()
+    plan = _partition(model, ["c"], path)  # the region ends after 'c': closed in stage 0
+    x = _x(1).requires_grad_()
+    out = plan.graph(x)
+    torch.testing.assert_close(out, model(x))
+    out.sum().backward()
+    assert model.b.weight.grad is None and model.d.weight.grad is not None
 
 
 # -- item 2: stages follow the engine's mode ---------------------------------------------------
