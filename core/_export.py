@@ -25,23 +25,36 @@ splitter, liveness and tie analysis are shared ([Note: own splitter] in ``_fx``)
   their place the first stage checks each input's shape and dtype against the example, since
   the graph is specialised to them;
 - in-place updates of buffers (BatchNorm's running statistics, ``self.buf = ...``) stay
-  in-place ops on the model's buffers, as export's training IR records them;
+  in-place ops on the model's buffers, as export's training IR records them; a buffer
+  assignment, which export applies as a ``copy_`` at the end of the graph, is moved back to
+  where its value is computed, so that it happens in the stage that computes it;
 - the output keeps the model's structure when it is made of tuples, lists, dicts and None.
 
 A split point's computation is the run of nodes whose ``nn_module_stack`` names its module;
 the stage boundary follows the last of them.
 
 What export fixes at capture time: tensor shapes (micro-batches must have the example inputs'
-shapes), dtypes, and the train/eval mode (dropout is recorded as it ran, so the captured graph
-applies it in ``eval_batch`` too). Devices it also writes into the graph; those are made to
-follow the stage's tensors again, so a plan captured on the CPU runs on a GPU.
+shapes), dtypes, and the train/eval mode. The mode is handled by capturing twice ([Note: stage
+modes] in ``_fx``); devices export also writes into the graph, and those are made to follow the
+stage's tensors again, so a plan captured on the CPU runs on a GPU.
+
+[Note: export precision]
+Dtypes cannot be made to follow: ``x.to(h.dtype)`` becomes ``to(x, torch.float32)`` when ``h``
+was fp32, exactly as ``x.float()`` does, and the two must differ under bf16. So the plan is
+captured in the precision it trains in: ``partition(..., example_inputs=..., dtype=
+torch.bfloat16)`` gives the model's floating-point parameters that dtype while it is captured
+and checked (buffers keep theirs, as DeepSpeed's ``_cast_module_mixed_precision`` does and the
+engines do), and records it as :attr:`~pipedialect.PipelinePlan.param_dtype`. The shared
+``pipe_engine`` refuses a plan whose ``param_dtype`` differs from the dtype the config makes the
+engine train (``"bf16": {"enabled": true}``: bf16; otherwise the parameters' own) and names
+the ``dtype=`` that fits (:func:`pipedialect.partition.check_capture_dtype`).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +67,7 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
+from . import _state
 from ._fx import Captured, remove_attrs
 from ._module_paths import check_execution_order, check_single_call
 from .errors import CaptureError, SplitPointError, StructureChangedError
@@ -78,13 +92,21 @@ def capture(
     model: nn.Module,
     example_inputs: Mapping[str, Any],
     fixed: Mapping[str, Any],
+    after_forward: Callable[..., None] | None = None,
 ) -> Captured:
-    """Capture ``model`` with torch.export on ``example_inputs``; ``fixed`` are constant args."""
+    """Capture ``model`` with torch.export on ``example_inputs``; ``fixed`` are constant args.
+
+    ``after_forward`` is a forward hook on the model while export runs its forward.
+    """
     kwargs = _call_kwargs(model, _unaliased(example_inputs), fixed)
+    handle = None if after_forward is None else model.register_forward_hook(after_forward)
     try:
         program = torch.export.export(model, (), kwargs, strict=False)
     except Exception as exc:
         raise CaptureError(_export_message(model, exc)) from exc
+    finally:
+        if handle is not None:
+            handle.remove()
     _, in_spec = pytree.tree_flatten(((), kwargs))
     if program.call_spec.in_spec != in_spec:
         raise CaptureError(
@@ -97,18 +119,7 @@ def capture(
     except CaptureError:
         remove_attrs(model, added)
         raise
-    dropouts = [
-        n
-        for n in graph.nodes
-        if n.target is torch.ops.aten.dropout.default and n.args[1] > 0 and n.args[2] is True
-    ]
-    if dropouts:
-        logger.warning(
-            "%s was captured in training mode with %d active dropout op(s); the stages apply "
-            "them in eval_batch too. Partition a copy in eval mode for evaluation without them.",
-            type(model).__name__,
-            len(dropouts),
-        )
+    _hoist_buffer_assignments(graph, model)
     logger.debug("torch.export captured %s: %d nodes", type(model).__name__, len(graph.nodes))
     return Captured(graph, added)
 
@@ -260,9 +271,11 @@ def _to_fx_graph(
 
     attrs: dict[str, fx.Node] = {}
 
-    def get_attr(target: str) -> fx.Node:
+    def get_attr(target: str, source: fx.Node | None = None) -> fx.Node:
         if target not in attrs:
             attrs[target] = graph.get_attr(target)
+            if source is not None and "val" in source.meta:
+                attrs[target].meta["val"] = source.meta["val"]
         return attrs[target]
 
     for node in old_nodes:
@@ -275,7 +288,7 @@ def _to_fx_graph(
             continue
         # A parameter is fetched under the name the module using it here gives it.
         local = {
-            src: get_attr(_name_in_module(state[src], aliases, _module_paths(node)))
+            src: get_attr(_name_in_module(state[src], aliases, _module_paths(node)), src)
             for src in node.all_input_nodes
             if src in state
         }
@@ -291,6 +304,45 @@ def _to_fx_graph(
     _follow_devices(graph, baked)
     graph.lint()
     return graph
+
+
+def _hoist_buffer_assignments(graph: fx.Graph, model: nn.Module) -> None:
+    """Move each ``self.buf = value``, which export applies as ``copy_(buf, value)`` at the end
+    of the graph, to right after ``value`` is computed.
+
+    In the model the assignment happens there; at the end of the graph it would fall into the
+    last stage, far from the stage that computes it ([Note: module state] in ``_state``). It
+    moves only when no node in between uses the buffer or writes ``value``.
+    """
+    names = _state.BufferNames(model)
+    aliases = _state.alias_table(graph, names, model)
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
+            continue
+        target, value = node.args[0], node.args[1]
+        if not (
+            isinstance(target, fx.Node)
+            and target.op == "get_attr"
+            and isinstance(value, fx.Node)
+            and value.op == "call_function"
+            and not node.users
+        ):
+            continue
+        buffer = names.of_target(str(target.target))
+        if buffer is None:
+            continue
+        between: list[fx.Node] = []
+        cursor = value.next
+        while cursor is not node:
+            between.append(cursor)
+            cursor = cursor.next
+        touched = any(
+            any(buffer in aliases.get(src, ()) for src in other.all_input_nodes)
+            or value in _state.mutated_inputs(other, model)
+            for other in between
+        )
+        if not touched:
+            value.append(node)
 
 
 def _is_tensor(node: fx.Node) -> bool:
@@ -438,7 +490,41 @@ def _check_output_spec(model: nn.Module, spec: pytree.TreeSpec) -> None:
         _check_output_spec(model, child)
 
 
-def locate(graph: fx.Graph, points: Sequence[str], targets: Sequence[str]) -> list[fx.Node]:
+_REGIONS = {
+    "wrap_with_set_grad_enabled": "torch.no_grad()/enable_grad()/set_grad_enabled()",
+    "wrap_with_autocast": "torch.autocast()",
+}
+
+
+def _region_holding(graph: fx.Graph, model: nn.Module, target: str) -> str | None:
+    """How a grad-mode or autocast region whose subgraph computes ``target`` reads (and whose
+    forward entered it), or None."""
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(
+            node.target, torch._ops.HigherOrderOperator
+        ):
+            continue
+        for arg in node.args:
+            sub = getattr(model, str(arg.target), None) if isinstance(arg, fx.Node) else None
+            if not (
+                isinstance(arg, fx.Node)
+                and arg.op == "get_attr"
+                and isinstance(sub, fx.GraphModule)
+            ):
+                continue
+            for inner in sub.graph.nodes:
+                stack = inner.meta.get("nn_module_stack") or {}
+                if any(path == target for path, _ in stack.values()):
+                    name = getattr(node.target, "__name__", str(node.target))
+                    paths = _module_paths(node)
+                    where = f"the forward of {paths[0]!r}" if paths and paths[0] else "forward"
+                    return f"{_REGIONS.get(name, name)} region of {where}"
+    return None
+
+
+def locate(
+    graph: fx.Graph, points: Sequence[str], targets: Sequence[str], model: nn.Module
+) -> list[fx.Node]:
     """For every split point, the last node its module computed; check call count and order."""
     last: dict[str, fx.Node] = {}
     calls: dict[str, set[str]] = {t: set() for t in targets}
@@ -454,6 +540,13 @@ def locate(graph: fx.Graph, points: Sequence[str], targets: Sequence[str]) -> li
     found: list[fx.Node] = []
     for path, target in zip(points, targets, strict=True):
         if target not in last:
+            region = _region_holding(graph, model, target)
+            if region is not None:
+                raise CaptureError(
+                    f"split point {path!r} is inside a {region}, which "
+                    "torch.export captures as one operation, so no stage can end inside it. "
+                    "Choose a split point outside the region, or the last module it calls"
+                )
             raise SplitPointError(
                 f"split point {path!r} computes nothing in the exported graph (forward never "
                 "calls it, or its forward has no tensor operation); choose a module forward "

@@ -47,6 +47,39 @@ still an attribute of the stage under its own path, so parameter names, ties and
 ``torch.utils.checkpoint`` with the RNG state preserved (dropout draws the same mask when
 recomputed). Being part of the stage graph, it behaves alike on every dialect; the generated
 code names the helper and the module, so fingerprints stay deterministic.
+
+[Note: grad-mode regions]
+``with torch.no_grad():``, ``torch.enable_grad()``, ``torch.set_grad_enabled(b)`` and
+``torch.autocast(...)`` change the process's state, not a value, so plain fx would run them
+once while tracing and leave no trace in the graph: ``n = w.norm()`` under ``no_grad`` would get
+gradients in every stage. While :func:`capture` traces, :func:`recording_regions` makes entering
+and leaving such a region inside traced code record ``enter_grad_mode(mode)`` /
+``exit_grad_mode(previous)`` (and ``enter_autocast(...)`` / ``exit_autocast(region)``) nodes,
+so each stage sets and restores the mode around exactly the nodes the model ran in it, on every
+dialect. The previous mode is a value of the graph, so a region entered under ``eval_batch``'s
+``no_grad`` restores ``no_grad``. A region must lie inside one stage (a stage runs on one rank;
+it cannot leave the mode set for another): one that ends right after a split point's call is
+closed in that stage, any other that contains a split point is refused by name
+(:func:`place_regions`), and so is ``set_grad_enabled(b)`` called without being restored, and
+``inference_mode``. Regions inside a module called as one op (a split point, a leaf) run for
+real in its forward. torch.export keeps regions itself, as higher-order ops over a subgraph
+(``wrap_with_set_grad_enabled``, ``wrap_with_autocast``), which stay single nodes.
+
+[Note: stage modes]
+Python reads ``self.training`` while it is traced (``F.dropout(x, p, training=self.training)``,
+``if self.training:`` running statistics), and torch.export records BatchNorm and dropout as
+they ran: one capture is one mode. So ``partition`` captures the model twice, in train and in
+eval mode, cuts both with the same split points, and a stage whose two graphs differ becomes a
+:class:`ModalGraphModule`: one module holding the parameters and buffers once, whose
+``forward`` runs the train-mode graph when the stage is in train mode and the eval-mode graph
+otherwise, so ``stage.train()``/``stage.eval()`` (which every engine calls in ``train_batch``
+and ``eval_batch``) switch it. A stage whose two graphs compile to the same code stays a plain
+``GraphModule``. Each mode's stages agree among themselves on what every boundary value is; what
+both modes must share is the plan's tables: the same number of values per boundary, taken by
+the same stages in the same order (and, where the capture recorded them, of the same shapes and
+dtypes: the wire layout is frozen by the first training micro-batch). A model whose eval path
+sends something else across a boundary is refused by name. Buffer ownership is decided on both
+modes together ([Note: module state] in ``_state``).
 """
 
 from __future__ import annotations
@@ -64,9 +97,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.autograd.grad_mode as grad_mode
 import torch.utils.checkpoint
 from torch import fx, nn
+from torch.fx.graph_module import reduce_graph_module
 
+from . import _state
 from .contracts import TensorCodec
 from .errors import ActivationCheckpointError, CaptureError, UnsupportedValueError
 
@@ -114,6 +150,48 @@ class SplitTracer(fx.Tracer):
         self.splits: list[SplitOutput] = []
         # Nodes whose value comes from a split point whose structure is unknown.
         self._opaque: dict[fx.Node, SplitOutput] = {}
+        self._buffer_names: dict[int, str] | None = None
+        #: For each probed call (a split point, a checkpointed module), the ids of the buffers
+        #: its module's traced code writes ([Note: module state] in ``_state``).
+        self.buffer_writes: dict[fx.Node, frozenset[int]] = {}
+
+    def trace(
+        self,
+        root: nn.Module | Callable[..., Any],
+        concrete_args: dict[str, Any] | None = None,
+    ) -> fx.Graph:
+        """Trace ``root``; grad-mode and autocast regions entered meanwhile are recorded in this
+        tracer's graph ([Note: grad-mode regions])."""
+        _ACTIVE.append(self)
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            _ACTIVE.pop()
+
+    def module_path(self) -> str:
+        """The module whose forward is being traced ("" for the root)."""
+        return self._stack[-1] if self._stack else ""
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        """Buffers are traced like parameters, so in-place updates of them are in the graph
+        ([Note: module state] in ``_state``); their shapes stay concrete."""
+        if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
+            if self._buffer_names is None:
+                self._buffer_names = {}
+                for name, buffer in self.root.named_buffers():
+                    self._buffer_names.setdefault(id(buffer), name)
+            found = self._buffer_names.get(id(attr_val))
+            if found is not None:
+                if found not in parameter_proxy_cache:
+                    parameter_proxy_cache[found] = self.create_proxy(
+                        "get_attr",
+                        found,
+                        (),
+                        {},
+                        proxy_factory_fn=lambda node: _BufferProxy(node, self, attr_val),
+                    )
+                return parameter_proxy_cache[found]
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """Split points, ``leaf_modules`` and fx's default leaves are called, not traced."""
@@ -287,6 +365,38 @@ class _OpaqueProxy(fx.Proxy):
         return tracer._opaque[self.node]
 
 
+class _BufferProxy(fx.Proxy):
+    """A buffer read by traced code: its shape is the buffer's, as fx's ``ParameterProxy``
+    keeps a parameter's, so that code sizing things by a buffer still traces."""
+
+    def __init__(self, node: fx.Node, tracer: fx.Tracer, buffer: torch.Tensor) -> None:
+        super().__init__(node, tracer)
+        self._buffer = buffer
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._buffer.shape
+
+    def size(self, dim: int | None = None) -> Any:
+        return self._buffer.size() if dim is None else self._buffer.size(dim)
+
+    def dim(self) -> int:
+        return self._buffer.dim()
+
+    @property
+    def ndim(self) -> int:
+        return self._buffer.ndim
+
+    def numel(self) -> int:
+        return self._buffer.numel()
+
+    def nelement(self) -> int:
+        return self._buffer.nelement()
+
+    def __len__(self) -> int:
+        return len(self._buffer)
+
+
 class _LeafProxy(fx.Proxy):
     """One leaf of a split point's output, read from the call's result where it is used.
 
@@ -320,6 +430,279 @@ class Captured:
     added_attrs: list[str]
     #: The split-point guards in the graph ([Note: split-point outputs]).
     guards: list[fx.Node] = field(default_factory=list)
+    #: For the module calls whose code was traced by itself, the ids of the buffers it writes.
+    buffer_writes: dict[fx.Node, frozenset[int]] = field(default_factory=dict)
+
+
+# -- grad-mode and autocast regions ([Note: grad-mode regions]) -------------------------------
+
+#: The tracers whose ``trace`` is running, innermost last.
+_ACTIVE: list[SplitTracer] = []
+#: Node meta keys: the module whose forward entered a region, and how it reads.
+_REGION_PATH = "pipedialect_region_path"
+_REGION_KIND = "pipedialect_region_kind"
+
+
+#: The :class:`StageTracer` tracing a stage's code again, innermost last.
+_RETRACING: list[fx.Tracer] = []
+
+
+def _replay(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """While a stage's code is traced again, record ``fn(*args)`` instead of running it."""
+    if not _RETRACING:
+        return None
+    return _RETRACING[-1].create_proxy("call_function", fn, args, {})
+
+
+def enter_grad_mode(enabled: bool) -> bool:
+    """Enter a ``no_grad``/``enable_grad``/``set_grad_enabled`` region; return the mode to
+    restore ([Note: grad-mode regions])."""
+    recorded = _replay(enter_grad_mode, (enabled,))
+    if recorded is not None:
+        return recorded  # type: ignore[no-any-return]
+    previous = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(enabled)
+    return previous
+
+
+def exit_grad_mode(previous: bool) -> None:
+    """Leave a region entered by :func:`enter_grad_mode`."""
+    if _replay(exit_grad_mode, (previous,)) is None:
+        torch._C._set_grad_enabled(previous)
+
+
+def enter_autocast(
+    device_type: str, dtype: torch.dtype | None, enabled: bool, cache_enabled: bool | None
+) -> torch.autocast:
+    """Enter a ``torch.autocast`` region as the model entered it; return it, to leave."""
+    recorded = _replay(enter_autocast, (device_type, dtype, enabled, cache_enabled))
+    if recorded is not None:
+        return recorded  # type: ignore[no-any-return]
+    region = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    region.__enter__()  # type: ignore[no-untyped-call]
+    return region
+
+
+def exit_autocast(region: torch.autocast) -> None:
+    """Leave a region entered by :func:`enter_autocast`."""
+    if _replay(exit_autocast, (region,)) is None:
+        region.__exit__(None, None, None)
+
+
+_ENTERS = (enter_grad_mode, enter_autocast)
+_EXITS = (exit_grad_mode, exit_autocast)
+
+
+class StageTracer(fx.Tracer):
+    """The tracer fx traces a stage's code again with when it unpickles it: the region helpers
+    record themselves then instead of changing the tracing process's grad mode."""
+
+    def trace(
+        self,
+        root: nn.Module | Callable[..., Any],
+        concrete_args: dict[str, Any] | None = None,
+    ) -> fx.Graph:
+        """Trace ``root`` with the region helpers recording themselves."""
+        _RETRACING.append(self)
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            _RETRACING.pop()
+
+
+def _tracing() -> SplitTracer | None:
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def _record(tracer: SplitTracer, fn: Callable[..., Any], args: tuple[Any, ...], kind: str) -> Any:
+    proxy = tracer.create_proxy("call_function", fn, args, {})
+    proxy.node.meta[_REGION_PATH] = tracer.module_path()
+    proxy.node.meta[_REGION_KIND] = kind
+    return proxy
+
+
+def _real_mode(region: Any, enabled: bool | None) -> None:
+    """Mirror a region's grad mode while tracing, so that forward reads it as it will run."""
+    if enabled is None:
+        torch._C._set_grad_enabled(region.__dict__.pop("_pipedialect_real"))
+    else:
+        region.__dict__["_pipedialect_real"] = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(enabled)
+
+
+@contextlib.contextmanager
+def recording_regions() -> Iterator[None]:
+    """While active, a region entered inside a :class:`SplitTracer`'s trace becomes nodes of
+    its graph instead of only changing the tracing process's state."""
+    originals: list[tuple[type, str, Any]] = []
+
+    def patch(cls: type, name: str, make: Callable[[Any], Callable[..., Any]]) -> None:
+        original = cls.__dict__[name]
+        originals.append((cls, name, original))
+        setattr(cls, name, make(original))
+
+    def entering(enabled: bool, kind: str) -> Callable[[Any], Callable[..., Any]]:
+        def make(original: Any) -> Callable[..., Any]:
+            def enter(region: Any) -> None:
+                tracer = _tracing()
+                if tracer is None:
+                    return original(region)  # type: ignore[no-any-return]
+                region.prev = _record(tracer, enter_grad_mode, (enabled,), kind)
+                _real_mode(region, enabled)
+                return None
+
+            return enter
+
+        return make
+
+    def leaving(original: Any) -> Callable[..., Any]:
+        def leave(region: Any, *exc: Any) -> Any:
+            tracer = _tracing()
+            if tracer is None or not isinstance(region.prev, fx.Proxy):
+                return original(region, *exc)
+            _record(tracer, exit_grad_mode, (region.prev,), "")
+            _real_mode(region, None)
+            return None
+
+        return leave
+
+    def set_init(original: Any) -> Callable[..., Any]:
+        def init(region: Any, mode: bool) -> None:
+            tracer = _tracing()
+            if tracer is None:
+                original(region, mode)
+                return
+            region.mode = mode
+            region.prev = _record(
+                tracer, enter_grad_mode, (mode,), f"torch.set_grad_enabled({mode!r})"
+            )
+            _real_mode(region, bool(mode))
+
+        return init
+
+    def set_enter(original: Any) -> Callable[..., Any]:
+        def enter(region: Any) -> None:
+            if not isinstance(getattr(region, "prev", None), fx.Proxy):
+                original(region)
+
+        return enter
+
+    def autocast_enter(original: Any) -> Callable[..., Any]:
+        def enter(region: Any) -> Any:
+            tracer = _tracing()
+            if tracer is None:
+                return original(region)
+            args = (region.device, region.fast_dtype, region._enabled, region._cache_enabled)
+            region.__dict__["_pipedialect_region"] = _record(
+                tracer, enter_autocast, args, f"torch.autocast({region.device!r})"
+            )
+            return region
+
+        return enter
+
+    def autocast_exit(original: Any) -> Callable[..., Any]:
+        def leave(region: Any, *exc: Any) -> Any:
+            recorded = region.__dict__.pop("_pipedialect_region", None)
+            tracer = _tracing()
+            if tracer is None or recorded is None:
+                return original(region, *exc)
+            _record(tracer, exit_autocast, (recorded,), "")
+            return False
+
+        return leave
+
+    def inference_enter(original: Any) -> Callable[..., Any]:
+        def enter(region: Any) -> Any:
+            tracer = _tracing()
+            if tracer is None or not region.mode:
+                return original(region)
+            path = tracer.module_path()
+            where = repr(path) if path else "the model"
+            raise CaptureError(
+                f"the forward of {where} enters torch.inference_mode(), which the torch.fx "
+                "capture does not keep (and whose tensors autograd refuses in training); use "
+                "torch.no_grad() there, which the stages keep"
+            )
+
+        return enter
+
+    grad_enabled = torch.is_grad_enabled()
+    try:
+        patch(grad_mode.no_grad, "__enter__", entering(False, "torch.no_grad()"))
+        patch(grad_mode.no_grad, "__exit__", leaving)
+        patch(grad_mode.enable_grad, "__enter__", entering(True, "torch.enable_grad()"))
+        patch(grad_mode.enable_grad, "__exit__", leaving)
+        patch(grad_mode.set_grad_enabled, "__init__", set_init)
+        patch(grad_mode.set_grad_enabled, "__enter__", set_enter)
+        patch(grad_mode.set_grad_enabled, "__exit__", leaving)
+        patch(grad_mode.inference_mode, "__enter__", inference_enter)
+        patch(torch.amp.autocast_mode.autocast, "__enter__", autocast_enter)
+        patch(torch.amp.autocast_mode.autocast, "__exit__", autocast_exit)
+        yield
+    finally:
+        for cls, name, original in reversed(originals):
+            setattr(cls, name, original)
+        torch._C._set_grad_enabled(grad_enabled)  # a region left open by a failed trace
+
+
+def _drop_empty_regions(graph: fx.Graph) -> None:
+    """Erase regions that enclose no node (entered by library code on real values)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _ENTERS:
+            following = node.next
+            if (
+                following.op == "call_function"
+                and following.target in _EXITS
+                and following.args == (node,)
+                and len(node.users) == 1
+            ):
+                graph.erase_node(following)
+                graph.erase_node(node)
+
+
+def place_regions(
+    graph: fx.Graph,
+    stage_of: dict[fx.Node, int],
+    split_nodes: Sequence[fx.Node],
+    split_points: Sequence[str],
+) -> None:
+    """Keep every grad-mode or autocast region inside one stage, or refuse it.
+
+    A region that ends right after a split point's call (``with torch.no_grad(): h =
+    self.block(h)`` split after ``block``) is closed in the split point's stage.
+
+    Raises:
+        CaptureError: a region that encloses a stage boundary, naming the module whose forward
+            entered it and the split point inside.
+    """
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _ENTERS:
+            continue
+        path = node.meta.get(_REGION_PATH, "")
+        kind = node.meta.get(_REGION_KIND, "a grad-mode region")
+        where = f"the forward of {path!r}" if path else "the model's forward"
+        exits = [u for u in node.users if u.op == "call_function" and u.target in _EXITS]
+        if not exits:
+            raise CaptureError(
+                f"{where} calls {kind} without restoring the mode: the stages could not tell "
+                "where it ends. Use it as a context manager (with ...:), which restores it"
+            )
+        start = stage_of[node]
+        for end in exits:
+            if stage_of[end] == start:
+                continue
+            cursor = split_nodes[start].next
+            while cursor is not end and cursor.op == "call_function" and cursor.target in _EXITS:
+                cursor = cursor.next
+            if cursor is end and stage_of[end] == start + 1:
+                stage_of[end] = start
+                continue
+            raise CaptureError(
+                f"the {kind} region in {where} contains split point "
+                f"{split_points[start]!r}, where stage {start} ends: a grad-mode or "
+                "autocast region must lie inside one stage (each stage runs on its own "
+                "rank). Choose a split point outside the region, or one that ends it"
+            )
 
 
 def _attr_names(model: nn.Module) -> set[str]:
@@ -331,6 +714,53 @@ def remove_attrs(model: nn.Module, names: Iterable[str]) -> None:
     for name in names:
         if hasattr(model, name):
             delattr(model, name)
+
+
+def share_constants(
+    model: nn.Module, graph: fx.Graph, added: Sequence[str], earlier: Sequence[str]
+) -> list[str]:
+    """Point ``graph`` at an equal constant an earlier capture added, instead of its own.
+
+    Each capture of a mode adds its tensor constants (and export's subgraphs) to ``model`` under
+    fresh names; an equal one of the other mode is used instead, so that two captures that
+    compute the same give the same code. Returns the names of ``added`` still in use.
+    """
+    kept: list[str] = []
+    for name in added:
+        value = getattr(model, name, None)
+        twin = next(
+            (e for e in earlier if _same_constant_value(getattr(model, e, None), value)), None
+        )
+        if twin is None:
+            kept.append(name)
+            continue
+        for node in graph.nodes:
+            if node.op == "get_attr" and node.target == name:
+                node.target = twin
+        remove_attrs(model, [name])
+    return kept
+
+
+def _same_constant_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (
+            type(a) is type(b)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and (a.is_meta or bool(torch.equal(a, b)))
+        )
+    if isinstance(a, fx.GraphModule) and isinstance(b, fx.GraphModule):
+        return (
+            a.code == b.code
+            and all(
+                _same_constant_value(x, y)
+                for (n, x), (m, y) in zip(a.named_children(), b.named_children(), strict=False)
+                if n == m
+            )
+            and [n for n, _ in a.named_children()] == [n for n, _ in b.named_children()]
+        )
+    return False
 
 
 def capture(
@@ -358,7 +788,8 @@ def capture(
     tracer = SplitTracer(leaf_ids, leaf_types, split_ids, checkpoint_ids)
     before = _attr_names(model)
     try:
-        graph = tracer.trace(model, dict(concrete_args) if concrete_args else None)
+        with recording_regions():
+            graph = tracer.trace(model, dict(concrete_args) if concrete_args else None)
     except (CaptureError, ActivationCheckpointError):
         remove_attrs(model, _attr_names(model) - before)
         raise
@@ -371,9 +802,10 @@ def capture(
     except CaptureError:
         remove_attrs(model, added)
         raise
+    _drop_empty_regions(graph)
     guards = _insert_guards(graph, tracer.splits)
     graph.lint()
-    return Captured(graph, added, guards)
+    return Captured(graph, added, guards, tracer.buffer_writes)
 
 
 def _capture_message(model: nn.Module, exc: Exception, failed_in: str | None) -> str:
@@ -493,10 +925,12 @@ def _probe(
     result: Any = None
     spec: Any = None
     reason = ""
+    written: frozenset[int] | None = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            probe.trace(m)
+            graph = probe.trace(m)
+        written = _state.written_buffers(graph, m, m.training)
         result = probe.result
         spec = _spec_of(result, probe)
     except Exception as exc:
@@ -518,6 +952,8 @@ def _probe(
         for node in reversed(stray):
             outer.graph.erase_node(node)
         return None, None, "its arguments hold traced values inside an object the probe cannot see"
+    if written is not None:
+        outer.buffer_writes[call] = written
     if spec is None:
         return None, None, reason
     return result, spec, ""
@@ -846,6 +1282,150 @@ class Split:
     arg_names: list[list[str]]
     #: For every value name, the stage that defines it (-1: a model input).
     defined_by: dict[str, int]
+    #: Buffer name -> the value name its owner sends it as ([Note: module state] in ``_state``).
+    buffer_values: dict[str, str] = field(default_factory=dict)
+
+
+class ModalGraphModule(fx.GraphModule):
+    """A stage that runs :attr:`graph` in train mode and :attr:`eval_graph` in eval mode.
+
+    See [Note: stage modes]. Parameters, buffers and submodules are held once, under the
+    model's names, whichever graph uses them; ``forward`` picks the graph by ``self.training``
+    at every call, so ``train()``/``eval()`` switch it. Deep copies and pickles keep both.
+    """
+
+    #: The eval-mode graph (:attr:`graph` is the train-mode one).
+    eval_graph: fx.Graph
+    #: The generated code of :attr:`eval_graph` (:attr:`code` is the train-mode one).
+    eval_code: str
+
+    def __init__(
+        self,
+        root: nn.Module,
+        graph: fx.Graph,
+        eval_graph: fx.Graph,
+        class_name: str = "GraphModule",
+    ) -> None:
+        super().__init__(root, graph, class_name)
+        for node in eval_graph.nodes:
+            if node.op in ("get_attr", "call_module"):
+                _copy_missing(root, self, str(node.target))
+        self.eval_graph = eval_graph
+        self.recompile()
+
+    def recompile(self) -> Any:
+        """Compile both graphs; ``forward`` runs the one of the current mode."""
+        code = super().recompile()
+        eval_graph = self.__dict__.get("eval_graph")
+        if eval_graph is None:  # inside GraphModule.__init__
+            return code
+        cls = type(self)
+        train_forward = cls.forward
+        generated = eval_graph.python_code(root_module="self")
+        namespace = dict(generated.globals)
+        exec(compile(generated.src, f"<{cls.__name__} eval mode>", "exec"), namespace)
+        eval_forward = namespace["forward"]
+        self.eval_code = generated.src
+
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            run = train_forward if module.training else eval_forward
+            return run(module, *args, **kwargs)
+
+        cls.forward = forward
+        return code
+
+    def _deepcopy_init(self) -> Callable[..., None]:
+        def init(module: Any, root: nn.Module, graph: fx.Graph) -> None:
+            ModalGraphModule.__init__(module, root, graph, root.__dict__["eval_graph"])
+
+        return init
+
+    def __copy__(self) -> ModalGraphModule:
+        copied = ModalGraphModule(self, self.graph, self.eval_graph, type(self).__name__)
+        copied.meta = getattr(self, "meta", {})
+        return copied
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _, (body, import_block) = super().__reduce__()
+        body = dict(body)
+        eval_graph = body.pop("eval_graph")
+        body.pop("eval_code", None)
+        helper = fx.GraphModule(self, eval_graph)
+        eval_graph.owning_module = self
+        _, (eval_body, eval_imports) = helper.__reduce__()
+        return (_rebuild_modal, (body, import_block, eval_body["_code"], eval_imports))
+
+
+def _rebuild_modal(
+    body: dict[str, Any], import_block: str, eval_code: str, eval_imports: str
+) -> ModalGraphModule:
+    """Unpickle a :class:`ModalGraphModule`: re-trace both codes, as fx does for one."""
+    train = reduce_graph_module(dict(body), import_block)
+    evaluated = reduce_graph_module({**body, "_code": eval_code}, eval_imports)
+    return ModalGraphModule(
+        train,
+        train.graph,  # type: ignore[arg-type]
+        evaluated.graph,  # type: ignore[arg-type]
+        type(train).__name__,
+    )
+
+
+def stage_graphs(stage: nn.Module) -> list[fx.Graph]:
+    """The graphs a stage runs: its graph, and its eval-mode graph when it has one."""
+    if isinstance(stage, ModalGraphModule):
+        return [stage.graph, stage.eval_graph]
+    return [stage.graph] if isinstance(stage, fx.GraphModule) else []
+
+
+def mode_graph(stage: fx.GraphModule, training: bool) -> fx.Graph:
+    """The graph ``stage`` runs in train mode (``training``) or in eval mode."""
+    if isinstance(stage, ModalGraphModule) and not training:
+        return stage.eval_graph
+    return stage.graph
+
+
+def stage_code(stage: fx.GraphModule) -> str:
+    """A stage's generated code; both modes' for a :class:`ModalGraphModule`."""
+    if isinstance(stage, ModalGraphModule):
+        return f"{stage.code}\n# eval mode\n{stage.eval_code}"
+    return stage.code
+
+
+def _copy_missing(root: nn.Module, module: nn.Module, target: str) -> None:
+    """Install ``root``'s attribute at ``target`` in ``module`` unless it is there already."""
+    *prefix, attr = target.split(".")
+    source, dest = root, module
+    for atom in prefix:
+        found, held = getattr(source, atom), getattr(dest, atom, None)
+        if held is found:
+            return
+        if held is None:
+            held = nn.Module()
+            dest.add_module(atom, held)
+        source, dest = found, held
+    if attr in dest.__dict__ or attr in dest._parameters or attr in dest._buffers:
+        return
+    if attr in dest._modules:
+        return
+    value = getattr(source, attr)
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        dest.register_buffer(attr, value, persistent=attr not in source._non_persistent_buffers_set)
+    else:
+        setattr(dest, attr, value)
+
+
+def _mirror_persistence(model: nn.Module, stage: nn.Module) -> None:
+    """A buffer the model does not save is not saved by the stage either (fx registers every
+    ``get_attr`` tensor as a persistent buffer)."""
+    for name, _ in stage.named_buffers(remove_duplicate=False):
+        owner_path, _, attr = name.rpartition(".")
+        holder = stage.get_submodule(owner_path)
+        try:
+            original = model.get_submodule(owner_path)
+        except AttributeError:
+            continue
+        if holder is not original and attr in original._non_persistent_buffers_set:
+            holder._non_persistent_buffers_set.add(attr)
 
 
 def checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -857,20 +1437,20 @@ def checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def checkpoint_calls(stage: fx.GraphModule, paths: frozenset[str]) -> None:
     """Route ``stage``'s calls of the modules at ``paths`` through :func:`checkpointed`."""
-    graph = stage.graph
     changed = False
-    for node in list(graph.nodes):
-        if node.op != "call_module" or str(node.target) not in paths:
-            continue
-        with graph.inserting_before(node):
-            module = graph.get_attr(str(node.target))
-            call = graph.call_function(checkpointed, (module, *node.args), dict(node.kwargs))
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-        changed = True
-    if changed:
+    for graph in stage_graphs(stage):
+        for node in list(graph.nodes):
+            if node.op != "call_module" or str(node.target) not in paths:
+                continue
+            with graph.inserting_before(node):
+                module = graph.get_attr(str(node.target))
+                call = graph.call_function(checkpointed, (module, *node.args), dict(node.kwargs))
+            call.meta = dict(node.meta)
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+            changed = True
         graph.lint()
+    if changed:
         stage.recompile()
 
 
@@ -887,20 +1467,29 @@ def assign_stages(graph: fx.Graph, split_nodes: Sequence[fx.Node]) -> dict[fx.No
     return stage_of
 
 
-def split(
-    model: nn.Module,
-    graph: fx.Graph,
-    stage_of: Mapping[fx.Node, int],
-    num_stages: int,
-) -> Split:
-    """Cut ``graph`` into GraphModules following ``stage_of`` ([Note: own splitter])."""
+@dataclass
+class _Cut:
+    """One mode's flat graph cut into one GraphModule per stage ([Note: own splitter])."""
+
+    modules: list[fx.GraphModule]
+    placeholders: list[fx.Node]
+    #: What each stage takes from outside (inputs or earlier stages), in first-use order.
+    external: list[list[fx.Node]]
+    #: The values of each stage that later stages use, in graph order.
+    producers: list[list[fx.Node]]
+    input_names: list[str]
+    arg_names: list[list[str]]
+    defined_by: dict[str, int]
+    buffer_values: dict[str, str]
+
+
+def _cut(
+    model: nn.Module, graph: fx.Graph, stage_of: Mapping[fx.Node, int], num_stages: int
+) -> _Cut:
     nodes = list(graph.nodes)
     output = next(n for n in nodes if n.op == "output")
     placeholders = [n for n in nodes if n.op == "placeholder"]
     last = num_stages - 1
-
-    def owner(node: fx.Node) -> int:
-        return last if node is output else stage_of[node]
 
     members: list[list[fx.Node]] = [[] for _ in range(num_stages)]
     for node in nodes:
@@ -934,17 +1523,108 @@ def split(
             name_of[node] = name
             defined_by[name] = k
 
-    stages = [
-        _build_stage(model, k, members[k], list(external[k]), producers[k], k == last, owner)
+    modules = [
+        _build_stage(model, k, members[k], list(external[k]), producers[k], k == last)
         for k in range(num_stages)
     ]
-    top = _build_top(graph, placeholders, stages, external, producers, type(model).__name__)
-    return Split(
-        stages=stages,
-        top=top,
+    buffer_values = {
+        str(node.args[1]): name_of[node]
+        for outs in producers
+        for node in outs
+        if _state.is_buffer_value(node)
+    }
+    return _Cut(
+        modules=modules,
+        placeholders=placeholders,
+        external=[list(e) for e in external],
+        producers=producers,
         input_names=[name_of[p] for p in placeholders],
         arg_names=[[name_of[v] for v in external[k]] for k in range(num_stages)],
         defined_by=defined_by,
+        buffer_values=buffer_values,
+    )
+
+
+def split(
+    model: nn.Module,
+    graph: fx.Graph,
+    stage_of: Mapping[fx.Node, int],
+    num_stages: int,
+    *,
+    eval_mode: tuple[fx.Graph, Mapping[fx.Node, int]] | None = None,
+    split_points: Sequence[str] = (),
+    training: bool = True,
+) -> Split:
+    """Cut ``graph`` into GraphModules following ``stage_of`` ([Note: own splitter]).
+
+    With ``eval_mode`` (the eval-mode capture and its stages), a stage whose two graphs differ
+    becomes a :class:`ModalGraphModule` ([Note: stage modes]); both modes must send the same
+    values. ``training`` is the stages' initial mode.
+
+    Raises:
+        CaptureError: a boundary carries other values in eval mode than in train mode.
+    """
+    cut = _cut(model, graph, stage_of, num_stages)
+    evaluated = None if eval_mode is None else _cut(model, *eval_mode, num_stages)
+    if evaluated is not None:
+        _check_same_boundaries(cut, evaluated, split_points)
+    stages: list[fx.GraphModule] = []
+    for k, stage in enumerate(cut.modules):
+        other = None if evaluated is None else evaluated.modules[k]
+        if other is not None and other.code != stage.code:
+            stage = ModalGraphModule(model, stage.graph, other.graph, type(stage).__name__)
+        stage.train(training)
+        _mirror_persistence(model, stage)
+        stages.append(stage)
+    top = _build_top(
+        graph, cut.placeholders, stages, cut.external, cut.producers, type(model).__name__
+    )
+    return Split(
+        stages=stages,
+        top=top,
+        input_names=cut.input_names,
+        arg_names=cut.arg_names,
+        defined_by=cut.defined_by,
+        buffer_values=cut.buffer_values,
+    )
+
+
+def _check_same_boundaries(train: _Cut, evaluated: _Cut, split_points: Sequence[str]) -> None:
+    """Both modes must fit one plan: the same values per boundary, taken by the same stages in
+    the same order, of the same shapes and dtypes where the capture knows them.
+
+    Each mode's stages agree among themselves on what the i-th value of a boundary is, so the
+    two modes need not compute the same values there ([Note: stage modes]).
+    """
+    for k in range(len(train.modules) - 1):
+        sent, other = train.producers[k], evaluated.producers[k]
+        same = len(sent) == len(other) and all(
+            _same_meta(a, b) for a, b in zip(sent, other, strict=True)
+        )
+        takes = [
+            train.arg_names[j] == evaluated.arg_names[j] for j in range(k + 1, len(train.modules))
+        ]
+        if same and all(takes):
+            continue
+        shown = [_state.describe_value(n) for n in sent]
+        shown_eval = [_state.describe_value(n) for n in other]
+        raise CaptureError(
+            f"[Stage {k}] sends {shown} in train mode but {shown_eval} in eval mode, after split "
+            f"point {split_points[k]!r}: forward takes another path in eval mode (self.training, "
+            "or a module that behaves differently) across that boundary, so the later stages "
+            "would take other values in one mode. A stage must send the same number of values, "
+            "of the same kinds, in both modes: choose split points that keep such branches "
+            "inside one stage"
+        )
+
+
+def _same_meta(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two boundary values may cross one wire layout (where the capture knows)."""
+    x, y = a.meta.get("val"), b.meta.get("val")
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return x.shape == y.shape and x.dtype == y.dtype
+    return (
+        not (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)) or x is None or y is None
     )
 
 
@@ -955,9 +1635,8 @@ def _build_stage(
     args: Sequence[fx.Node],
     outs: Sequence[fx.Node],
     is_last: bool,
-    owner: Callable[[fx.Node], int],
 ) -> fx.GraphModule:
-    g = fx.Graph()
+    g = fx.Graph(tracer_cls=StageTracer)
     env: dict[fx.Node, fx.Node] = {}
     for src in args:
         ph = g.placeholder(src.name)
@@ -977,16 +1656,14 @@ def _build_stage(
         else:
             g.output(tuple(env[o] for o in outs))
     g.lint()
-    gm = fx.GraphModule(model, g, class_name=f"{type(model).__name__}Stage{k}")
-    gm.train(model.training)
-    return gm
+    return fx.GraphModule(model, g, class_name=f"{type(model).__name__}Stage{k}")
 
 
 def _build_top(
     graph: fx.Graph,
     placeholders: Sequence[fx.Node],
     stages: Sequence[fx.GraphModule],
-    external: Sequence[Mapping[fx.Node, None]],
+    external: Sequence[Sequence[fx.Node]],
     producers: Sequence[Sequence[fx.Node]],
     model_name: str,
 ) -> fx.GraphModule:

@@ -4,13 +4,16 @@
 The plan is run stage by stage on one set of inputs, as a pipeline would run it (each stage on
 the values ``stage_arg_names`` names), and the unsplit model on the same inputs; both under
 ``torch.no_grad()``, from the same RNG state (dropout draws the same masks) and the same buffer
-values. Forward hooks on the split-point modules record each split point's real output in
-both runs. After stage ``k`` the plan's split-point output is compared with the model's: on
-the fx path the split point is one call, so its hook fires in the plan run too; on the
-torch.export path its code is inlined, so every tensor stage ``k`` sends that the split point's
-code computed must equal a tensor of the model's output there. Then the plan's output is
-compared with the model's. The first difference raises :class:`PlanMismatchError` naming the
-stage and the value's path; a stage that raises is reported the same way.
+values, once in train mode and once in eval mode (model and stages alike: the stages run each
+mode's graph, [Note: stage modes] in ``_fx``), with the parameters in the dtype the plan was
+captured with (:attr:`~pipedialect.PipelinePlan.param_dtype`). Forward hooks on the split-point
+modules record each split point's real output in both runs. After stage ``k`` the plan's
+split-point output is compared with the model's: on the fx path the split point is one call, so
+its hook fires in the plan run too; on the torch.export path its code is inlined, so every
+tensor stage ``k`` sends that the split point's code computed must equal a tensor of the model's
+output there. Then the plan's output is compared with the model's. The first difference raises
+:class:`PlanMismatchError` naming the stage and the value's path; a stage that raises is
+reported the same way.
 
 Comparison: the same container types, dict keys in the same order, Python values equal, ints
 and bools exact, tensors of the same shape, dtype and device, equal for non-float dtypes and
@@ -20,12 +23,13 @@ structure, shapes and dtypes are compared.
 
 Nothing is left on the model: hooks are removed, buffers (BatchNorm's running statistics, a
 buffer forward replaces) get their objects and values back after each run, the RNG state
-is restored, the train/eval mode is not touched.
+is restored, every module's train/eval flag and the parameters' dtype are put back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import itertools
@@ -37,6 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from . import _fx, _state
 from .errors import PartitionError, PipeDialectError, PlanMismatchError
 
 if TYPE_CHECKING:
@@ -73,13 +78,69 @@ def verify(plan: PipelinePlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -
     # The graphs name a module as named_modules() first does (an alias's first name).
     first_names = {id(m): name for name, m in model.named_modules()}
     inputs = [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+    targets = [first_names[id(m)] for m in points]
+    with _state.parameters_as(model, plan.param_dtype):
+        for training in (True, False):
+            with _Modes(model, plan.stages, training):
+                try:
+                    _verify_mode(plan, model, values, points, targets, inputs)
+                except PlanMismatchError as exc:
+                    if training:
+                        raise
+                    raise PlanMismatchError(
+                        f"{exc} (in eval mode)", stage=exc.stage, path=exc.path
+                    ) from exc
+    logger.info("verified %r against %s", plan, type(model).__name__)
+
+
+def _verify_mode(
+    plan: PipelinePlan,
+    model: nn.Module,
+    values: Mapping[str, Any],
+    points: Sequence[nn.Module],
+    targets: Sequence[str],
+    inputs: Sequence[torch.Tensor],
+) -> None:
     with _Preserved(model, inputs) as rewind, torch.no_grad():
         with _Recorder(points) as seen:
-            expected = model(**values, **plan.concrete_args)
+            try:
+                expected = model(**values, **plan.concrete_args)
+            except PipeDialectError:
+                raise
+            except Exception as exc:
+                dtype = plan.param_dtype
+                raise PartitionError(
+                    f"the model itself raised {type(exc).__name__} on the inputs the plan was "
+                    f"to be checked on ({'train' if model.training else 'eval'} mode"
+                    + (f", {dtype} parameters" if dtype is not None else "")
+                    + f"): {exc}"
+                ) from exc
         rewind()
-        checker = _Checker(plan, [first_names[id(m)] for m in points], seen.outputs, seen.inputs)
+        checker = _Checker(plan, targets, seen.outputs, seen.inputs)
         checker.run(values, points, expected)
-    logger.info("verified %r against %s", plan, type(model).__name__)
+
+
+class _Modes:
+    """Puts the model and the stages in one mode for a check, and every module's flag back."""
+
+    def __init__(self, model: nn.Module, stages: Sequence[nn.Module], training: bool) -> None:
+        self._roots = [model, *stages]
+        self._training = training
+        self._flags: list[tuple[nn.Module, bool]] = []
+
+    def __enter__(self) -> None:
+        seen: set[int] = set()
+        for root in self._roots:
+            for module in root.modules():
+                if id(module) not in seen:
+                    seen.add(id(module))
+                    self._flags.append((module, module.training))
+        for root in self._roots:
+            root.train(self._training)
+
+    def __exit__(self, *exc: object) -> None:
+        for module, flag in self._flags:
+            module.training = flag
 
 
 def _bind(
@@ -134,9 +195,7 @@ class _Recorder:
             self.inputs[i].append(
                 [t.detach().clone() for t in received if isinstance(t, torch.Tensor)]
             )
-            self.outputs[i].append(
-                pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), output)
-            )
+            self.outputs[i].append(_copied(output))
 
         return record
 
@@ -279,7 +338,7 @@ class _Checker:
         # is one of the tensors the split point returns in the model, or one it was called with
         # (a no-op such as ``x.float()`` on a float32 ``x`` inside it is ``x`` itself, and
         # export may name later uses of ``x`` after it).
-        real = [t for t in pytree.tree_leaves(expected[0]) if isinstance(t, torch.Tensor)]
+        real = _tensors_in(expected[0])
         real += self._received[k][0]
         for node, value in zip(nodes, sent, strict=True):
             if not isinstance(node, fx.Node) or not isinstance(value, torch.Tensor):
@@ -297,8 +356,36 @@ class _Checker:
                 )
 
 
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor in it detached and copied, dataclasses included."""
+
+    def leaf(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            return item.detach().clone()
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            copied = copy.copy(item)
+            for f in dataclasses.fields(item):
+                object.__setattr__(copied, f.name, _copied(getattr(item, f.name)))
+            return copied
+        return item
+
+    return pytree.tree_map(leaf, value)
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``: its pytree leaves, looking into dataclasses too."""
+    found: list[torch.Tensor] = []
+    for item in pytree.tree_leaves(value):
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            for f in dataclasses.fields(item):
+                found.extend(_tensors_in(getattr(item, f.name)))
+    return found
+
+
 def _output(stage: fx.GraphModule) -> fx.Node:
-    return stage.graph.output_node()
+    return _fx.mode_graph(stage, stage.training).output_node()
 
 
 def _returned(stage: fx.GraphModule) -> list[Any] | None:

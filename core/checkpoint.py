@@ -103,6 +103,9 @@ class _Holdings:
     engine: Any
     #: The number of stages of the whole pipeline.
     num_stages: int
+    #: Buffer name -> the stage that writes it, from the plan when the engine holds one
+    #: (:attr:`pipedialect.PipelinePlan.buffers`): its value is taken from that stage only.
+    buffer_owners: dict[str, int] = field(default_factory=dict)
 
 
 def _root(stage: Any) -> nn.Module | None:
@@ -202,6 +205,12 @@ def _holdings(engine: Any) -> _Holdings:
                     "or a mixed-precision wrapper keeps): portable checkpoints cannot name its "
                     "state; use the dialect's own save_checkpoint"
                 )
+    plan = getattr(module, "plan", None)
+    owners = {
+        b.name: b.owner
+        for b in getattr(plan, "buffers", ())
+        if getattr(b, "owner", None) is not None
+    }
     return _Holdings(
         kind=kind,
         stages=sorted(stages, key=lambda s: s[0]),
@@ -210,6 +219,7 @@ def _holdings(engine: Any) -> _Holdings:
         scheduler=getattr(engine, "lr_scheduler", None),
         engine=engine,
         num_stages=num_stages,
+        buffer_owners=owners,
     )
 
 
@@ -270,6 +280,8 @@ def _local(held: _Holdings) -> _Local:
         for position, (name, value) in enumerate(module.state_dict(keep_vars=True).items()):
             if name in param_names or name in buffer_names or not isinstance(value, torch.Tensor):
                 continue
+            if held.buffer_owners.get(name, stage_id) != stage_id:
+                continue  # a written buffer's value is its owner's ([Note: module state])
             buffer_names.add(name)
             out.buffers.append(_Buffer(value, stage_id, name, (stage_id, len(params) + position)))
     for record in out.params:

@@ -31,7 +31,7 @@ from .config import check_config_keys
 from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, Topology
 from .errors import ConfigError, TopologyError
 from .param_groups import ParamGroupsFn
-from .partition import PipelinePlan
+from .partition import PipelinePlan, check_capture_dtype
 from .stage import StageWrapper
 from .ties import DefaultTieAnalyzer, TieRanks
 from .topology import (
@@ -261,6 +261,7 @@ class Dialect(abc.ABC):
         if missing:
             raise ConfigError(f"the {self.name} pipe_engine() needs {' and '.join(missing)}")
         checked = _check_config(config, f"{self.name} pipe_engine")
+        check_capture_dtype(plan, checked)
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
         check_loss_fn(loss_fn)

@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import inspect
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import fx, nn
 
-from . import _export, _fx, _verify
+from . import _export, _fx, _state, _verify
 from ._module_paths import (
     check_execution_order,
     check_single_call,
@@ -39,9 +42,38 @@ from .errors import ActivationCheckpointError, ConfigError, PartitionError, Spli
 from .liveness import compute_liveness
 from .ties import TieGroup, find_tie_groups
 
-__all__ = ["PipelinePlan", "partition"]
+__all__ = ["BufferInfo", "PipelinePlan", "check_capture_dtype", "partition"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BufferInfo:
+    """One buffer of the model that the stages use, and which stage owns it.
+
+    See [Note: module state] in ``_state``: the owner is the one stage that writes the buffer
+    (running statistics, counters); a later stage that reads it receives the owner's value
+    over the boundary as :attr:`value`; a buffer nobody writes is a constant each reader holds.
+    """
+
+    #: The model's name for it (the first of ``named_buffers``).
+    name: str
+    #: The stage that writes it, or None when no stage does.
+    owner: int | None
+    #: The stages other than the owner that read it (all of them when there is no owner).
+    readers: tuple[int, ...]
+    #: Whether it is in the model's ``state_dict`` (``register_buffer(..., persistent=...)``).
+    persistent: bool
+    #: The boundary value (``submod_k.i``) the owner sends it as, when a later stage reads it.
+    value: str | None = None
+
+    def describe(self) -> str:
+        """One line: owner, readers, persistence."""
+        owner = "no stage writes it" if self.owner is None else f"written by stage {self.owner}"
+        readers = f", read by stages {list(self.readers)}" if self.readers else ""
+        sent = f", sent as {self.value!r}" if self.value else ""
+        kind = "persistent" if self.persistent else "not persistent"
+        return f"{self.name}: {owner}{readers}{sent} ({kind})"
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -79,6 +111,18 @@ class PipelinePlan:
     costs: PlanCosts | None = field(default=None, compare=False)
     #: The modules whose activations are recomputed in backward (``checkpoint=``), outermost.
     checkpointed: tuple[str, ...] = ()
+    #: The model's buffers the stages use, in name order, with the stage that owns each
+    #: ([Note: module state] in ``_state``).
+    buffers: tuple[BufferInfo, ...] = ()
+    #: The dtype of the floating-point parameters the stages were captured with by
+    #: torch.export (``partition(..., dtype=)``), which the engine must train in; None for the
+    #: torch.fx capture, whose stages compute in whatever dtype the parameters have.
+    param_dtype: torch.dtype | None = None
+    #: forward's default values of the inputs whose default a stage can take in place of a
+    #: value (Python numbers and bools), by name: a batch may omit such trailing inputs. A
+    #: ``None`` default is not here: the capture traced the input as a value, so an input that
+    #: may be left out is fixed with ``concrete_args`` instead.
+    input_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -119,9 +163,16 @@ class PipelinePlan:
             lines.append(f"    receives:  {list(self.liveness[k])}")
             sends = list(self.sends(k)) if k + 1 < self.num_stages else "(the model's output)"
             lines.append(f"    sends:     {sends}")
+            if isinstance(stage, _fx.ModalGraphModule):
+                lines.append("    runs other code in eval mode than in train mode")
         if self.tie_groups:
             lines.append("Tied parameters:")
             lines.extend(f"    {group}" for group in self.tie_groups)
+        if self.buffers:
+            lines.append("Buffers:")
+            lines.extend(f"    {buffer.describe()}" for buffer in self.buffers)
+        if self.param_dtype is not None:
+            lines.append(f"Captured with {self.param_dtype} parameters (torch.export)")
         if self.checkpointed:
             lines.append(f"Recomputed in backward: {list(self.checkpointed)}")
         if self.costs is not None:
@@ -133,15 +184,16 @@ class PipelinePlan:
 
         ``args``/``kwargs`` are one micro-batch of the plan's inputs (:attr:`input_names`),
         on the device the model is on. The plan runs stage by stage and the model in one
-        piece, under ``torch.no_grad()`` from the same RNG state; each split point's output
-        and the final output are compared (tensors with tight tolerances, everything else
-        exactly; on the meta device structure, shapes and dtypes only). The model is left as
-        it was. Call it after partitioning without ``example_inputs``: ``partition`` checks
-        plans built with them itself.
+        piece, under ``torch.no_grad()`` from the same RNG state, in train mode and then in
+        eval mode; each split point's output and the final output are compared (tensors with
+        tight tolerances, everything else exactly; on the meta device structure, shapes and
+        dtypes only). The model is left as it was. Call it after partitioning without
+        ``example_inputs``: ``partition`` checks plans built with them itself.
 
         Raises:
             PlanMismatchError: the first stage whose output differs from the model's, or that
-                raised; ``.stage`` and ``.path`` name it.
+                raised (the message ends "(in eval mode)" when only eval mode differs);
+                ``.stage`` and ``.path`` name it.
             CaptureError: a split-point output differs from what the torch.fx capture assumed.
             PartitionError: the inputs do not fit the plan.
         """
@@ -156,7 +208,10 @@ class PipelinePlan:
             "ties": [(g.key, g.members) for g in self.tie_groups],
             "split_points": self.split_points,
             "checkpointed": self.checkpointed,
-            "code": [stage.code for stage in self.stages],
+            "buffers": [(b.name, b.owner, b.readers, b.persistent, b.value) for b in self.buffers],
+            "param_dtype": None if self.param_dtype is None else str(self.param_dtype),
+            "defaults": {k: repr(v) for k, v in self.input_defaults.items()},
+            "code": [_fx.stage_code(stage) for stage in self.stages],
             "params": [
                 [(n, list(p.shape)) for n, p in stage.named_parameters()] for stage in self.stages
             ],
@@ -182,6 +237,7 @@ def partition(
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     example_inputs: Mapping[str, Any] | Sequence[Any] | None = None,
+    dtype: torch.dtype | None = None,
     verify: bool = True,
 ) -> PipelinePlan:
     """Cut ``model`` into pipeline stages, after the given or the chosen split points.
@@ -220,12 +276,24 @@ def partition(
             torch.fx: the plan's inputs are exactly these names, in forward's signature order,
             every other parameter keeps its default unless ``concrete_args`` fixes it (a
             forward taking ``**kwargs`` accepts other names there, e.g. ``return_dict``), and
-            the stages are specialised to these shapes and dtypes (stage 0 checks them) and to
-            the model's current train/eval mode. This is the route for code fx cannot trace,
-            such as transformers models ([Note: export capture] in ``_export``); it does not
-            take ``leaf_modules``. The plan is then checked against the model on them
-            (:meth:`PipelinePlan.verify`) before it is returned.
+            the stages are specialised to these shapes and dtypes (stage 0 checks them); each
+            mode is captured ([Note: stage modes] in ``_fx``). This is the route for code fx
+            cannot trace, such as transformers models ([Note: export capture] in
+            ``_export``); it does not take ``leaf_modules``. The plan is then checked against
+            the model on them (:meth:`PipelinePlan.verify`) before it is returned.
+        dtype: with ``example_inputs``, the dtype the floating-point parameters have while
+            the forward is captured and checked (buffers keep theirs), which must be the one
+            the engine trains in: ``torch.bfloat16`` for ``"bf16": {"enabled": true}``
+            (torch.export writes dtypes into the graphs, [Note: export precision] in
+            ``_export``). Default: the parameters' own. The torch.fx capture ignores it: its
+            stages follow the parameters' dtype.
         verify: with ``example_inputs``, whether to check the plan on them (default: yes).
+
+    The model is left exactly as it was: buffers, Python attributes and train/eval flags of
+    every module are restored after capture, also when it raises ([Note: module state] in
+    ``_state``). Both capture paths keep in-place buffer updates, ``no_grad``/autocast regions
+    ([Note: grad-mode regions] in ``_fx``) and both modes' code (each stage runs its train-mode
+    code under ``train()`` and its eval-mode code under ``eval()``).
 
     Raises:
         SplitPointError: a split point is unknown, never called, called more than once, out of
@@ -236,7 +304,11 @@ def partition(
         ActivationCheckpointError: a ``checkpoint`` pattern matches no module, a checkpointed
             module contains a split point, or ``checkpoint`` with ``example_inputs``.
         CaptureError: torch.fx or torch.export cannot capture the forward (the message says
-            what to try).
+            what to try); forward changes a Python attribute while it is traced; a grad-mode
+            or autocast region contains a split point; the two modes send different values
+            across a boundary; a buffer is written by two stages, read before a later stage
+            writes it, or read inside a module called as one op in another stage than its
+            writer.
         PartitionError: ``leaf_modules`` given together with ``example_inputs``; no partition
             into ``num_stages`` stages exists.
         PlanMismatchError: the plan built with ``example_inputs`` computes something else than
@@ -254,6 +326,8 @@ def partition(
             "leaf_modules steers the torch.fx capture; with example_inputs the forward is "
             "captured with torch.export, which has no leaf modules. Drop one of them."
         )
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     ckpt_paths = _resolve_checkpoint(model, checkpoint)
     if ckpt_paths and named_inputs is not None:
         raise ActivationCheckpointError(
@@ -261,6 +335,49 @@ def partition(
             "forward is captured with torch.export, whose graph has no module calls. Drop "
             "example_inputs (call plan.verify(...) on them afterwards) or drop checkpoint="
         )
+    capture_dtype = dtype if named_inputs is not None else None
+    snapshot = _state.StateSnapshot(model)
+    try:
+        with _state.parameters_as(model, capture_dtype):
+            plan = _partition(
+                model,
+                snapshot,
+                fixed,
+                num_stages=num_stages,
+                balance=balance,
+                micro_batches=micro_batches,
+                balance_inputs=balance_inputs,
+                ckpt_paths=ckpt_paths,
+                concrete_args=concrete_args,
+                leaf_modules=leaf_modules,
+                named_inputs=named_inputs,
+                capture_dtype=capture_dtype,
+            )
+    finally:
+        snapshot.restore()
+    logger.info("partitioned %s:\n%s", type(model).__name__, plan.describe())
+    if named_inputs is not None and verify:
+        plan.verify(**named_inputs)
+    return plan
+
+
+def _partition(
+    model: nn.Module,
+    snapshot: _state.StateSnapshot,
+    fixed: Sequence[str],
+    *,
+    num_stages: int | None,
+    balance: BalanceMethod | None,
+    micro_batches: int | None,
+    balance_inputs: Mapping[str, Any] | None,
+    ckpt_paths: Sequence[str],
+    concrete_args: Mapping[str, Any] | None,
+    leaf_modules: Sequence[str | type[nn.Module]] | None,
+    named_inputs: Mapping[str, Any] | None,
+    capture_dtype: torch.dtype | None,
+) -> PipelinePlan:
+    """:func:`partition` once its arguments are checked; the caller restores the model."""
+    training = model.training
     costs = None
     if num_stages is None:
         if balance is not None or micro_batches is not None:
@@ -268,7 +385,7 @@ def partition(
                 "balance= and micro_batches= choose split points for num_stages stages; pass "
                 "num_stages=N too"
             )
-        points = fixed
+        points = list(fixed)
     else:
         points, costs = _balanced(
             model,
@@ -284,48 +401,90 @@ def partition(
     point_modules = [_resolve_split_point(model, path) for path in points]
     targets = [canonical[id(m)] for m in point_modules]
     _check_checkpoint_nesting(points, targets, ckpt_paths)
-    if named_inputs is not None:
-        captured = _export.capture(model, named_inputs, concrete_args or {})
-    else:
-        leaf_ids, leaf_types, leaf_paths = resolve_leaves(model, leaf_modules or ())
-        split_ids = frozenset(id(m) for m in point_modules)
-        ckpt_ids = frozenset(id(model.get_submodule(p)) for p in ckpt_paths)
-        captured = _fx.capture(
-            model,
-            leaf_ids=split_ids | leaf_ids | ckpt_ids,
-            leaf_types=leaf_types,
-            concrete_args=concrete_args,
-            split_ids=split_ids,
-            checkpoint_ids=ckpt_ids,
-        )
+    count = len(points) + 1
+    names = _state.BufferNames(model)
+    added: list[str] = []
+    modes: dict[bool, tuple[fx.Graph, dict[fx.Node, int], list[fx.Node]]] = {}
+    uses: list[_state.BufferUse] = []
     try:
-        if named_inputs is not None:
-            split_nodes = _export.locate(captured.graph, points, targets)
-        else:
-            split_nodes = _locate(
-                model, captured.graph, points, targets, [*leaf_paths, *ckpt_paths]
+        for mode in (True, False):
+            model.train(mode)
+            captured, how, leaf_paths = _capture(
+                model,
+                named_inputs,
+                concrete_args,
+                leaf_modules,
+                point_modules,
+                ckpt_paths,
+                snapshot.watch("torch.export"),
             )
-        stage_of = _fx.assign_stages(captured.graph, split_nodes)
-        _fx.label_guards(captured.guards, stage_of)
-        num_stages = len(points) + 1
-        computed = (s for n, s in stage_of.items() if not _fx.is_guard(n))
-        if points and not any(s == num_stages - 1 for s in computed):
-            raise SplitPointError(
-                f"split point {points[-1]!r} is the last computation in forward: the stage "
-                f"after it would compute nothing. Drop {points[-1]!r} from split_points."
+            mine = list(captured.added_attrs)
+            if not mode:
+                mine = _fx.share_constants(model, captured.graph, mine, added)
+            added.extend(mine)
+            snapshot.check_unchanged(
+                how, ignore=[n for n in added if _CAPTURE_CONSTANT.fullmatch(n)]
             )
-        if ckpt_paths:
-            _check_checkpoint_called(model, captured.graph, ckpt_paths, leaf_paths)
-        cut = _fx.split(model, captured.graph, stage_of, num_stages)
+            graph = captured.graph
+            try:
+                if named_inputs is not None:
+                    split_nodes = _export.locate(graph, points, targets, model)
+                else:
+                    split_nodes = _locate(model, graph, points, targets, [*leaf_paths, *ckpt_paths])
+            except SplitPointError as exc:
+                if mode:
+                    raise
+                raise SplitPointError(f"in eval mode (model.eval()): {exc}") from exc
+            stage_of = _fx.assign_stages(graph, split_nodes)
+            _fx.label_guards(captured.guards, stage_of)
+            _fx.place_regions(graph, stage_of, split_nodes, points)
+            computed = (s for n, s in stage_of.items() if not _fx.is_guard(n))
+            if mode and points and not any(s == count - 1 for s in computed):
+                raise SplitPointError(
+                    f"split point {points[-1]!r} is the last computation in forward: the stage "
+                    f"after it would compute nothing. Drop {points[-1]!r} from split_points."
+                )
+            if mode and ckpt_paths:
+                _check_checkpoint_called(model, graph, ckpt_paths, leaf_paths)
+            uses.append(
+                _state.analyze(graph, stage_of, names, mode, count - 1, captured.buffer_writes)
+            )
+            modes[mode] = (graph, stage_of, split_nodes)
+        model.train(training)
+        buffer_plan = _state.plan_buffers(uses, points)
+        for graph, stage_of, split_nodes in modes.values():
+            _state.insert_buffer_values(graph, stage_of, split_nodes, buffer_plan, names, count - 1)
+            graph.lint()
+        train_graph, train_stages, _ = modes[True]
+        eval_graph, eval_stages, _ = modes[False]
+        cut = _fx.split(
+            model,
+            train_graph,
+            train_stages,
+            count,
+            eval_mode=(eval_graph, eval_stages),
+            split_points=points,
+            training=training,
+        )
     finally:
-        _fx.remove_attrs(model, captured.added_attrs)
+        _fx.remove_attrs(model, added)
     if ckpt_paths:
         for stage in cut.stages:
             _fx.checkpoint_calls(stage, frozenset(ckpt_paths))
     liveness = compute_liveness(cut.input_names, cut.arg_names, cut.defined_by)
-    plan = PipelinePlan(
+    buffers = tuple(
+        BufferInfo(
+            name=name,
+            owner=owner,
+            readers=buffer_plan.readers[name],
+            persistent=names.persistent[name],
+            value=cut.buffer_values.get(name),
+        )
+        for name, owner in sorted(buffer_plan.owner.items())
+    )
+    return PipelinePlan(
         stages=tuple(cut.stages),
-        stage_names=tuple(f"submod_{k}" for k in range(num_stages)),
+        stage_names=tuple(f"submod_{k}" for k in range(count)),
         input_names=tuple(cut.input_names),
         stage_arg_names=tuple(tuple(a) for a in cut.arg_names),
         liveness=liveness,
@@ -336,11 +495,109 @@ def partition(
         concrete_args=dict(concrete_args or {}),
         costs=costs,
         checkpointed=tuple(ckpt_paths),
+        buffers=buffers,
+        param_dtype=None if named_inputs is None else (capture_dtype or _param_dtype(model)),
+        input_defaults=_input_defaults(model, cut.input_names),
     )
-    logger.info("partitioned %s:\n%s", type(model).__name__, plan.describe())
-    if named_inputs is not None and verify:
-        plan.verify(**named_inputs)
-    return plan
+
+
+#: Names the captures give the constants they set on the model (fx's tensor constants,
+#: export's constants and subgraphs).
+_CAPTURE_CONSTANT = re.compile(r"_tensor_constant\d+|_torchbind_obj\d+|_export_constant\d+")
+
+
+def _capture(
+    model: nn.Module,
+    named_inputs: Mapping[str, Any] | None,
+    concrete_args: Mapping[str, Any] | None,
+    leaf_modules: Sequence[str | type[nn.Module]] | None,
+    point_modules: Sequence[nn.Module],
+    ckpt_paths: Sequence[str],
+    after_forward: Callable[..., None],
+) -> tuple[_fx.Captured, str, list[str]]:
+    """One capture of the model in its current mode: the graph, the capture's name, and the
+    leaf module paths. ``after_forward`` watches the export path's forward."""
+    if named_inputs is not None:
+        captured = _export.capture(model, named_inputs, concrete_args or {}, after_forward)
+        return captured, "torch.export", []
+    leaf_ids, leaf_types, leaf_paths = resolve_leaves(model, leaf_modules or ())
+    split_ids = frozenset(id(m) for m in point_modules)
+    ckpt_ids = frozenset(id(model.get_submodule(p)) for p in ckpt_paths)
+    captured = _fx.capture(
+        model,
+        leaf_ids=split_ids | leaf_ids | ckpt_ids,
+        leaf_types=leaf_types,
+        concrete_args=concrete_args,
+        split_ids=split_ids,
+        checkpoint_ids=ckpt_ids,
+    )
+    return captured, "torch.fx", leaf_paths
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _input_defaults(model: nn.Module, input_names: Sequence[str]) -> dict[str, Any]:
+    """forward's default values of the plan's inputs that the stages can take instead of a
+    value: Python numbers. The capture traced each input as a value; a ``None`` (or other
+    object) default could not stand in for one (``concrete_args`` fixes such an input)."""
+    parameters = inspect.signature(model.forward).parameters
+    defaults: dict[str, Any] = {}
+    for name in input_names:
+        parameter = parameters.get(name)
+        if parameter is not None and type(parameter.default) in (bool, int, float, complex):
+            defaults[name] = parameter.default
+    return defaults
+
+
+def _engine_param_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype a config makes the engine cast parameters to (None: it keeps theirs)."""
+    for key, dtype in (
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+    ):
+        section = config.get(key)
+        if isinstance(section, Mapping) and section.get("enabled", False):
+            return dtype
+    return None
+
+
+def check_capture_dtype(plan: PipelinePlan, config: Mapping[str, Any]) -> None:
+    """Refuse to train a plan captured by torch.export in another parameter dtype than the
+    engine will give its parameters ([Note: export precision] in ``_export``).
+
+    Raises:
+        ConfigError: naming both dtypes and the ``partition(..., dtype=)`` that fits.
+    """
+    captured = plan.param_dtype
+    if captured is None:
+        return
+    engine = _engine_param_dtype(config)
+    if engine is None:
+        engine = next(
+            (p.dtype for s in plan.stages for p in s.parameters() if p.is_floating_point()),
+            captured,
+        )
+    if engine == captured:
+        return
+    enabled = (
+        "enables " + ("bf16" if engine == torch.bfloat16 else "fp16")
+        if engine
+        in (
+            torch.bfloat16,
+            torch.float16,
+        )
+        else "keeps the parameters' dtype"
+    )
+    raise ConfigError(
+        f"the plan was captured by torch.export (example_inputs=) with {captured} parameters, "
+        f"but the config {enabled}, so the engine trains {engine} parameters. torch.export "
+        f"writes dtypes into the stage graphs (x.to(h.dtype) became a cast to {captured}), so "
+        "the stages would fail or compute in the wrong precision. Partition for the engine's "
+        f"precision: partition(model, ..., example_inputs=..., dtype={engine})"
+    )
 
 
 def _balanced(

@@ -149,24 +149,23 @@ def test_a_plan_captured_on_the_cpu_runs_on_another_device(name: str) -> None:
     assert out[0].shape == case.reference_forward(case.build(0), inputs)[0].shape
 
 
-def test_dropout_is_recorded_as_it_ran_and_the_log_says_so(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """export bakes the train/eval mode: a train-mode capture drops out in eval_batch too."""
+def test_export_stages_follow_train_and_eval_mode() -> None:
+    """export bakes the mode into one capture, so each mode is captured: a plan made in train
+    mode drops out under ``train()`` and not under ``eval()``, whatever mode it was made in."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4))
     x = torch.randn(2, 4)
-    with caplog.at_level("WARNING", logger="pipedialect._export"):
-        plan = partition(model.train(), ["0"], example_inputs={"input": x})
-    assert "Sequential was captured in training mode with 1 active dropout" in caplog.text
-    plan.graph.eval()
-    torch.manual_seed(0)
-    dropped = plan.graph(x)
-    assert not torch.equal(dropped, model.eval()(x))  # still dropping out: as documented
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="pipedialect._export"):
-        plan = partition(model.eval(), ["0"], example_inputs={"input": x})
-    assert caplog.text == ""
-    torch.testing.assert_close(plan.graph(x), model(x))
+    for made_in in (model.train(), model.eval()):
+        plan = partition(made_in, ["0"], example_inputs={"input": x})
+        plan.graph.eval()
+        model.eval()
+        torch.testing.assert_close(plan.graph(x), model(x))
+        plan.graph.train()
+        model.train()
+        torch.manual_seed(0)
+        dropped = plan.graph(x)
+        torch.manual_seed(0)
+        torch.testing.assert_close(dropped, model(x))
+        assert not torch.equal(dropped, model.eval()(x))
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
