@@ -42,6 +42,7 @@ import torch
 from torch import fx, nn
 
 from ._export import check_input
+from ._state import StateSnapshot
 from .agreement import check_inputs
 from .errors import ConfigError, DataError
 
@@ -280,9 +281,15 @@ def _kinds_of_submodule(
     """What a submodule called by ``node`` needs of its positional arguments, by position."""
     try:
         sub = module.get_submodule(str(node.target))
+    except AttributeError:
+        return {}
+    snapshot = StateSnapshot(sub)  # tracing runs the module's Python: leave it as it was
+    try:
         traced = fx.symbolic_trace(sub)
     except Exception:  # a module fx cannot trace on its own: nothing to learn from it
         return {}
+    finally:
+        snapshot.restore()
     order = [str(n.target) for n in traced.graph.nodes if n.op == "placeholder"]
     inner = _kinds(traced, traced.graph, f"{prefix}{node.target}.", depth)
     return {i: inner[name] for i, name in enumerate(order) if name in inner}

@@ -27,7 +27,7 @@ from torch import nn
 import pipedialect
 import pipedialect.checkpoint as ckpt
 from pipedialect import CaptureError, ConfigError, partition
-from pipedialect.testing.launcher import launch
+from pipedialect.launch import launch
 
 DIM = w.DIM
 PATHS = ["fx", "export"]
