@@ -11,6 +11,10 @@ as the reference, which is plain ``transformers.Trainer`` in one process; the sp
 model config's ``base_model_pp_plan``, one stage per process. Every run ends by printing one
 JSON line: the loss, gradient norm and learning rate logged at each step, and the eval loss
 after training. ``--save DIR`` also writes the trained model (``save_pretrained`` files) there.
+
+``--stages 2`` under ``torchrun --nproc_per_node 4`` trains two data-parallel replicas of a
+two-stage pipeline: each replica reads every other batch, so a step sees the samples a single
+process sees with twice the accumulation steps (``--reference --accumulation 4``).
 """
 
 from __future__ import annotations
@@ -89,13 +93,13 @@ class TokenData(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def training_arguments(out: str) -> transformers.TrainingArguments:
+def training_arguments(out: str, accumulation: int = 2) -> transformers.TrainingArguments:
     """What both runs train with: 2 sequences per micro-batch, 2 micro-batches per step."""
     return transformers.TrainingArguments(
         output_dir=out,
         per_device_train_batch_size=2,
         per_device_eval_batch_size=2,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=accumulation,
         max_steps=5,
         learning_rate=1e-2,
         lr_scheduler_type="cosine",
@@ -118,13 +122,15 @@ def main() -> None:
     parser.add_argument("--family", default="llama", help="llama (tied head) or qwen2")
     parser.add_argument("--out", default="hf_trainer_output", help="Trainer's output_dir")
     parser.add_argument("--save", default=None, help="write the trained model here")
+    parser.add_argument("--stages", type=int, default=None, help="default: one per process")
+    parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per step")
     options = parser.parse_args()
 
     transformers.logging.set_verbosity_error()
     model = build_model(options.family)
     common = dict(
         model=model,
-        args=training_arguments(options.out),
+        args=training_arguments(options.out, options.accumulation),
         train_dataset=TokenData(TRAIN_SAMPLES, seed=1),
         eval_dataset=TokenData(EVAL_SAMPLES, seed=2),
     )
@@ -134,7 +140,7 @@ def main() -> None:
         from pipedialect.integrations.transformers import PipelineArguments, PipelineTrainer
 
         # The split: the config's base_model_pp_plan over one stage per process (two on local).
-        stages = 2 if options.dialect == "local" else None
+        stages = 2 if options.dialect == "local" and options.stages is None else options.stages
         pipeline = PipelineArguments(dialect=options.dialect, num_stages=stages)
         trainer = PipelineTrainer(**common, pipeline=pipeline)
     trainer.train()

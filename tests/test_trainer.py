@@ -420,10 +420,25 @@ def _last_line(argv: list[str], cwd: Path) -> dict[str, Any]:
 
 
 @functools.cache
-def _reference(family: str, where: str) -> dict[str, Any]:
+def _reference(family: str, where: str, accumulation: int = 2) -> dict[str, Any]:
     out = Path(where)
     argv = [sys.executable, str(EXAMPLE), "--reference", "--family", family]
+    argv += ["--accumulation", str(accumulation)]
     return _last_line([*argv, "--out", str(out / "out"), "--save", str(out / "final")], out)
+
+
+def _torchrun(nproc: int, *args: str) -> list[str]:
+    return [
+        str(BIN / "torchrun"),
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(EXAMPLE),
+        *args,
+    ]
 
 
 @pytest.mark.distributed
@@ -435,24 +450,25 @@ def test_the_example_under_torchrun_equals_plain_trainer(
     where = tmp_path_factory.getbasetemp() / f"reference-{family}"
     where.mkdir(exist_ok=True)
     ref = _reference(family, str(where))
-    argv = [
-        str(BIN / "torchrun"),
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(EXAMPLE),
-        "--dialect",
-        dialect,
-        "--family",
-        family,
-        "--out",
-        str(tmp_path / "out"),
-        "--save",
-        str(tmp_path / "final"),
-    ]
-    run = _last_line(argv, tmp_path)
+    argv = _torchrun(2, "--dialect", dialect, "--family", family)
+    run = _last_line(
+        [*argv, "--out", str(tmp_path / "out"), "--save", str(tmp_path / "final")], tmp_path
+    )
     assert_same_run(run, ref)
     assert_same_weights(tmp_path / "final", where / "final", family)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dialect", ["torch", "deepspeed"])
+def test_two_replicas_of_two_stages_equal_plain_trainer_with_twice_the_accumulation(
+    tmp_path: Path, dialect: str
+) -> None:
+    """Four processes, two stages by two replicas: Trainer's loaders are sharded over the
+    replicas only (each reads every other batch) and the step's token count is summed over
+    them, so a step trains on what one process trains on with gradient_accumulation_steps 4."""
+    ref = _reference("llama", str(tmp_path), 4)
+    argv = _torchrun(4, "--dialect", dialect, "--stages", "2", "--accumulation", "2")
+    out = ["--out", str(tmp_path / "pipe"), "--save", str(tmp_path / "pipe_final")]
+    run = _last_line([*argv, *out], tmp_path)
+    assert_same_run(run, ref)
+    assert_same_weights(tmp_path / "pipe_final", tmp_path / "final", "llama")
