@@ -472,3 +472,21 @@ def test_two_replicas_of_two_stages_equal_plain_trainer_with_twice_the_accumulat
     run = _last_line([*argv, *out], tmp_path)
     assert_same_run(run, ref)
     assert_same_weights(tmp_path / "pipe_final", tmp_path / "final", "llama")
+
+
+def test_a_loader_accelerate_does_not_shard_by_batches_is_refused_under_several_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An iterable data set: accelerate dispatches or shards its items over every process, so
+    the pipeline ranks of one replica would read other batches (inputs of one, labels of
+    another): refused by name rather than trained on."""
+    trainer = _build(tmp_path, {})
+
+    rows = [example.TokenData(8, seed=1)[i] for i in range(8)]
+    loader = torch.utils.data.DataLoader(
+        rows, batch_size=2, collate_fn=transformers.default_data_collator
+    )
+    monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda _: 2))
+    with pytest.raises(TrainingArgumentError, match="map-style data set") as info:
+        trainer._shard(loader)
+    assert info.value.argument == "train_dataset"

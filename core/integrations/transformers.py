@@ -389,7 +389,6 @@ class PipelineTrainer(transformers.Trainer):
         self._data_group: Any = None
         self._step_batches: list[Any] = []
         self._step_items: torch.Tensor | None = None
-        self._resume_from: str | None = None
 
     @property
     def unsplit_model(self) -> Any:
@@ -447,11 +446,33 @@ class PipelineTrainer(transformers.Trainer):
     # -- data ------------------------------------------------------------------------------------
 
     def _shard(self, loader: Any) -> Any:
-        """Shard ``loader`` over the data axis only ([Note: one data stream per replica])."""
+        """Shard ``loader`` over the data axis only ([Note: one data stream per replica]).
+
+        Raises:
+            TrainingArgumentError: under several processes, a loader accelerate does not shard
+                with a batch sampler (an iterable data set: accelerate dispatches or shards its
+                items over every process), whose pipeline ranks would read other batches.
+        """
+        if self.args.world_size <= 1:
+            return loader
         shard = getattr(loader, "batch_sampler", None)
-        if shard is not None and hasattr(shard, "num_processes"):
-            shard.num_processes = self.data_parallel_size()
-            shard.process_index = self.data_parallel_rank()
+        if (
+            shard is None
+            or not hasattr(shard, "num_processes")
+            or type(loader).__name__
+            not in (
+                "DataLoaderShard",
+                "SkipDataLoader",
+            )
+        ):
+            raise TrainingArgumentError(
+                f"Trainer's loader is a {type(loader).__name__} that accelerate shards over every "
+                "process, so the pipeline ranks of one replica would read other batches; use a "
+                "map-style data set (with __len__ and __getitem__), not an iterable one",
+                argument="train_dataset",
+            )
+        shard.num_processes = self.data_parallel_size()
+        shard.process_index = self.data_parallel_rank()
         return loader
 
     def get_train_dataloader(self) -> Any:
@@ -632,7 +653,9 @@ class PipelineTrainer(transformers.Trainer):
                 labels = labels[..., 1:]
             total = total + labels.ne(-100).sum().cpu()
         if self.args.average_tokens_across_devices and self._data_group is not None:
-            dist.all_reduce(total, group=self._data_group)
+            summed = total.to(self.args.device)  # NCCL reduces device tensors only
+            dist.all_reduce(summed, group=self._data_group)
+            total = summed.cpu()
         return total
 
     def _micro_batch(
@@ -756,7 +779,6 @@ class PipelineTrainer(transformers.Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Nothing yet: the engine does not exist when Trainer calls this; everything loads in
         :meth:`_load_optimizer_and_scheduler`, once it does."""
-        self._resume_from = resume_from_checkpoint
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Load the checkpoint's pipeline folder (any dialect or layout saved it)."""
