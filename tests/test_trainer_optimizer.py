@@ -223,5 +223,11 @@ def test_a_dialect_that_does_not_declare_optimizer_refuses_it_by_name() -> None:
         name = "no-client-optimizer"
         engine_features = frozenset({"check_finite"})
 
+        def _build_pipeline(self, request: Any) -> torch.nn.Module:
+            raise AssertionError("never called")
+
+        def _build_engine(self, request: Any) -> Any:
+            raise AssertionError("never called")
+
     with pytest.raises(ConfigError, match=r"does not support optimizer \(of check_finite, "):
         NoClientOptimizer().runtime_engine(torch.nn.Linear(1, 1), optimizer=workers.make_optimizer)
