@@ -389,6 +389,8 @@ class PipelineTrainer(transformers.Trainer):
         self._data_group: Any = None
         self._step_batches: list[Any] = []
         self._step_items: torch.Tensor | None = None
+        #: The max_steps the engine's schedule was built for.
+        self._schedule_steps: int | None = None
 
     @property
     def unsplit_model(self) -> Any:
@@ -484,10 +486,16 @@ class PipelineTrainer(transformers.Trainer):
         return self._shard(super().get_eval_dataloader(eval_dataset))
 
     def _example_inputs(self) -> dict[str, torch.Tensor]:
-        """The first training micro-batch as Trainer collates it, without its labels: the
-        capture's example (its shapes and dtypes count). Read with the global RNG restored."""
+        """The first training (else eval) micro-batch as Trainer collates it, without its
+        labels: the capture's example (its shapes and dtypes count). Read with the global RNG
+        restored."""
         with torch.random.fork_rng(devices=[]):
-            batch = next(iter(self.get_train_dataloader()))
+            loader = (
+                self.get_train_dataloader()
+                if self.train_dataset is not None
+                else self.get_eval_dataloader()
+            )
+            batch = next(iter(loader))
         return {k: v for k, v in batch.items() if k != "labels"}
 
     # -- the engine ------------------------------------------------------------------------------
@@ -555,18 +563,12 @@ class PipelineTrainer(transformers.Trainer):
             if self.optimizer_cls_and_kwargs is not None
             else self.get_optimizer_cls_and_kwargs(args, self.unsplit_model)
         )
-        max_steps = self.state.max_steps
-
-        def schedule(optimizer: torch.optim.Optimizer) -> Any:
-            self.lr_scheduler = None  # Trainer builds one only where it has none
-            return transformers.Trainer.create_scheduler(self, max_steps, optimizer)
-
         self.engine = self.pipe_dialect.runtime_engine(
             module,
             config=config,
             param_groups=groups,
             optimizer=lambda g: cls(g, **kwargs),
-            lr_scheduler=schedule,
+            lr_scheduler=self._schedule,
         )
         self.plan = plan
         optimizer: Any = _EngineOptimizer(self.engine)
@@ -588,10 +590,23 @@ class PipelineTrainer(transformers.Trainer):
                 found = group
         return found
 
+    def _schedule(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Trainer's LR schedule over the engine's optimizer, for the run's ``max_steps``."""
+        self.lr_scheduler = None  # Trainer builds one only where it has none
+        self._schedule_steps = self.state.max_steps
+        return transformers.Trainer.create_scheduler(self, self.state.max_steps, optimizer)
+
     def create_optimizer(self, model: Any = None) -> Any:
-        """Build the pipeline and its engine (once); Trainer gets the proxy optimizer."""
+        """Build the pipeline and its engine (once); Trainer gets the proxy optimizer.
+
+        An engine built by an ``evaluate()`` before ``train()`` gets its schedule again, now
+        that the number of training steps is known."""
         if self.engine is None:
             self._build_engine()
+        elif self._schedule_steps != self.state.max_steps:
+            self.engine.lr_scheduler = self._schedule(self.engine.optimizer)
+        proxy: Any = _EngineScheduler(self.engine)
+        self.lr_scheduler = proxy
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
@@ -704,12 +719,8 @@ class PipelineTrainer(transformers.Trainer):
     ) -> EvalLoopOutput:
         """The eval set through ``eval_batch``, in chunks of ``gradient_accumulation_steps``
         batches; ``eval_loss`` is the mean of the batches' token-mean losses, as Trainer's."""
-        if self.engine is None:
-            raise TrainingArgumentError(
-                "evaluate() before train(): the pipeline is built when training starts; call "
-                "train() first (eval_on_start=True evaluates before the first step)",
-                argument="evaluate",
-            )
+        if self.engine is None:  # evaluate() before train()
+            self._build_engine()
         batches = [self._micro_batch(b, None, 1.0) for b in dataloader]
         if not batches:
             raise TrainingArgumentError(
