@@ -68,6 +68,7 @@ __all__ = [
     "TieGroup",
     "Topology",
     "TopologyError",
+    "TrainingArgumentError",
     "UnknownConfigKeyError",
     "UnsupportedValueError",
     "WeightsError",

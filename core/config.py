@@ -49,6 +49,7 @@ __all__ = [
     "batch_triple",
     "build_optimizer",
     "check_config_keys",
+    "check_one_optimizer",
     "clip_gradients",
     "handled_keys",
     "parse_config",
@@ -163,8 +164,9 @@ class TrainingConfig:
     gradient_accumulation_steps: int
     #: Global gradient-norm limit; 0 disables clipping.
     gradient_clipping: float
-    #: The optimizer's ``type`` as written in the config.
-    optimizer_type: str
+    #: The optimizer's ``type`` as written in the config; None without an ``optimizer``
+    #: section (the optimizer then comes from ``runtime_engine(optimizer=...)``).
+    optimizer_type: str | None
     #: The optimizer's ``params`` as written in the config.
     optimizer_params: Mapping[str, Any] = field(default_factory=dict)
     #: The checked ``scheduler`` section (``type`` and ``params``), or None.
@@ -363,12 +365,14 @@ def parse_config(config: Mapping[str, Any] | None, *, world_size: int = 1) -> Tr
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"config['gradient_clipping'] must be a number >= 0, got {clipping!r}")
     optimizer = config.get("optimizer")
-    if not isinstance(optimizer, Mapping) or not isinstance(optimizer.get("type"), str):
+    if "optimizer" in config and (
+        not isinstance(optimizer, Mapping) or not isinstance(optimizer.get("type"), str)
+    ):
         raise ConfigError(
             "config['optimizer'] must be a dict with a 'type' (Adam, AdamW, SGD, ...) and "
             "optional 'params'"
         )
-    params = optimizer.get("params") or {}
+    params = {} if optimizer is None else optimizer.get("params") or {}
     if not isinstance(params, Mapping):
         raise ConfigError("config['optimizer']['params'] must be a dict")
     return TrainingConfig(
@@ -376,7 +380,7 @@ def parse_config(config: Mapping[str, Any] | None, *, world_size: int = 1) -> Tr
         micro_batch_size=micro,
         gradient_accumulation_steps=gas,
         gradient_clipping=float(clipping),
-        optimizer_type=str(optimizer["type"]),
+        optimizer_type=None if optimizer is None else str(optimizer["type"]),
         optimizer_params=dict(params),
         scheduler=check_schedule_section(config.get("scheduler")),
         precision=precision,
@@ -402,6 +406,12 @@ def build_optimizer(
     parameters or over parameter groups (dicts with ``params``, as torch optimizers take)."""
     params: list[Any] = [p for p in parameters if isinstance(p, Mapping) or p.requires_grad]
     name = config.optimizer_type
+    if name is None:
+        raise ConfigError(
+            "config has no 'optimizer' section and no optimizer was given: add one (e.g. "
+            '"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}) or pass '
+            "runtime_engine(optimizer=<callable(param_groups) -> torch.optim.Optimizer>)"
+        )
     options = dict(config.optimizer_params)
     where = f"config['optimizer'] (type {name!r})"
     if "max_grad_norm" in options:
@@ -461,17 +471,38 @@ def _construct(
         ) from exc
 
 
+def check_one_optimizer(section: Any) -> None:
+    """Refuse a config ``optimizer`` section (``section``, None when absent) next to
+    ``runtime_engine(optimizer=...)``.
+
+    DeepSpeed steps the client optimizer and never reads the section, so its learning rate and
+    betas would be ignored without a word; every dialect refuses the pair instead.
+
+    Raises:
+        ConfigError: there is a section.
+    """
+    if section is not None:
+        raise ConfigError(
+            "runtime_engine(optimizer=...) was given and the config has an 'optimizer' "
+            "section too; the client optimizer would be stepped and the section ignored. "
+            "Remove the section (or the optimizer argument)"
+        )
+
+
 def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Scale gradients so their global 2-norm is at most ``max_norm``; return the norm.
 
     As DeepSpeed (fp32, no ZeRO): ``coef = min(1, max_norm / (norm + 1e-6))``. Pass each
-    parameter once (a tied parameter counts once).
+    parameter once (a tied parameter counts once). ``max_norm <= 0`` (``gradient_clipping``
+    off) only computes the norm.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
     norms = torch.stack([g.detach().float().norm(2) for g in grads])
     total = norms.pow(2).sum().pow(0.5)
+    if max_norm <= 0.0:
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar, final
 
 from torch import nn
+from torch.optim import Optimizer
 
 from .agreement import check_plan_agreement
 from .batches import check_loss_fn
@@ -55,7 +56,9 @@ __all__ = [
 ]
 
 #: Every shared ``runtime_engine`` argument an engine may honour (see ``Dialect.engine_features``).
-ENGINE_FEATURES: frozenset[str] = frozenset({"check_finite", "lr_scheduler", "param_groups"})
+ENGINE_FEATURES: frozenset[str] = frozenset(
+    {"check_finite", "lr_scheduler", "optimizer", "param_groups"}
+)
 
 #: ``loss_fn(outputs, labels) -> scalar tensor``.
 LossFn = Callable[[Any, Any], Any]
@@ -144,6 +147,9 @@ class EngineRequest(Generic[OptionsT]):
     param_groups: ParamGroupsFn | None
     #: The dialect's own engine options (an instance of :attr:`Dialect.engine_options`).
     options: OptionsT
+    #: A client optimizer: a factory ``optimizer(param_groups) -> torch.optim.Optimizer`` or an
+    #: optimizer object; it replaces the config's ``optimizer`` section (which must be absent).
+    optimizer: Any = None
 
 
 class Dialect(abc.ABC):
@@ -171,9 +177,9 @@ class Dialect(abc.ABC):
     options: ClassVar[type[Any]] = NoOptions
     #: The same for :meth:`runtime_engine`.
     engine_options: ClassVar[type[Any]] = NoOptions
-    #: Which shared :meth:`runtime_engine` arguments the engine honours, of ``"check_finite"``,
-    #: ``"lr_scheduler"`` and ``"param_groups"``; passing another is refused by name, never
-    #: silently ignored.
+    #: Which shared :meth:`runtime_engine` arguments the engine honours, of
+    #: :data:`ENGINE_FEATURES` (``"check_finite"``, ``"lr_scheduler"``, ``"optimizer"``,
+    #: ``"param_groups"``); passing another is refused by name, never silently ignored.
     engine_features: ClassVar[frozenset[str]] = frozenset()
 
     @property
@@ -322,6 +328,7 @@ class Dialect(abc.ABC):
         check_finite: bool = False,
         lr_scheduler: Any = None,
         param_groups: ParamGroupsFn | None = None,
+        optimizer: Any = None,
         **options: Any,
     ) -> RuntimeEngine:
         """Return the engine that trains ``module`` (what :meth:`pipe_engine` built).
@@ -330,8 +337,11 @@ class Dialect(abc.ABC):
         refuses a step whose loss or gradients are not finite; ``lr_scheduler`` (an object with
         ``step()``, or a callable building one from the optimizer) replaces the config's
         ``scheduler`` section, as in ``deepspeed.initialize``; ``param_groups`` (see
-        :mod:`pipedialect.param_groups`) groups the optimizer's parameters; ``options`` are
-        this dialect's own (:attr:`engine_options`).
+        :mod:`pipedialect.param_groups`) groups the optimizer's parameters; ``optimizer`` (a
+        factory called with the engine's parameter groups -- the fp32 master groups under bf16
+        -- or an optimizer object over exactly this rank's trainable parameters) replaces the
+        config's ``optimizer`` section, which must then be absent (``pipedialect.engine``
+        [Note: client optimizer]); ``options`` are this dialect's own (:attr:`engine_options`).
 
         Raises:
             ConfigError: a mistyped or unknown argument, or a config key DeepSpeed does not
@@ -342,6 +352,7 @@ class Dialect(abc.ABC):
         given = {
             "check_finite": bool(check_finite),
             "lr_scheduler": lr_scheduler is not None,
+            "optimizer": optimizer is not None,
             "param_groups": param_groups is not None,
         }
         refused = sorted(k for k, used in given.items() if used and k not in self.engine_features)
@@ -349,7 +360,12 @@ class Dialect(abc.ABC):
             honoured = ", ".join(sorted(self.engine_features)) or "none of them"
             raise ConfigError(
                 f"the {self.name} dialect's engine does not support {', '.join(refused)} (of "
-                f"check_finite, lr_scheduler and param_groups it honours {honoured})"
+                f"{', '.join(sorted(ENGINE_FEATURES))} it honours {honoured})"
+            )
+        if not (optimizer is None or callable(optimizer) or isinstance(optimizer, Optimizer)):
+            raise ConfigError(
+                "optimizer must be a callable(param_groups) -> torch.optim.Optimizer or an "
+                f"optimizer object, got {type(optimizer).__name__}"
             )
         if param_groups is not None and not callable(param_groups):
             raise ConfigError(
@@ -362,6 +378,7 @@ class Dialect(abc.ABC):
             lr_scheduler=lr_scheduler,
             param_groups=param_groups,
             options=opts,
+            optimizer=optimizer,
         )
         return self._build_engine(request)
 
@@ -427,7 +444,7 @@ class Dialect(abc.ABC):
 
 
 _SHARED_PIPELINE = ("config", "loss_fn", "topology", "dynamic_shapes", "init_weights")
-_SHARED_ENGINE = ("config", "check_finite", "lr_scheduler", "param_groups")
+_SHARED_ENGINE = ("config", "check_finite", "lr_scheduler", "optimizer", "param_groups")
 
 
 def _check_config(config: Mapping[str, Any] | str | None, where: str) -> dict[str, Any]:

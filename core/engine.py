@@ -7,6 +7,21 @@ the schedule itself -- the parsed config, the optimizer (with parameter groups),
 rate schedule, the step counter and whole-step data reads -- so a dialect's engine adds only
 how its stages run. The local and torch dialects' engines build on it.
 
+[Note: client optimizer]
+The optimizer is the config's ``optimizer`` section or ``runtime_engine(optimizer=...)``, as
+``deepspeed.initialize`` takes a client optimizer, never both (DeepSpeed would ignore the
+section without a word). The natural shape is a factory, ``optimizer(groups)``, called once with
+the groups the engine steps: ``param_groups`` resolved over this rank's trainable parameters
+(each once, a tied weight under its canonical name), or one group of all of them; under bf16
+the groups of the fp32 master copies, so the factory never sees a bf16 parameter. An optimizer
+*object* is taken in fp32 only, and only when it holds exactly this engine's trainable
+parameters: one built over the unsplit model (or another stage) would step parameters this
+engine never gives a gradient, and is refused by name. A client ``lr_scheduler`` is built over
+(or must be bound to) that optimizer, and is stepped after every applied optimizer step.
+
+:meth:`DeepSpeedStyleEngine.get_global_grad_norm` is the global gradient norm of the last step,
+computed whether or not ``gradient_clipping`` clips (Hugging Face's ``Trainer`` logs it).
+
 With ``"bf16": {"enabled": true}`` it also holds the bf16 policy (:mod:`pipedialect.precision`
 [Note: bf16 as DeepSpeed does it]): the stages' parameters are cast to bf16 when the engine is
 built, the optimizer steps fp32 master copies, an engine calls :meth:`accumulate_grads` after
@@ -27,7 +42,7 @@ from . import checkpoint_files
 from .agreement import first_nonfinite_grad, nonfinite_grad_error, pull_micro_batches
 from .batches import input_spec
 from .checkpoint_files import LATEST_FILE
-from .config import TrainingConfig, build_optimizer
+from .config import TrainingConfig, build_optimizer, check_one_optimizer
 from .errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from .lr_schedules import build_schedule, current_lrs, resolve_client_schedule
 from .param_groups import ParamGroupsFn, resolve_param_groups
@@ -48,6 +63,7 @@ class DeepSpeedStyleEngine:
         check_finite: bool = False,
         lr_scheduler: Any = None,
         param_groups: ParamGroupsFn | None = None,
+        optimizer: Any = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -68,7 +84,12 @@ class DeepSpeedStyleEngine:
         )
         if self.mixed is not None:
             groups = self.mixed.groups(groups)
-        self.optimizer = build_optimizer(config, groups)
+        if optimizer is None:
+            self.optimizer = build_optimizer(config, groups)
+        else:
+            self.optimizer = self._client_optimizer(optimizer, groups, param_groups is not None)
+        #: The global gradient norm of the last step (a tensor; see get_global_grad_norm).
+        self._grad_norm: torch.Tensor | None = None
         #: Stepped after each optimizer step, as DeepSpeed's engine steps it: the client's
         #: ``lr_scheduler`` (an object, or a callable building one from the optimizer) wins
         #: over the config's ``scheduler`` section, as in ``deepspeed.initialize``.
@@ -86,6 +107,59 @@ class DeepSpeedStyleEngine:
         """This engine's parameters under their original names, for ``param_groups``: a
         parameter held by several stages appears once, under its first name."""
         return [(stage_param_name(n)[1], p) for n, p in self.module.named_parameters()]
+
+    def _client_optimizer(
+        self, optimizer: Any, groups: list[Any], grouped: bool
+    ) -> torch.optim.Optimizer:
+        """The client's optimizer over ``groups``; see [Note: client optimizer].
+
+        Raises:
+            ConfigError: the config has an ``optimizer`` section too; an object under bf16 or
+                with ``param_groups``; a factory that does not return an optimizer; an
+                optimizer that leaves out, repeats or adds a parameter.
+        """
+        check_one_optimizer(self.config.optimizer_type)
+        trainable = [(n, p) for n, p in self.named_trainable() if p.requires_grad]
+        names = {id(p): n for n, p in trainable}
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if self.mixed is not None:
+                raise ConfigError(
+                    "an optimizer object cannot train a bf16 engine: the engine steps fp32 "
+                    "master copies it makes of the parameters. Pass a factory, "
+                    "optimizer=lambda groups: torch.optim.AdamW(groups, ...), which is called "
+                    "with the master groups"
+                )
+            if grouped:
+                raise ConfigError(
+                    "param_groups cannot be used with an optimizer object: it already holds its "
+                    "parameter groups. Pass a factory optimizer(groups) that builds it from the "
+                    "groups, or drop param_groups"
+                )
+            _check_optimizer_params(optimizer, names, "the optimizer object")
+            return optimizer
+        if not callable(optimizer):
+            raise ConfigError(
+                "optimizer must be a torch.optim.Optimizer or a callable(param_groups) -> "
+                f"Optimizer, got {type(optimizer).__name__}"
+            )
+        if not all(isinstance(g, Mapping) for g in groups):  # no param_groups: one group
+            groups = [{"params": [p for p in groups if p.requires_grad]}]
+        built = optimizer(groups)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise ConfigError(
+                f"the optimizer factory returned {type(built).__name__}, not a "
+                "torch.optim.Optimizer"
+            )
+        if self.mixed is not None:
+            names = {id(self.mixed.master_of(p)): n for n, p in trainable}
+        _check_optimizer_params(built, names, "the optimizer the factory built")
+        return built
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global 2-norm of the last step's gradients, before clipping (over every stage
+        and replica, a tied weight counted once), as DeepSpeed's ``get_global_grad_norm``;
+        None before the first step. Computed whether or not ``gradient_clipping`` clips."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     # -- gradients and the step (fp32, or bf16 with master weights) ---------------------------
 
@@ -125,21 +199,22 @@ class DeepSpeedStyleEngine:
         """Clip, step the optimizer and the schedule, count the step (DeepSpeed's
         ``_take_model_step``); return whether the optimizer stepped.
 
-        In fp32 ``clip_fp32()`` clips (when ``gradient_clipping`` > 0). Under bf16 the master
-        weights step ([Note: bf16 as DeepSpeed does it]): ``skip`` and ``all_reduce`` make the
-        gradient norm global across ranks, and a non-finite norm skips the step and the
-        schedule, as DeepSpeed's BF16 optimizer does.
+        In fp32 ``clip_fp32()`` clips with ``gradient_clipping`` (only computing the norm when it
+        is 0) and returns the global norm. Under bf16 the master weights step ([Note: bf16 as
+        DeepSpeed does it]): ``skip`` and ``all_reduce`` make the gradient norm global across
+        ranks, and a non-finite norm skips the step and the schedule, as DeepSpeed's BF16
+        optimizer does. Either way the norm is kept for :meth:`get_global_grad_norm`.
         """
         applied = True
         if self.mixed is None:
-            if self.config.gradient_clipping > 0.0:
-                clip_fp32()
+            self._grad_norm = clip_fp32()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         else:
             applied = self.mixed.step(
                 self.optimizer, self.config.gradient_clipping, skip=skip, all_reduce=all_reduce
             )
+            self._grad_norm = self.mixed.last_norm
         if applied:
             self.step_lr_scheduler()
         self.global_steps += 1
@@ -325,6 +400,33 @@ class DeepSpeedStyleEngine:
             if found is not None:
                 return nonfinite_grad_error(*found, step=step, stage=stage_id)
         return None
+
+
+def _check_optimizer_params(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], what: str
+) -> None:
+    """Refuse an optimizer that does not hold exactly the parameters in ``names`` (by ``id``),
+    each once: one left out would not train, another model's or stage's would be stepped with
+    no gradient from this engine (the unsplit model's parameters, say)."""
+    held: set[int] = set()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ConfigError(
+                    f"{what} holds a parameter of shape {tuple(param.shape)} that this engine "
+                    "does not train (frozen, another stage's, or the unsplit model's); build it "
+                    "over the groups the engine passes to an optimizer factory, "
+                    "runtime_engine(optimizer=lambda groups: ...)"
+                )
+            held.add(id(param))
+    missing = [name for key, name in names.items() if key not in held]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"{what} does not hold parameter {missing[0]!r}{more} of this engine, which would "
+            "not be trained; build it over the groups the engine "
+            "passes to an optimizer factory, runtime_engine(optimizer=lambda groups: ...)"
+        )
 
 
 def _first_nonfinite(grads: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:

@@ -64,6 +64,7 @@ __all__ = [
     "StructureChangedError",
     "TieError",
     "TopologyError",
+    "TrainingArgumentError",
     "UnknownConfigKeyError",
     "UnsupportedValueError",
     "WeightsError",
@@ -220,6 +221,15 @@ class UnknownConfigKeyError(ConfigError):
         self.path = path
         #: The closest key DeepSpeed knows in that section, if one is close.
         self.suggestion = suggestion
+
+
+class TrainingArgumentError(ConfigError):
+    """A Trainer setting (a ``TrainingArguments`` field or argument) a pipeline cannot honour."""
+
+    def __init__(self, message: str, *, argument: str) -> None:
+        super().__init__(message)
+        #: The setting, as ``TrainingArguments`` (or ``Trainer``) names it.
+        self.argument = argument
 
 
 class NonFiniteError(PipeDialectError, FloatingPointError):

@@ -398,8 +398,11 @@ def resolve_client_schedule(lr_scheduler: Any, optimizer: torch.optim.Optimizer)
     """A client ``lr_scheduler`` as DeepSpeed takes it: an object with ``step()``, or a
     callable that builds one from the optimizer.
 
+    A schedule bound to an optimizer (torch's schedulers hold it as ``.optimizer``) must be
+    bound to the engine's: one built over another optimizer would set rates nobody steps with.
+
     Raises:
-        ConfigError: the result has no ``step()`` method.
+        ConfigError: the result has no ``step()`` method, or drives another optimizer.
     """
     schedule = lr_scheduler
     if callable(lr_scheduler):
@@ -409,5 +412,12 @@ def resolve_client_schedule(lr_scheduler: Any, optimizer: torch.optim.Optimizer)
         raise ConfigError(
             f"lr_scheduler must have a step() method (or build one from the optimizer), got "
             f"{type(schedule).__name__}"
+        )
+    bound = getattr(schedule, "optimizer", None)
+    if isinstance(bound, torch.optim.Optimizer) and bound is not optimizer:
+        raise ConfigError(
+            f"lr_scheduler {type(schedule).__name__} drives another optimizer than the engine's, "
+            "so the engine's learning rate would never change; pass a callable that builds it "
+            "from the engine's optimizer, lr_scheduler=lambda optimizer: ..."
         )
     return schedule

@@ -204,6 +204,8 @@ class BF16Master:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         #: Steps skipped because the gradient norm was not finite (DeepSpeed's skipped_steps).
         self.skipped_steps = 0
+        #: The global gradient norm of the last step (before clipping), None before the first.
+        self.last_norm: torch.Tensor | None = None
 
     # -- building the optimizer -------------------------------------------------------------
 
@@ -304,6 +306,7 @@ class BF16Master:
         if all_reduce is not None:
             total_sq = all_reduce(total_sq)
         norm = total_sq.pow(0.5)
+        self.last_norm = norm
         if not math.isfinite(float(norm)):
             self.skipped_steps += 1
             self.zero_grad()

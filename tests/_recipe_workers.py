@@ -170,7 +170,9 @@ def grouping_errors() -> dict[str, str]:
         for key in ("model_parameters", "optimizer"):
             if callable(kwargs.get(key)):  # made from this rank's plan and module
                 kwargs[key] = kwargs[key](plan, module)
-        return plan, dialect.runtime_engine(module, config=config, **kwargs)
+        # A client optimizer replaces the config's optimizer section, which must then be absent.
+        used = {k: v for k, v in config.items() if k != "optimizer" or "optimizer" not in kwargs}
+        return plan, dialect.runtime_engine(module, config=used, **kwargs)
 
     def all_but_first(plan: Any, module: nn.Module) -> list[nn.Parameter]:
         return list(module.parameters())[1:]

@@ -279,10 +279,11 @@ def test_every_engine_option_is_documented_and_the_refused_ones_say_so() -> None
     assert all(docs.values()), docs
     for name in set(REFUSED_INITIALIZE_ARGS) - {"model"}:
         assert docs[name].startswith("refused:"), name
-    passed = set(PASSED_INITIALIZE_ARGS) - {"lr_scheduler"}  # a shared runtime_engine argument
+    shared = {"lr_scheduler", "optimizer"}  # shared runtime_engine arguments, passed on
+    passed = set(PASSED_INITIALIZE_ARGS) - shared
     for name in (*passed, "args", "config_params", "model_parameters"):
         assert not docs[name].startswith("refused"), name
-    assert "param_groups" in pipedialect.get_dialect("deepspeed").engine_features
+    assert {"param_groups", *shared} <= pipedialect.get_dialect("deepspeed").engine_features
 
 
 @pytest.mark.distributed

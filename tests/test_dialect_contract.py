@@ -94,11 +94,18 @@ def test_list_json_shows_each_dialects_options() -> None:
     torch_options = {o["name"]: o for o in listed["torch"]["options"]}
     assert set(torch_options) == {"schedule", "stages_per_rank", "device", "data_parallel_mode"}
     assert torch_options["schedule"]["type"] == "str | None" and torch_options["schedule"]["doc"]
-    assert {"optimizer", "training_data"} <= {
+    assert {"model_parameters", "training_data"} <= {
         o["name"] for o in listed["deepspeed"]["engine_options"]
     }
+    # optimizer= is a shared argument now, not a DeepSpeed engine option
+    assert "optimizer" not in {o["name"] for o in listed["deepspeed"]["engine_options"]}
     assert listed["local"]["options"] == []
-    assert listed["local"]["engine_features"] == ["check_finite", "lr_scheduler", "param_groups"]
+    assert listed["local"]["engine_features"] == [
+        "check_finite",
+        "lr_scheduler",
+        "optimizer",
+        "param_groups",
+    ]
 
 
 @pytest.mark.parametrize("name", BUILT_IN)
@@ -107,6 +114,7 @@ def test_engine_features_name_only_shared_arguments(name: str) -> None:
     assert "check_finite" in features and features <= {
         "check_finite",
         "lr_scheduler",
+        "optimizer",
         "param_groups",
     }
 

@@ -168,9 +168,9 @@ def test_runtime_engine_and_local_stages_refuse_foreign_objects() -> None:
     with pytest.raises(ConfigError, match=r"TorchDialect\.pipe_engine"):
         dialect.runtime_engine(torch.nn.Linear(2, 2), config=_config())
     with pytest.raises(
-        ConfigError, match=r"unknown argument 'optimizer' for the torch dialect's runtime_engine"
+        ConfigError, match=r"unknown argument 'optimiser' for the torch dialect's runtime_engine"
     ):
-        dialect.runtime_engine(torch.nn.Linear(2, 2), optimizer=None)
+        dialect.runtime_engine(torch.nn.Linear(2, 2), optimiser=None)
     with pytest.raises(ConfigError, match="not a torch engine"):
         dialect.local_stages(object())  # type: ignore[arg-type]
 

@@ -57,13 +57,6 @@ class DeepSpeedEngineOptions:
     DeepSpeed runs (see :func:`~pipedialect.dialects.deepspeed.engine.init_ds_engine`).
     """
 
-    optimizer: Any = field(
-        default=None,
-        metadata={
-            "doc": "a client optimizer (it replaces the config's optimizer section), or a "
-            "callable building one from the parameter groups"
-        },
-    )
     model_parameters: Any = field(
         default=None,
         metadata={
@@ -163,7 +156,8 @@ class DeepSpeedDialect(Dialect):
         """DeepSpeed's ``PipelineEngine`` for the module (``deepspeed.initialize``).
 
         ``param_groups`` builds ``deepspeed.initialize``'s ``model_parameters`` from this
-        rank's stage, under the model's names.
+        rank's stage, under the model's names; ``optimizer`` (a factory called with them, or an
+        optimizer object) and ``lr_scheduler`` are ``deepspeed.initialize``'s.
         """
         from .engine import init_ds_engine
 
@@ -171,6 +165,8 @@ class DeepSpeedDialect(Dialect):
         extra = given_options(opts)
         if request.lr_scheduler is not None:
             extra["lr_scheduler"] = request.lr_scheduler
+        if request.optimizer is not None:  # the shared optimizer= is deepspeed.initialize's
+            extra["optimizer"] = request.optimizer
         config = request.config
         if config is None and opts.config_params is None and opts.args is None:
             config = getattr(request.module, "pipedialect_config", None)  # pipe_engine's

@@ -35,6 +35,7 @@ import torch
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.utils import clip_grad_norm_
 from torch import nn
 
 from pipedialect import (
@@ -55,6 +56,7 @@ from pipedialect.agreement import (
     root_nonfinite,
 )
 from pipedialect.batches import input_spec
+from pipedialect.config import check_one_optimizer
 from pipedialect.param_groups import ParamGroupsFn, resolve_param_groups
 
 __all__ = [
@@ -233,7 +235,39 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
     def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
         if self.check_finite:
             self._check_finite_step()
+        if self._fp32_without_clipping():
+            self._global_grad_norm = self._grad_norm()
         PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+
+    # -- the global gradient norm ---------------------------------------------------------------
+
+    def clip_fp32_gradients(self) -> None:
+        """DeepSpeed's fp32 clip, keeping the global norm it computes: upstream drops it, and
+        ``get_global_grad_norm()`` is None for an fp32 pipeline (only the ZeRO and bf16
+        optimizers record one)."""
+        self._global_grad_norm = clip_grad_norm_(
+            parameters=self.module.parameters(), max_norm=self.gradient_clipping(), mpu=self.mpu
+        )
+
+    def _fp32_without_clipping(self) -> bool:
+        return self.gradient_clipping() <= 0.0 and not (
+            self.fp16_enabled() or self.bfloat16_enabled() or self.zero_optimization()
+        )
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of the step's gradients, unclipped, for ``get_global_grad_norm``
+        when ``gradient_clipping`` is off: each rank's squared norms (a tied weight counted on
+        the first stage holding it only), summed over the pipeline's ranks. The gradients are
+        already averaged over the replicas then, so every replica finds the same norm."""
+        squares = [
+            p.grad.detach().float().norm(2).pow(2)
+            for p in self.module.parameters()
+            if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+        ]
+        total = torch.stack(squares).sum() if squares else torch.zeros(())
+        total = total.to(self.device)
+        torch.distributed.all_reduce(total, group=self.grid.get_pipe_parallel_group())
+        return total.sqrt()
 
     def _check_finite_step(self) -> None:
         step = self.global_steps + 1
@@ -357,9 +391,11 @@ def init_ds_engine(
     tied weight's groups across its stages).
 
     Raises:
-        ConfigError: an argument refused or unknown, two sources of the config, ZeRO stage 2 or
-            3, batch sizes DeepSpeed would assert on, groups that leave out, repeat or add a
-            parameter, or a tied weight whose copies are in groups with different options.
+        ConfigError: an argument refused or unknown, two sources of the config, ``optimizer``
+            with a config ``optimizer`` section (``pipedialect.engine`` [Note: client
+            optimizer]), ZeRO stage 2 or 3, batch sizes DeepSpeed would assert on, groups that
+            leave out, repeat or add a parameter, or a tied weight whose copies are in groups
+            with different options.
     """
     from ._build import check_zero_stage
 
@@ -401,6 +437,8 @@ def init_ds_engine(
             f"init_ds_engine needs the PipelineModule built by pipe_engine, got "
             f"{type(model).__name__}"
         )
+    if optimizer is not None:
+        check_one_optimizer(checked.get("optimizer"))
     _check_batch_sizes(checked, model)
     named = _named_local_parameters(model)
     groups = _optimizer_groups(model, named, param_groups, model_parameters, optimizer)

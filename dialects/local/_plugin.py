@@ -67,6 +67,7 @@ class LocalDialect(Dialect):
             check_finite=request.check_finite,
             lr_scheduler=request.lr_scheduler,
             param_groups=request.param_groups,
+            optimizer=request.optimizer,
         )
 
     def init_distributed(self, backend: str | None = None) -> None:

@@ -248,9 +248,10 @@ def build_engine(
     check_finite: bool = False,
     lr_scheduler: Any = None,
     param_groups: ParamGroupsFn | None = None,
+    optimizer: Any = None,
 ) -> LocalEngine:
     """Return the :class:`LocalEngine` training ``module`` (see ``check_finite``,
-    ``lr_scheduler`` and ``param_groups`` above)."""
+    ``lr_scheduler``, ``param_groups`` and ``optimizer`` above)."""
     if not isinstance(module, LocalPipeline):
         raise ConfigError(
             f"the local runtime engine trains what LocalDialect.pipe_engine built, got "
@@ -262,4 +263,5 @@ def build_engine(
         check_finite=check_finite,
         lr_scheduler=lr_scheduler,
         param_groups=param_groups,
+        optimizer=optimizer,
     )

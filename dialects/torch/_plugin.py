@@ -123,6 +123,7 @@ class TorchDialect(Dialect):
             check_finite=request.check_finite,
             lr_scheduler=request.lr_scheduler,
             param_groups=request.param_groups,
+            optimizer=request.optimizer,
         )
         leave_group_at_exit()  # _setup [Note: leaving the process group]
         return engine

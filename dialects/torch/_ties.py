@@ -202,7 +202,8 @@ def clip_global_norm(
     ``parameters`` are this rank's, each once; ``skip`` holds the ids of those another rank
     counts. Every rank of ``group`` (one pipeline's ranks; None: the default group) must call
     this: the norm is all-reduced over it. With data parallelism every replica holds the
-    averaged gradient by then, so each pipeline finds the same, global, norm.
+    averaged gradient by then, so each pipeline finds the same, global, norm. ``max_norm <= 0``
+    (``gradient_clipping`` off) only computes the norm.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     counted = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
@@ -213,6 +214,8 @@ def clip_global_norm(
     total_sq = local.to(device=device, dtype=torch.float32)
     dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=group)
     total = total_sq.sqrt()
+    if max_norm <= 0.0:  # gradient_clipping off: the norm only
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))

@@ -296,6 +296,7 @@ class TorchEngine(DeepSpeedStyleEngine):
         check_finite: bool = False,
         lr_scheduler: Any = None,
         param_groups: ParamGroupsFn | None = None,
+        optimizer: Any = None,
     ) -> None:
         super().__init__(
             module,
@@ -303,6 +304,7 @@ class TorchEngine(DeepSpeedStyleEngine):
             check_finite=check_finite,
             lr_scheduler=lr_scheduler,
             param_groups=param_groups,
+            optimizer=optimizer,
         )
         # bf16: each stage moves its gradients into the high-precision buffers after every
         # micro-batch's backward, as DeepSpeed's pipeline engine does per stage
@@ -599,6 +601,7 @@ def build_engine(
     check_finite: bool = False,
     lr_scheduler: Any = None,
     param_groups: ParamGroupsFn | None = None,
+    optimizer: Any = None,
 ) -> TorchEngine:
     """Return the :class:`TorchEngine` training ``module`` (``config`` defaults to its own)."""
     if not isinstance(module, TorchPipeline):
@@ -612,4 +615,5 @@ def build_engine(
         check_finite=check_finite,
         lr_scheduler=lr_scheduler,
         param_groups=param_groups,
+        optimizer=optimizer,
     )

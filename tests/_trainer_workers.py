@@ -1,0 +1,101 @@
+"""What each rank runs in the client optimizer tests (module-level, for spawned ranks).
+
+A rank partitions the tied ``gpt`` test model into two stages and trains it on one dialect with
+``runtime_engine(optimizer=<factory>, lr_scheduler=<factory>)`` and a config without an
+``optimizer`` section: torch's AdamW over the engine's parameter groups (``no_weight_decay``)
+and transformers' cosine schedule with warm-up. It returns, per step, the loss, the learning
+rate before the step and the engine's global gradient norm, and its stages' parameters by their
+original names, for the test process to compare with the unsplit model trained by hand with
+the same optimizer and schedule.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from typing import Any
+
+import torch
+
+import pipedialect
+from pipedialect.param_groups import no_weight_decay
+from pipedialect.partition import partition
+
+MODEL = "gpt"
+GAS, MICRO, STEPS, WARMUP = 2, 2, 5, 2
+LR, WEIGHT_DECAY = 1e-2, 0.1
+
+
+def config(clip: float) -> dict[str, Any]:
+    """Batch sizes and clipping only: the optimizer comes from ``runtime_engine``."""
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": clip,
+        "steps_per_print": 10**9,
+    }
+
+
+def make_optimizer(groups: Any) -> torch.optim.Optimizer:
+    """The client optimizer: torch's AdamW over whatever groups it is given."""
+    return torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def make_schedule(optimizer: torch.optim.Optimizer) -> Any:
+    """The client schedule: transformers' cosine decay after a linear warm-up."""
+    import transformers
+
+    return transformers.get_cosine_schedule_with_warmup(optimizer, WARMUP, STEPS)
+
+
+def engine_for(dialect_name: str, clip: float) -> tuple[Any, Any, Any]:
+    """``(plan, engine, dialect)`` of the two-stage ``gpt`` with the client factories."""
+    import _ds_workers
+
+    spec = _ds_workers.spec_for(MODEL)
+    plan = partition(spec.build(0), spec.split_points_for(2))
+    dialect = pipedialect.get_dialect(dialect_name)
+    extra: dict[str, Any] = {}
+    if dialect_name == "deepspeed":
+        extra["topology"] = dialect.make_topology(2, 1)
+    module = dialect.pipe_engine(plan, config=config(clip), loss_fn=spec.loss_fn, **extra)
+    engine = dialect.runtime_engine(
+        module,
+        config=config(clip),
+        param_groups=no_weight_decay(),
+        optimizer=make_optimizer,
+        lr_scheduler=make_schedule,
+    )
+    return plan, engine, dialect
+
+
+def train(dialect_name: str, clip: float) -> dict[str, Any]:
+    """Train ``STEPS`` batches; return the per-step records and this rank's parameters."""
+    import _ds_workers
+
+    dialect = pipedialect.get_dialect(dialect_name)
+    dialect.init_distributed()
+    plan, engine, dialect = engine_for(dialect_name, clip)
+    spec = _ds_workers.spec_for(MODEL)
+    data = _ds_workers.data_stream(spec, STEPS * GAS, MICRO, 0)
+    losses, lrs, norms = [], [], []
+    for _ in range(STEPS):
+        lrs.append([float(lr) for lr in engine.get_lr()])
+        losses.append(float(engine.train_batch(data_iter=data)))
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+    params: dict[str, torch.Tensor] = {}
+    for stage in dialect.local_stages(engine):
+        params.update(_ds_workers.local_params(plan, stage))
+    return {
+        "losses": losses,
+        "lrs": lrs,
+        "norms": norms,
+        "params": params,
+        "optimizer": type(engine.optimizer).__name__,
+        "optimizer_state_steps": sorted(
+            {int(state["step"]) for state in engine.optimizer.state.values()}
+        ),
+    }
