@@ -39,8 +39,11 @@ graph into ``call_function(checkpointed, (get_attr module, *args), kwargs)``: th
 still an attribute of the stage under its own path, so parameter names, ties and the stage's
 ``named_parameters`` do not change, and the call runs through non-reentrant
 ``torch.utils.checkpoint`` with the RNG state preserved (dropout draws the same mask when
-recomputed). Being part of the stage graph, it behaves alike on every dialect; the generated
-code names the helper and the module, so fingerprints stay deterministic.
+recomputed) and the module's state replayed: the recomputation starts from the buffers and
+attributes the forward started from and leaves them as the forward left them (BatchNorm counts
+each batch once; ``stage`` [Note: recomputation and module state]). Being part of the stage
+graph, it behaves alike on every dialect; the generated code names the helper and the module,
+so fingerprints stay deterministic.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ import torch.utils.checkpoint
 from torch import fx, nn
 
 from .errors import ActivationCheckpointError, CaptureError
+from .stage import checkpoint_with_state
 
 __all__: list[str] = []
 
@@ -785,10 +789,10 @@ class Split:
 
 
 def checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Call ``module`` under non-reentrant activation checkpointing ([Note: checkpointed calls])."""
-    return torch.utils.checkpoint.checkpoint(
-        module, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
-    )
+    """Call ``module`` under non-reentrant activation checkpointing ([Note: checkpointed calls]);
+    its recomputation sees and leaves the module's buffers and attributes as the first run did
+    (``stage`` [Note: recomputation and module state])."""
+    return checkpoint_with_state(module, (module,), *args, **kwargs)
 
 
 def checkpoint_calls(stage: fx.GraphModule, paths: frozenset[str]) -> None:
