@@ -28,7 +28,9 @@ everything the library raises on purpose. Below it, one branch per concern::
     │   └── WeightsError
     ├── NonFiniteError
     ├── ExtensionBuildError
-    └── LaunchError
+    ├── LaunchError
+    └── RankFailedError
+        └── ConnectionLostError
 
 Messages name the culprit (the stage, the value's path, the parameter) and say what to do.
 """
@@ -44,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "CodecError",
     "ConfigError",
+    "ConnectionLostError",
     "DataError",
     "DataExhaustedError",
     "DialectNotFoundError",
@@ -59,6 +62,7 @@ __all__ = [
     "PlanMismatchError",
     "PluginError",
     "PluginWarning",
+    "RankFailedError",
     "SplitPointError",
     "StructureChangedError",
     "TieError",
@@ -251,3 +255,20 @@ class PipeDialectWarning(UserWarning):
 
 class PluginWarning(PipeDialectWarning):
     """Something about the installed plugins deserves attention but does not stop loading."""
+
+
+class RankFailedError(PipeDialectError):
+    """A rank failed in a phase every rank runs together (build, step, checkpoint); all stop."""
+
+    def __init__(self, message: str, *, rank: int, what: str, error: str) -> None:
+        super().__init__(message)
+        #: The rank the failure came from.
+        self.rank = rank
+        #: The phase that failed (``"train_batch (step 3)"``).
+        self.what = what
+        #: The type name of the original exception.
+        self.error = error
+
+
+class ConnectionLostError(RankFailedError):
+    """A rank lost its connection to another one that reported no error (crashed or killed)."""

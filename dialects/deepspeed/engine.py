@@ -46,6 +46,7 @@ from pipedialect import (
 )
 from pipedialect.agreement import (
     agree_on_error,
+    agreed,
     check_inputs,
     first_nonfinite_grad,
     first_nonfinite_loss,
@@ -54,6 +55,7 @@ from pipedialect.agreement import (
     pull_micro_batches,
     root_nonfinite,
 )
+from pipedialect.engine import nothing_to_train
 from pipedialect.param_groups import ParamGroupsFn, resolve_param_groups
 
 __all__ = [
@@ -101,8 +103,18 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
 
     # -- whole steps ---------------------------------------------------------------------------
 
+    def _agreed(self, what: str) -> Any:
+        """A phase every rank runs together: an error on one rank is raised on every rank
+        (``pipedialect.agreement`` [Note: one error, every rank])."""
+        return agreed(what, where=f"[Stage {self.stage_id}] ")
+
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> Any:
-        """DeepSpeed's ``train_batch``, on micro-batches read (and checked) before it starts."""
+        """DeepSpeed's ``train_batch``, on micro-batches read (and checked) before it starts;
+        an error on any rank is raised on every rank, never a hang."""
+        with self._agreed(f"train_batch (step {self.global_steps + 1})"):
+            return self._train_batch(data_iter)
+
+    def _train_batch(self, data_iter: Iterator[Any] | None) -> Any:
         if not torch.is_grad_enabled():
             raise ConfigError("train_batch() needs gradients enabled; use eval_batch() instead")
         if data_iter is not None:
@@ -122,7 +134,12 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
                 self.data_iterator = source
 
     def eval_batch(self, data_iter: Iterator[Any] | None, *args: Any, **kwargs: Any) -> Any:
-        """DeepSpeed's ``eval_batch``, on micro-batches read (and checked) before it starts."""
+        """DeepSpeed's ``eval_batch``, on micro-batches read (and checked) before it starts;
+        an error on any rank is raised on every rank, never a hang."""
+        with self._agreed("eval_batch"):
+            return self._eval_batch(data_iter, *args, **kwargs)
+
+    def _eval_batch(self, data_iter: Iterator[Any] | None, *args: Any, **kwargs: Any) -> Any:
         count = kwargs.get("num_micro_batches")
         if len(args) >= 5:
             count = args[4]
@@ -261,21 +278,28 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
     ) -> bool:
         """DeepSpeed's ``save_checkpoint`` into a staging directory, published as ``tag`` once
         every rank wrote its files, with each rank's random number generators (``checkpoint_files``
-        [Note: crash-safe checkpoints]); ``latest`` only ever names a complete checkpoint."""
+        [Note: crash-safe checkpoints]); ``latest`` only ever names a complete checkpoint. An
+        error on any rank is raised on every rank."""
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        staged = checkpoint_files.stage(save_dir, tag)
-        super().save_checkpoint(
-            save_dir, staged.name, dict(client_state or {}), save_latest=False, **kwargs
-        )
-        checkpoint_files.save_rng_state(staged)
-        checkpoint_files.publish(save_dir, tag, save_latest=save_latest)
+        with self._agreed(f"save_checkpoint {tag!r}"):
+            staged = checkpoint_files.stage(save_dir, tag)
+            super().save_checkpoint(
+                save_dir, staged.name, dict(client_state or {}), save_latest=False, **kwargs
+            )
+            checkpoint_files.save_rng_state(staged)
+            checkpoint_files.publish(save_dir, tag, save_latest=save_latest)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
         """DeepSpeed's ``load_checkpoint`` of a verified checkpoint; a tag (given, or read from
         ``latest``) that names no checkpoint, or one that is incomplete, truncated or corrupted,
         is a :class:`~pipedialect.CheckpointError` naming the file, rather than ``(None, None)``
-        or a load of wrong weights. The random number generators are restored too."""
+        or a load of wrong weights. The random number generators are restored too. An error on
+        any rank is raised on every rank."""
+        with self._agreed("load_checkpoint"):
+            return self._load_verified(load_dir, tag, **kwargs)
+
+    def _load_verified(self, load_dir: str, tag: str | None, **kwargs: Any) -> Any:
         if self.load_universal_checkpoint():
             return super().load_checkpoint(load_dir, tag, **kwargs)
         found = checkpoint_files.latest_tag(load_dir, tag)
@@ -532,7 +556,7 @@ def _optimizer_groups(
     """
     client = isinstance(optimizer, torch.optim.Optimizer)
     if param_groups is None and model_parameters is None and not client:
-        return [p for _, p in named]
+        return [p for _, p in named] or _nothing_to_train()
     error: PipeDialectError | None = None
     groups: list[dict[str, Any]] = []
     try:
@@ -551,7 +575,19 @@ def _optimizer_groups(
     if client:
         return [p for _, p in named]  # DeepSpeed steps the client optimizer's own groups
     _check_tied_groups(model, named, groups)
-    return groups
+    return groups or _nothing_to_train()
+
+
+def _nothing_to_train() -> list[Any]:
+    """The parameters of a stage with nothing to train: one empty one (``pipedialect.engine``
+    [Note: nothing to train]), on the device DeepSpeed puts the stage on."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        device = torch.device("cpu")
+    return [nothing_to_train(device)]
 
 
 def _as_groups(model_parameters: Any) -> list[dict[str, Any]]:
