@@ -47,10 +47,12 @@ BatchNorm would count 8 batches where the model counts 4), and it computes with 
 first run left rather than those it saw. :func:`checkpoint_with_state` makes the recomputation
 see, and leave, the module state exactly as one forward does: before the first run every buffer
 the forward updates in place is replaced by a copy (the original keeps the value the forward
-started from; which buffers those are is learned from the version counters at the first call,
-when every buffer is copied once), and the recomputation runs on a fresh copy of those starting
-values, with the module's plain Python attributes (counters, flags) as they were, after which the
-tensors and attributes of the moment are put back. A buffer a later call updates that an earlier
+started from), and the recomputation runs on a fresh copy of those starting values, with the
+module's plain Python attributes (counters, flags) as they were, after which the tensors and
+attributes of the moment are put back. Which buffers a forward updates is learned at its first
+call in each mode (training or evaluation), when every buffer is copied once and compared with
+its copy afterwards: BatchNorm's kernel updates its running statistics without a version bump,
+so version counters alone would miss them. A buffer a later call updates that an earlier
 call did not cannot be recomputed exactly; its recomputation raises
 :class:`~pipedialect.ActivationCheckpointError` instead of computing with another value.
 """
