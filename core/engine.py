@@ -78,13 +78,17 @@ class DeepSpeedStyleEngine:
         )
         if self.mixed is not None:
             groups = self.mixed.groups(groups)
-        if not _any_trainable(groups):
+        if _any_trainable(groups):
+            self.optimizer = build_optimizer(config, groups)
+        else:
             # [Note: nothing to train] A stage whose parameters are all frozen (or that has
-            # none) still runs forward and backward; its optimizer steps one empty parameter
-            # that never gets a gradient, so the config's optimizer, its schedule and its
-            # checkpoint state exist on every rank alike.
-            groups = [nothing_to_train(_device_of(module))]
-        self.optimizer = build_optimizer(config, groups)
+            # none) still runs forward and backward. Its optimizer is the config's, built over
+            # one empty parameter (torch's optimizers refuse an empty list) that is then taken
+            # out again: its group keeps the hyper-parameters the schedule sets, and stepping,
+            # saving and loading it do nothing.
+            self.optimizer = build_optimizer(config, [nothing_to_train(_device_of(module))])
+            for group in self.optimizer.param_groups:
+                group["params"] = []
         #: Stepped after each optimizer step, as DeepSpeed's engine steps it: the client's
         #: ``lr_scheduler`` (an object, or a callable building one from the optimizer) wins
         #: over the config's ``scheduler`` section, as in ``deepspeed.initialize``.
@@ -356,9 +360,8 @@ class DeepSpeedStyleEngine:
 
 
 def nothing_to_train(device: torch.device | str = "cpu") -> nn.Parameter:
-    """An empty parameter for the optimizer of a rank with nothing to train ([Note: nothing to
-    train]): torch's optimizers refuse an empty parameter list, and skip a parameter without a
-    gradient."""
+    """An empty parameter to build the optimizer of a rank with nothing to train ([Note:
+    nothing to train]): torch's optimizers refuse an empty parameter list."""
     return nn.Parameter(torch.zeros(0, device=device))
 
 

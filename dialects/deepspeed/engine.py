@@ -55,7 +55,6 @@ from pipedialect.agreement import (
     pull_micro_batches,
     root_nonfinite,
 )
-from pipedialect.engine import nothing_to_train
 from pipedialect.param_groups import ParamGroupsFn, resolve_param_groups
 
 __all__ = [
@@ -260,9 +259,18 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
                     break
         agree_on_error(error, device=self.device, what=f"step {step}", choose=root_nonfinite)
 
+    def _exec_backward_pass(self, buffer_id: int) -> None:
+        # A stage with nothing to train: its one parameter gets a zero gradient, so that
+        # DeepSpeed's bf16 optimizer has a gradient to take the norm of (see _nothing_to_train).
+        placeholder = self.module._parameters.get(NOTHING_TO_TRAIN)
+        if placeholder is not None and placeholder.grad is None:
+            placeholder.grad = torch.zeros_like(placeholder)
+        PipelineEngine._exec_backward_pass(self, buffer_id)
+
     _INSTRUCTION_MAP: ClassVar[dict[type, Any]] = {
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ForwardPass: _exec_forward_pass,
+        schedule.BackwardPass: _exec_backward_pass,
         schedule.OptimizerStep: _exec_optimizer_step,
     }
 
@@ -417,6 +425,8 @@ def init_ds_engine(
     _check_batch_sizes(checked, model)
     named = _named_local_parameters(model)
     groups = _optimizer_groups(model, named, param_groups, model_parameters, optimizer)
+    if not groups:
+        groups = [_nothing_to_train(model, checked)]
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=groups,
@@ -556,7 +566,7 @@ def _optimizer_groups(
     """
     client = isinstance(optimizer, torch.optim.Optimizer)
     if param_groups is None and model_parameters is None and not client:
-        return [p for _, p in named] or _nothing_to_train()
+        return [p for _, p in named]
     error: PipeDialectError | None = None
     groups: list[dict[str, Any]] = []
     try:
@@ -575,19 +585,36 @@ def _optimizer_groups(
     if client:
         return [p for _, p in named]  # DeepSpeed steps the client optimizer's own groups
     _check_tied_groups(model, named, groups)
-    return groups or _nothing_to_train()
+    return groups
 
 
-def _nothing_to_train() -> list[Any]:
-    """The parameters of a stage with nothing to train: one empty one (``pipedialect.engine``
-    [Note: nothing to train]), on the device DeepSpeed puts the stage on."""
+#: The name of the parameter a stage with nothing to train gets (see :func:`_nothing_to_train`).
+NOTHING_TO_TRAIN = "pipedialect_nothing_to_train"
+
+
+def _nothing_to_train(model: PipelineModule, config: Mapping[str, Any]) -> nn.Parameter:
+    """The one parameter the optimizer of a stage with nothing to train steps (``pipedialect.
+    engine`` [Note: nothing to train]). DeepSpeed's bf16 and fp16 optimizers leave out an empty
+    parameter and then fail on a group with none, and they look each parameter up in the
+    module: so it has one element, the training dtype, the stage's device, and is registered on
+    the pipeline module (outside its layers, so no checkpoint file holds it). Its gradient is
+    zero (:meth:`PipeDialectEngine._exec_backward_pass`), which leaves Adam's step zero."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     else:
         device = torch.device("cpu")
-    return [nothing_to_train(device)]
+    dtype = torch.float32
+    for key, low in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.half)):
+        section = config.get(key)
+        if isinstance(section, Mapping) and section.get("enabled", False):
+            dtype = low
+    param = nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+    # What PipelineModule sets on every parameter it holds.
+    param.ds_pipe_replicated = False  # type: ignore[attr-defined]
+    model.register_parameter(NOTHING_TO_TRAIN, param)
+    return param
 
 
 def _as_groups(model_parameters: Any) -> list[dict[str, Any]]:
