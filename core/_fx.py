@@ -45,8 +45,11 @@ graph into ``call_function(checkpointed, (get_attr module, *args), kwargs)``: th
 still an attribute of the stage under its own path, so parameter names, ties and the stage's
 ``named_parameters`` do not change, and the call runs through non-reentrant
 ``torch.utils.checkpoint`` with the RNG state preserved (dropout draws the same mask when
-recomputed). Being part of the stage graph, it behaves alike on every dialect; the generated
-code names the helper and the module, so fingerprints stay deterministic.
+recomputed) and the module's state replayed: the recomputation starts from the buffers and
+attributes the forward started from and leaves them as the forward left them (BatchNorm counts
+each batch once; ``module_state`` [Note: recomputation and module state]). Being part of the stage
+graph, it behaves alike on every dialect; the generated code names the helper and the module,
+so fingerprints stay deterministic.
 
 [Note: grad-mode regions]
 ``with torch.no_grad():``, ``torch.enable_grad()``, ``torch.set_grad_enabled(b)`` and
@@ -105,6 +108,7 @@ from torch.fx.graph_module import reduce_graph_module
 from . import _state
 from .contracts import TensorCodec
 from .errors import ActivationCheckpointError, CaptureError, UnsupportedValueError
+from .module_state import checkpoint_with_state
 
 __all__: list[str] = []
 
@@ -1429,10 +1433,10 @@ def _mirror_persistence(model: nn.Module, stage: nn.Module) -> None:
 
 
 def checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Call ``module`` under non-reentrant activation checkpointing ([Note: checkpointed calls])."""
-    return torch.utils.checkpoint.checkpoint(
-        module, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
-    )
+    """Call ``module`` under non-reentrant activation checkpointing ([Note: checkpointed calls]);
+    its recomputation sees and leaves the module's buffers and attributes as the first run did
+    (``module_state`` [Note: recomputation and module state])."""
+    return checkpoint_with_state(module, (module,), *args, **kwargs)
 
 
 def checkpoint_calls(stage: fx.GraphModule, paths: frozenset[str]) -> None:

@@ -19,27 +19,71 @@ rank raise when any rank has an error. :func:`pull_micro_batches` reads a whole 
 micro-batches before anything is computed, so a step either runs complete or changes nothing;
 :func:`first_nonfinite_loss` and :func:`first_nonfinite_grad` find what ``check_finite``
 refuses.
+
+[Note: one error, every rank]
+Those checks cover what can be checked at a point every rank reaches. Anything else can fail on
+one rank in the middle of a phase the ranks run together -- building an engine, a step
+(``train_batch``, ``eval_batch``), saving or loading a checkpoint: a ``loss_fn`` that raises on
+the last stage, a data iterator that raises on one rank, a file that cannot be written. The
+other ranks are then waiting for that rank in a send, a receive or a collective, and would see a
+bare "Connection closed" when its process exits, or wait for ever when it does not.
+:func:`agreed` wraps such a phase. Every rank counts the phases it runs, and on the way out
+counts itself as arrived (one ``add`` on the process group's store), then joins
+:func:`agree_on_error` (one ``all_reduce``): when nobody failed that is all it costs. A rank that
+failed posts its error on the store (the first one posted for the phase wins), counts itself as
+arrived and waits a few seconds (:data:`ARRIVAL_SECONDS`) for every other rank to arrive:
+
+- if they all do, nobody is waiting for anything else, and it joins :func:`agree_on_error`
+  with its error: every rank raises it (a rank with an error of its own raises that one), and
+  the process group stays usable (a retry can follow);
+- otherwise some rank waits for it in a send, a receive or a collective that will never
+  complete, so it shuts the process group down: it closes its connections in every gloo group
+  (an operation it left pending would keep them open through an abort) and aborts every group,
+  which makes those operations fail at once on every rank. A rank whose operation failed that
+  way reads the posted error from the store and raises it, and shuts its own side down too (a
+  rank waiting for *it* is released in turn). Before leaving, the ranks wait (briefly) until
+  each has read the error, so that the rank holding the store does not take it away first.
+  The process group is gone: every later phase raises the same error, saying that the run
+  must be restarted (from a checkpoint).
+
+The error every rank raises is a :class:`~pipedialect.PipeDialectError`: the failing rank's own
+when it raised one (the other ranks raise a copy, its message prefixed with that rank and the
+phase), else a :class:`~pipedialect.RankFailedError` naming the rank, the stage and the phase
+and quoting the original exception (chained on the rank it came from). A rank that lost its
+connection to a peer that posted nothing (killed, say) raises a
+:class:`~pipedialect.ConnectionLostError`. Only multi-process dialects wrap their phases.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
+import pickle
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import (
+    ConnectionLostError,
     DataError,
     DataExhaustedError,
     NonFiniteError,
     PipeDialectError,
     PlanDisagreementError,
+    RankFailedError,
+    TieError,
 )
 
 __all__ = [
+    "ARRIVAL_SECONDS",
     "agree_on_error",
+    "agreed",
+    "check_frozen_ties",
     "check_inputs",
     "check_plan_agreement",
     "first_nonfinite_grad",
@@ -49,6 +93,15 @@ __all__ = [
     "pull_micro_batches",
     "root_nonfinite",
 ]
+
+logger = logging.getLogger(__name__)
+
+#: How long a rank that failed waits for every other rank to arrive at the end of the phase
+#: before it shuts the process group down ([Note: one error, every rank]).
+ARRIVAL_SECONDS = 5.0
+#: How long a rank whose connection failed waits for the failing rank's error on the store,
+#: and how long the ranks wait for each other to have read it.
+ERROR_WAIT_SECONDS = 10.0
 
 #: Options that legitimately differ per rank (each rank has its own device).
 _PER_RANK_OPTIONS = frozenset({"device"})
@@ -223,7 +276,7 @@ def agree_on_error(
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
-            raise error
+            raise _agreed(error)
         return
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -234,14 +287,330 @@ def agree_on_error(
     if choose is not None:
         chosen = choose(errors)
     elif error is not None:
-        raise error
+        raise _agreed(error)
     else:
         chosen = next(r for r, e in enumerate(errors) if e is not None)
     if chosen == dist.get_rank() and error is not None:
-        raise error
-    first = errors[chosen]
-    first.args = (f"rank {chosen} failed {what}, so every rank stops: {first.args[0]}",)
-    raise first
+        raise _agreed(error)
+    raise _agreed(_copy_from(errors[chosen], chosen, what))
+
+
+def _copy_from(error: PipeDialectError, rank: int, what: str) -> PipeDialectError:
+    """Another rank's ``error`` as this rank raises it: the message says where it came from (a
+    :class:`~pipedialect.RankFailedError` already does)."""
+    if not isinstance(error, RankFailedError):
+        error.args = (f"rank {rank} failed {what}, so every rank stops: {error.args[0]}",)
+    return error
+
+
+#: The attribute that marks an error every rank raises at once (no further agreement needed).
+_AGREED = "_pipedialect_agreed"
+
+
+def _agreed(error: PipeDialectError) -> PipeDialectError:
+    setattr(error, _AGREED, True)
+    return error
+
+
+def _is_agreed(exc: BaseException) -> bool:
+    """Whether every rank raises ``exc`` at once: marked so, or a plan disagreement (found by a
+    collective, so raised on every rank)."""
+    return isinstance(exc, PlanDisagreementError) or bool(getattr(exc, _AGREED, False))
+
+
+# -- phases every rank runs together ([Note: one error, every rank]) ---------------------------
+
+_PREFIX = "pipedialect/agreement"
+
+
+@dataclass
+class _Session:
+    """This process's guarded phases on one default process group."""
+
+    group: Any
+    store: Any
+    rank: int
+    world: int
+    device: torch.device
+    phases: int = 0
+
+    def arrive(self) -> None:
+        self.store.add(f"{_PREFIX}/arrived", 1)
+
+    def all_arrived(self, phase: int, seconds: float) -> bool:
+        """Whether every rank arrives at the end of ``phase`` within ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            if int(self.store.add(f"{_PREFIX}/arrived", 0)) >= self.world * phase:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+    def post(self, phase: int, error: PipeDialectError) -> tuple[int, PipeDialectError]:
+        """Post ``error`` for ``phase`` unless another rank did first; return the first one
+        (this rank's own when the store cannot be reached)."""
+        try:
+            payload = pickle.dumps((self.rank, error))
+            first = self.store.compare_set(f"{_PREFIX}/failure/{phase}", "", payload)
+            rank, posted = pickle.loads(first)
+        except Exception:  # the store itself is gone: every rank is on its own
+            return self.rank, error
+        return int(rank), posted
+
+    def posted(self, phase: int, seconds: float) -> tuple[int, PipeDialectError] | None:
+        """The error posted for ``phase``, waiting up to ``seconds`` for one; None if none."""
+        key = f"{_PREFIX}/failure/{phase}"
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                if self.store.check([key]):
+                    rank, error = pickle.loads(self.store.get(key))
+                    return int(rank), error
+            except Exception:  # the store itself is gone: nothing more to learn from it
+                return None
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+
+    def leave_together(self, phase: int) -> None:
+        """Count this rank as done with the failure and wait (briefly) for the others."""
+        key = f"{_PREFIX}/failure/{phase}/read"
+        with contextlib.suppress(Exception):
+            self.store.add(key, 1)
+            deadline = time.monotonic() + ERROR_WAIT_SECONDS
+            while int(self.store.add(key, 0)) < self.world and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
+_SESSION: list[_Session] = []
+#: The error that shut this process's last process group down, with the phase it failed in.
+_STOPPED: list[tuple[str, PipeDialectError]] = []
+
+
+def _session() -> _Session | None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    if _SESSION and _SESSION[0].group is group:
+        return _SESSION[0]
+    backend = dist.get_backend()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+    session = _Session(
+        group,
+        dist.distributed_c10d._get_default_store(),
+        dist.get_rank(),
+        dist.get_world_size(),
+        device,
+    )
+    _SESSION[:] = [session]
+    _STOPPED.clear()
+    return session
+
+
+def _connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a failed communication, not a failure of its own."""
+    import torch.distributed as dist
+
+    markers = (
+        "Connection closed",
+        "Connection reset",
+        "Broken pipe",
+        "gloo/transport",
+        "NCCL communicator was aborted",
+        "process group has not been initialized",
+        "has been destroyed",
+    )
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, dist.DistError):
+            return True
+        if isinstance(current, RuntimeError) and any(m in str(current) for m in markers):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _as_error(exc: Exception, rank: int, what: str, where: str) -> PipeDialectError:
+    """The error every rank raises for ``exc``, raised on ``rank`` during ``what``."""
+    if isinstance(exc, PipeDialectError):
+        return exc
+    text = f"{type(exc).__name__}: {exc}"
+    if _connection_error(exc):
+        return ConnectionLostError(
+            f"{where}rank {rank} lost its connection to another rank during {what} ({text}); "
+            "a rank crashed or was killed: its own log says why",
+            rank=rank,
+            what=what,
+            error=type(exc).__name__,
+        )
+    return RankFailedError(
+        f"{where}{what} failed on rank {rank}, so every rank stops: {text}",
+        rank=rank,
+        what=what,
+        error=type(exc).__name__,
+    )
+
+
+#: The tag of the receive that closes a gloo group's connections (no rank ever sends it).
+_CLOSE_TAG = 0x5049_5045
+
+
+def _close_connections() -> None:
+    """Close this rank's connections in every gloo process group, so that every operation a
+    peer waits on fails at once (an operation this rank left pending keeps them open through an
+    abort): a receive nobody sends, given up after a millisecond, makes gloo close every
+    connection of its group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world
+    me = dist.get_rank()
+    for group in list(world.pg_map):
+        with contextlib.suppress(Exception):
+            if dist.get_backend(group) != "gloo":
+                continue
+            others = [r for r in dist.get_process_group_ranks(group) if r != me]
+            if not others:
+                continue
+            probe = torch.zeros(1)
+            work = dist.irecv(probe, src=others[0], group=group, tag=_CLOSE_TAG)
+            if work is not None:
+                work.wait(timeout=datetime.timedelta(milliseconds=1))
+
+
+def _shut_down(session: _Session, what: str, error: PipeDialectError) -> None:
+    """Abort every process group of this process, so that no rank waits on this one."""
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        _close_connections()
+    with contextlib.suppress(Exception):
+        dist.distributed_c10d._abort_process_group()
+    _SESSION.clear()
+    _STOPPED[:] = [(what, error)]
+    logger.warning("rank %d shut the process group down after: %s", session.rank, error)
+
+
+def _stopped_error(what: str) -> PipeDialectError | None:
+    import torch.distributed as dist
+
+    if not _STOPPED or (dist.is_available() and dist.is_initialized()):
+        return None
+    failed, error = _STOPPED[0]
+    return RankFailedError(
+        f"{what} cannot run: the process group was shut down when {failed} failed "
+        f"({error.args[0] if error.args else error}); nothing can run on it any more. Restart "
+        "the run (resume from the last checkpoint)",
+        rank=getattr(error, "rank", -1),
+        what=what,
+        error=getattr(error, "error", type(error).__name__),
+    )
+
+
+@contextlib.contextmanager
+def agreed(what: str, *, where: str = "") -> Iterator[None]:
+    """Run the block as a phase every rank runs together: an exception raised on any rank is
+    raised on every rank, within seconds, never a hang ([Note: one error, every rank]).
+
+    ``what`` names the phase in messages (``"train_batch (step 3)"``), ``where`` this rank's
+    part in it (``"[Stage 1] "``). Without a process group (or with one rank) the block simply
+    runs.
+
+    Raises:
+        RankFailedError: a rank raised an exception that is not a
+            :class:`~pipedialect.PipeDialectError` (its own error otherwise, or a copy of it).
+        ConnectionLostError: a rank lost its connection to one that posted no error.
+    """
+    session = _session()
+    if session is None:
+        stopped = _stopped_error(what)
+        if stopped is not None:
+            raise stopped
+        yield
+        return
+    session.phases += 1
+    phase = session.phases
+    try:
+        yield
+    except Exception as exc:
+        if _is_agreed(exc):
+            session.arrive()
+            raise
+        raise _fail(session, phase, exc, what, where) from exc
+    session.arrive()
+    try:
+        agree_on_error(None, device=session.device, what=what)
+    except Exception as exc:
+        if _is_agreed(exc):
+            raise
+        raise _fail(session, phase, exc, what, where) from exc
+
+
+def _fail(session: _Session, phase: int, exc: Exception, what: str, where: str) -> PipeDialectError:
+    """Make every rank raise for ``exc``; return what this rank raises (see the note)."""
+    if _connection_error(exc):
+        found = session.posted(phase, ERROR_WAIT_SECONDS)
+        if found is None:
+            found = session.post(phase, _as_error(exc, session.rank, what, where))
+        _shut_down(session, what, found[1])
+        session.leave_together(phase)
+        rank, error = found
+        return _agreed(error if rank == session.rank else _copy_from(error, rank, what))
+    error = _as_error(exc, session.rank, what, where)
+    session.post(phase, error)
+    session.arrive()
+    if session.all_arrived(phase, ARRIVAL_SECONDS):
+        try:
+            agree_on_error(error, device=session.device, what=what)
+        except PipeDialectError as agreed_exc:
+            if _is_agreed(agreed_exc):
+                return agreed_exc
+        except Exception:  # a peer shut the process group down meanwhile
+            pass
+    _shut_down(session, what, error)
+    session.leave_together(phase)
+    return _agreed(error)
+
+
+def check_frozen_ties(mine: Mapping[str, tuple[str, int, bool]]) -> None:
+    """Raise :class:`~pipedialect.TieError` on every rank unless every copy of each tied weight
+    is trainable on every rank holding it, or frozen on every one.
+
+    ``mine`` maps each tie group this rank holds a copy of to ``(parameter name, stage,
+    requires_grad)``. A frozen tie takes no gradient sum; one frozen copy and one trainable copy
+    would leave one rank in a sum the other never joins. A collective on the default process
+    group (nothing without one); every rank calls it, holding a copy or not.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dict(mine))
+    seen: dict[str, tuple[int, str, int, bool]] = {}
+    for rank, found in enumerate(every):
+        for key, (name, stage, trainable) in sorted(found.items()):
+            first = seen.setdefault(key, (rank, name, stage, trainable))
+            if first[3] == trainable:
+                continue
+            frozen = first if not first[3] else (rank, name, stage, trainable)
+            other = (rank, name, stage, trainable) if not first[3] else first
+            raise TieError(
+                f"[Stage {frozen[2]}] tied weight {frozen[1]!r} is frozen (requires_grad=False) "
+                f"on rank {frozen[0]} but {other[1]!r} of stage {other[2]} is trainable on rank "
+                f"{other[0]}; the copies of a tied weight are one parameter: freeze it (or not) "
+                "on every rank"
+            )
 
 
 def root_nonfinite(errors: Sequence[PipeDialectError | None]) -> int:

@@ -14,6 +14,7 @@ shared arguments it declares as a frozen dataclass (:attr:`Dialect.options`,
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import json
 import os
@@ -25,7 +26,7 @@ from typing import Any, ClassVar, Generic, TypeVar, final
 from torch import nn
 from torch.optim import Optimizer
 
-from .agreement import check_plan_agreement
+from .agreement import agreed, check_plan_agreement
 from .batches import check_loss_fn
 from .codec import SchemaCodec
 from .config import check_config_keys
@@ -206,7 +207,11 @@ class Dialect(abc.ABC):
         """
         return [
             self.stage_wrapper(
-                stage, plan.stage_spec(k), codec=self.codec, dynamic_shapes=dynamic_shapes
+                stage,
+                plan.stage_spec(k),
+                codec=self.codec,
+                dynamic_shapes=dynamic_shapes,
+                shares_state_with=plan.model,
             )
             for k, stage in enumerate(plan.stages)
         ]
@@ -247,7 +252,40 @@ class Dialect(abc.ABC):
                 known key); a ``loss_fn`` that cannot be called as ``loss_fn(outputs, labels)``.
             TopologyError: ``topology`` is not a topology object or does not fit the plan.
             PlanDisagreementError: the ranks built different plans or passed other options.
+            RankFailedError: building failed on another rank (a multi-process dialect raises
+                every rank's error on every rank: ``agreement`` [Note: one error, every rank]).
         """
+        with self._agreed("pipe_engine"):
+            return self._pipe_engine(
+                plan,
+                stage_modules,
+                config=config,
+                loss_fn=loss_fn,
+                topology=topology,
+                dynamic_shapes=dynamic_shapes,
+                init_weights=init_weights,
+                **options,
+            )
+
+    def _agreed(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """A phase every rank of a multi-process dialect runs together: an error on one rank is
+        raised on every rank (``agreement`` [Note: one error, every rank])."""
+        if Capability.MULTI_PROCESS not in self.capabilities:
+            return contextlib.nullcontext()
+        return agreed(f"{self.name} {what}")
+
+    def _pipe_engine(
+        self,
+        plan: PipelinePlan,
+        stage_modules: Sequence[nn.Module] | None,
+        *,
+        config: Mapping[str, Any] | str | None,
+        loss_fn: LossFn | None,
+        topology: Topology | None,
+        dynamic_shapes: bool,
+        init_weights: InitWeights | None,
+        **options: Any,
+    ) -> nn.Module:
         if "dynamic_shape" in options:  # DeepSpeed's spelling
             dynamic_shapes = bool(options.pop("dynamic_shape")) or dynamic_shapes
         opts = self.parse_options(options)
@@ -346,7 +384,30 @@ class Dialect(abc.ABC):
         Raises:
             ConfigError: a mistyped or unknown argument, or a config key DeepSpeed does not
                 know (:class:`~pipedialect.errors.UnknownConfigKeyError`).
+            RankFailedError: building failed on another rank (see :meth:`pipe_engine`).
         """
+        with self._agreed("runtime_engine"):
+            return self._runtime_engine(
+                module,
+                config=config,
+                check_finite=check_finite,
+                lr_scheduler=lr_scheduler,
+                param_groups=param_groups,
+                optimizer=optimizer,
+                **options,
+            )
+
+    def _runtime_engine(
+        self,
+        module: nn.Module,
+        *,
+        config: Mapping[str, Any] | str | None,
+        check_finite: bool,
+        lr_scheduler: Any,
+        param_groups: ParamGroupsFn | None,
+        optimizer: Any,
+        **options: Any,
+    ) -> RuntimeEngine:
         opts = self.parse_options(options, engine=True)
         checked = None if config is None else _check_config(config, f"{self.name} runtime_engine")
         given = {

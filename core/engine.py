@@ -39,16 +39,27 @@ import torch
 from torch import nn
 
 from . import checkpoint_files
-from .agreement import first_nonfinite_grad, nonfinite_grad_error, pull_micro_batches
+from .agreement import (
+    agree_on_error,
+    first_nonfinite_grad,
+    nonfinite_grad_error,
+    pull_micro_batches,
+)
 from .batches import input_spec
 from .checkpoint_files import LATEST_FILE
 from .config import TrainingConfig, build_optimizer, check_one_optimizer
-from .errors import CheckpointError, ConfigError, DataError, NonFiniteError
+from .errors import CheckpointError, ConfigError, DataError, NonFiniteError, PipeDialectError
 from .lr_schedules import build_schedule, current_lrs, resolve_client_schedule
 from .param_groups import ParamGroupsFn, resolve_param_groups
 from .precision import BF16Master, cast_parameters
 
-__all__ = ["DeepSpeedStyleEngine", "read_checkpoint_file", "shape_mismatch", "stage_param_name"]
+__all__ = [
+    "DeepSpeedStyleEngine",
+    "nothing_to_train",
+    "read_checkpoint_file",
+    "shape_mismatch",
+    "stage_param_name",
+]
 
 
 class DeepSpeedStyleEngine:
@@ -84,10 +95,19 @@ class DeepSpeedStyleEngine:
         )
         if self.mixed is not None:
             groups = self.mixed.groups(groups)
-        if optimizer is None:
+        if optimizer is not None:
+            self.optimizer = self._client_optimizer(optimizer, groups, param_groups is not None)
+        elif _any_trainable(groups):
             self.optimizer = build_optimizer(config, groups)
         else:
-            self.optimizer = self._client_optimizer(optimizer, groups, param_groups is not None)
+            # [Note: nothing to train] A stage whose parameters are all frozen (or that has
+            # none) still runs forward and backward. Its optimizer is the config's, built over
+            # one empty parameter (torch's optimizers refuse an empty list) that is then taken
+            # out again: its group keeps the hyper-parameters the schedule sets, and stepping,
+            # saving and loading it do nothing.
+            self.optimizer = build_optimizer(config, [nothing_to_train(_device_of(module))])
+            for group in self.optimizer.param_groups:
+                group["params"] = []
         #: The global gradient norm of the last step (a tensor; see get_global_grad_norm).
         self._grad_norm: torch.Tensor | None = None
         #: Stepped after each optimizer step, as DeepSpeed's engine steps it: the client's
@@ -342,10 +362,30 @@ class DeepSpeedStyleEngine:
         """
         tag = tag or f"global_step{self.global_steps}"
         staged = checkpoint_files.stage(save_dir, tag)
-        self._write_checkpoint(staged, dict(client_state or {}))
-        checkpoint_files.save_rng_state(staged)
+        error: PipeDialectError | None = None
+        try:
+            self._write_checkpoint(staged, dict(client_state or {}))
+            checkpoint_files.save_rng_state(staged)
+        except PipeDialectError as exc:
+            error = exc
+        except Exception as exc:
+            error = CheckpointError(
+                f"saving checkpoint {tag!r} into {staged} failed ({type(exc).__name__}: {exc}); "
+                f"{save_dir}/{tag} and its latest file are as they were"
+            )
+            error.__cause__ = exc
+        # Every rank is here: one that could not write stops them all before publishing.
+        agree_on_error(error, device=self._agreement_device(), what=f"save_checkpoint {tag!r}")
         checkpoint_files.publish(save_dir, tag, save_latest=save_latest)
         return True
+
+    def _agreement_device(self) -> torch.device:
+        """Where the agreement's flag lives: the CUDA device under NCCL, else the CPU."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def load_checkpoint(
         self,
@@ -427,6 +467,30 @@ def _check_optimizer_params(
             "not be trained; build it over the groups the engine "
             "passes to an optimizer factory, runtime_engine(optimizer=lambda groups: ...)"
         )
+
+
+def nothing_to_train(device: torch.device | str = "cpu") -> nn.Parameter:
+    """An empty parameter to build the optimizer of a rank with nothing to train ([Note:
+    nothing to train]): torch's optimizers refuse an empty parameter list."""
+    return nn.Parameter(torch.zeros(0, device=device))
+
+
+def _any_trainable(groups: Iterable[Any]) -> bool:
+    for item in groups:
+        params = item["params"] if isinstance(item, Mapping) else [item]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        if any(getattr(p, "requires_grad", False) for p in params):
+            return True
+    return False
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for param in module.parameters():
+        return param.device
+    for buf in module.buffers():
+        return buf.device
+    return torch.device("cpu")
 
 
 def _first_nonfinite(grads: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:

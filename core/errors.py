@@ -29,7 +29,9 @@ everything the library raises on purpose. Below it, one branch per concern::
     │   └── WeightsError
     ├── NonFiniteError
     ├── ExtensionBuildError
-    └── LaunchError
+    ├── LaunchError
+    └── RankFailedError
+        └── ConnectionLostError
 
 Messages name the culprit (the stage, the value's path, the parameter) and say what to do.
 """
@@ -45,6 +47,7 @@ __all__ = [
     "CheckpointError",
     "CodecError",
     "ConfigError",
+    "ConnectionLostError",
     "DataError",
     "DataExhaustedError",
     "DialectNotFoundError",
@@ -60,6 +63,7 @@ __all__ = [
     "PlanMismatchError",
     "PluginError",
     "PluginWarning",
+    "RankFailedError",
     "SplitPointError",
     "StructureChangedError",
     "TieError",
@@ -274,3 +278,20 @@ class PipeDialectWarning(UserWarning):
 
 class PluginWarning(PipeDialectWarning):
     """Something about the installed plugins deserves attention but does not stop loading."""
+
+
+class RankFailedError(PipeDialectError):
+    """A rank failed in a phase every rank runs together (build, step, checkpoint); all stop."""
+
+    def __init__(self, message: str, *, rank: int, what: str, error: str) -> None:
+        super().__init__(message)
+        #: The rank the failure came from.
+        self.rank = rank
+        #: The phase that failed (``"train_batch (step 3)"``).
+        self.what = what
+        #: The type name of the original exception.
+        self.error = error
+
+
+class ConnectionLostError(RankFailedError):
+    """A rank lost its connection to another one that reported no error (crashed or killed)."""

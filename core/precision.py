@@ -5,11 +5,17 @@ With ``"bf16": {"enabled": true}`` DeepSpeed 0.19.8's pipeline engine trains thr
 ``BF16_Optimizer`` (``runtime/bf16_optimizer.py``); the local and torch engines follow the same
 policy, implemented once here by :class:`BF16Master`:
 
-- when the engine is built, every floating-point *parameter* of the stages is cast to bf16 in
-  place (``param.data``, so ties stay one object); buffers keep their dtype (DeepSpeed's
-  ``_cast_module_mixed_precision``). Activations are then bf16 wherever the model computes from
-  its parameters; float model inputs are passed as they come, as DeepSpeed passes them, so a
-  model that takes float inputs casts them itself (or the data iterator yields bf16);
+- when the engine is built, every *parameter* of the stages in fp16, bf16, fp32 or fp64 is cast
+  to bf16 in place, frozen ones too (``param.data``, so ties stay one object); buffers keep
+  their dtype, so floating buffers stay fp32 (DeepSpeed's ``_cast_module_mixed_precision``
+  without ``data_types.buffer_dtype``; its ``keep_in_fp32_modules`` only ever upcasts buffers
+  that are not fp32 already). Activations are then bf16 wherever the model computes from its
+  parameters; float model inputs are passed as they come, as DeepSpeed passes them, so a model
+  that takes float inputs casts them itself (or the data iterator yields bf16). A module that
+  mixes its bf16 parameters with its fp32 buffers runs as it does under DeepSpeed: on the CPU
+  ``nn.BatchNorm`` with ``affine=True`` refuses that mix ("expected scalar type BFloat16 but
+  found Float") on every dialect alike, while ``affine=False`` runs, updating its fp32
+  statistics from bf16 activations;
 - the optimizer steps fp32 *master* copies, made from the bf16 parameters (so they start at the
   bf16-rounded weights, as DeepSpeed's ``fp32_groups_flat_partition``), and its state is fp32;
 - after each micro-batch's backward, on each stage, every bf16 gradient is added into a
@@ -51,7 +57,7 @@ from torch import nn
 
 from .errors import CheckpointError, ConfigError
 
-__all__ = ["BF16Master", "Precision", "cast_parameters", "parse_precision"]
+__all__ = ["CASTABLE_DTYPES", "BF16Master", "Precision", "cast_parameters", "parse_precision"]
 
 #: DeepSpeed's ``DtypeEnum`` spellings of the dtypes ``grad_accum_dtype`` may name here.
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -168,12 +174,22 @@ def parse_precision(config: Mapping[str, Any]) -> Precision:
     )
 
 
+#: The parameter dtypes DeepSpeed 0.19.8 casts to the training dtype (``CASTABLE_DTYPES`` of
+#: ``runtime/engine.py``); parameters of other dtypes keep theirs.
+CASTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast every floating-point parameter of ``module`` to ``dtype`` in place; buffers keep
-    theirs (DeepSpeed casts parameters only). ``param.data`` is replaced, so a parameter shared
-    by several stages stays one object."""
+    """Cast every parameter of ``module`` whose dtype DeepSpeed casts (fp16, bf16, fp32, fp64),
+    frozen ones included, to ``dtype`` in place; buffers keep theirs.
+
+    This is DeepSpeed 0.19.8's ``_cast_module_mixed_precision`` without a
+    ``data_types.buffer_dtype``: floating buffers (BatchNorm's running statistics, rotary
+    tables) stay fp32 ([Note: bf16 as DeepSpeed does it]). ``param.data`` is replaced, so a
+    parameter shared by several stages stays one object.
+    """
     for param in module.parameters():
-        if param.is_floating_point() and param.dtype != dtype:
+        if param.dtype in CASTABLE_DTYPES and param.dtype != dtype:
             param.data = param.data.to(dtype)
 
 

@@ -12,6 +12,18 @@ returns several values. A wrapper learns its stage's names from the plan's
 :class:`~pipedialect.contracts.StageSpec` (:meth:`~pipedialect.PipelinePlan.stage_spec`): what
 the stage receives (its own arguments, then values later stages need), its arguments in call
 order, what it sends on, and the model's inputs in the order the data loader supplies them.
+
+[Note: received tensors updated in place]
+A runtime hands a stage the tensors it received as leaves that need a gradient (torch's
+pipelining does; DeepSpeed clones them first), and autograd refuses an in-place operation on such
+a leaf ("a leaf Variable that requires grad is being used in an in-place operation"), which the
+unsplit model, where the same value is an intermediate result, runs: ``nn.ReLU(inplace=True)``
+right after a split point, ``h.add_(...)``. So the decoder passes each received leaf that needs a
+gradient on through an identity autograd node (:func:`pass_through`): a new tensor on the same
+memory, not a leaf, so in-place operations are recorded on it as in the unsplit model and the
+gradient still reaches the runtime's leaf. Nothing is copied. A value this stage forwards to a
+later one is sent as the stage holds it, after its in-place updates, as the unsplit model would
+use it.
 """
 
 from __future__ import annotations
@@ -20,11 +32,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import fx, nn
 
 from ._fx import decoded_by
 from .contracts import StageSpec, TensorCodec
 from .errors import ConfigError, WireError
+from .module_state import UpdatedBuffers
 from .wire import WireDecoder, WireEncoder
 
 __all__ = ["StageWrapper"]
@@ -40,6 +54,11 @@ class StageWrapper(nn.Module):
             by default.
         dynamic_shapes: allow boundary structure and shapes to change between micro-batches
             (the receiver then reads the metadata every time).
+        shares_state_with: a module whose submodules may hold this stage's buffer tensors
+            (the partitioned model, whose buffers torch.export's stages share from other module
+            objects): a buffer replaced by a fresh copy (:mod:`pipedialect.module_state`
+            [Note: buffers updated in place]) is replaced there too, so it keeps seeing the
+            stage's state.
 
     Raises:
         ConfigError: the spec does not describe a stage: its id is outside its stages, the
@@ -54,6 +73,7 @@ class StageWrapper(nn.Module):
         *,
         codec: TensorCodec | None = None,
         dynamic_shapes: bool = False,
+        shares_state_with: nn.Module | None = None,
     ) -> None:
         super().__init__()
         stage_id, total_stages = spec.stage_id, spec.num_stages
@@ -91,6 +111,11 @@ class StageWrapper(nn.Module):
         frozen = not dynamic_shapes
         self._decoder = WireDecoder(codec, prefix=self.log_prefix, frozen=frozen)
         self._encoder = WireEncoder(codec, prefix=self.log_prefix, frozen=frozen)
+        self._buffers_updated: UpdatedBuffers | None = None
+        self._state_peer: nn.Module | None
+        # Not a submodule: the partitioned model, whose modules may hold this stage's buffer
+        # tensors (torch.export's stages do), so that fresh copies reach it too.
+        self.__dict__["_state_peer"] = shares_state_with
 
     def reset_wire_state(self) -> None:
         """Forget the frozen wire layout and shapes of both boundaries of this stage.
@@ -150,10 +175,20 @@ class StageWrapper(nn.Module):
         """Call the stage's module on its arguments, picked out of ``received``.
 
         Values after the first stage came through :attr:`codec`, and the module's split-point
-        guards judge them as it decodes them ([Note: split-point outputs] in ``_fx``).
+        guards judge them as it decodes them ([Note: split-point outputs] in ``_fx``). Buffers
+        the forward updates in place get a fresh copy first when gradients are enabled
+        (:mod:`pipedialect.module_state` [Note: buffers updated in place]).
         """
+        if self._buffers_updated is None:
+            self._buffers_updated = UpdatedBuffers(self.mod, self._state_peer)
+        tracker = self._buffers_updated
+        if torch.is_grad_enabled():
+            tracker.fresh_copies()
+        before = tracker.versions()
         with decoded_by(self.codec if self.stage_id > 0 else None):
-            return self.mod(*(received[i] for i in self._arg_index))
+            out = self.mod(*(received[i] for i in self._arg_index))
+        tracker.learn(before)
+        return out
 
     def send(self, received: Sequence[Any], out: Any) -> tuple[torch.Tensor, ...]:
         """Collect the values of :attr:`sends` and encode them as wire tensors."""
@@ -209,3 +244,8 @@ def _device_of(out: Any, received: Sequence[Any], mod: nn.Module) -> torch.devic
     for p in mod.parameters():
         return p.device
     return torch.device("cpu")
+
+
+# -- module state: buffers updated in place, recomputation ------------------------------------
+
+#: A buffer's place: the module that registers it and its name there.

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -305,15 +305,41 @@ class WireDecoder:
             cast = layout.casts[p]
             if cast is not None:
                 t = t.view(cast)
-            elif grad_enabled and layout.kinds[p] == "g" and not t.requires_grad:
-                # A runtime marks received floats as needing a gradient; do the same for a
-                # detached value, so which outputs need one is decided as in training.
-                t = t.detach().requires_grad_()
+            elif grad_enabled and layout.kinds[p] == "g":
+                if not t.requires_grad:
+                    # A runtime marks received floats as needing a gradient; do the same for a
+                    # detached value, so which outputs need one is decided as in training.
+                    t = t.detach().requires_grad_()
+                if t.is_leaf:
+                    # In-place operations on it must work as in the unsplit model
+                    # (stage [Note: received tensors updated in place]).
+                    t = pass_through(t)
             if layout.kinds[p] == "g":
                 grads.append(t)
             leaves[i] = t
         self.grad_leaves = grads
         return self.codec.decode(leaves, layout.codec_metadata)
+
+
+class _PassThrough(torch.autograd.Function):
+    """Identity whose output is a new tensor on the input's memory, not a leaf."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        del ctx
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        del ctx
+        return grad
+
+
+def pass_through(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a non-leaf tensor on the same memory whose gradient reaches ``value``: an
+    in-place operation on it is allowed where autograd refuses one on a leaf that needs a
+    gradient (stage [Note: received tensors updated in place]). Nothing is copied."""
+    return cast(torch.Tensor, _PassThrough.apply(value))  # type: ignore[no-untyped-call]
 
 
 def _read_text(t: torch.Tensor, prefix: str) -> str:

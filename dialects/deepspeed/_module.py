@@ -13,7 +13,10 @@ forward runs under torch's non-reentrant ``torch.utils.checkpoint`` and is run a
 backward. Whatever ``activation_checkpoint_func`` DeepSpeed picks (its reentrant default, or its
 own non-reentrant one for ``pipeline.use_reentrant: false``) is replaced by that: the reentrant
 one gives no gradient to a stage whose inputs are integer token ids, and torch's handles any
-input. The recomputation replays the RNG state of the first run, so dropout masks are the same.
+input. The recomputation replays the RNG state of the first run, so dropout masks are the same,
+and the stage's module state: it starts from the buffers the forward started from and leaves
+them as the forward left them, so running statistics count each micro-batch once
+(``pipedialect.module_state`` [Note: recomputation and module state]).
 A function other than DeepSpeed's two is refused, and so is a negative interval.
 
 It also makes gradient clipping use the global norm: DeepSpeed 0.19's fp32 ``clip_grad_norm_``
@@ -28,6 +31,7 @@ Importing this module imports deepspeed.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,17 +44,33 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from torch import nn
 
 from pipedialect import ConfigError, Topology
+from pipedialect.agreement import check_frozen_ties
 from pipedialect.errors import CheckpointError
+from pipedialect.module_state import checkpoint_with_state
 
 __all__ = ["PipeDialectPipelineModule", "TieSpec", "checkpoint_stage"]
+
+
+#: The pipeline module whose stage :func:`checkpoint_stage` is running, and its layers: set by
+#: :meth:`PipeDialectPipelineModule.forward`, since DeepSpeed calls the checkpoint function with
+#: a closure over its layers only.
+_RUNNING: contextvars.ContextVar[tuple[nn.Module, tuple[nn.Module, ...]] | None] = (
+    contextvars.ContextVar("pipedialect_deepspeed_stage", default=None)
+)
 
 
 def checkpoint_stage(function: Callable[..., Any], *args: Any) -> Any:
     """Run ``function(*args)`` (one whole stage) under torch's non-reentrant checkpoint.
 
-    See [Note: stage checkpointing]; the RNG state is preserved for the recomputation.
+    See [Note: stage checkpointing]; the RNG state is preserved for the recomputation, and so
+    is the stage's module state (``pipedialect.module_state`` [Note: recomputation and module
+    state]).
     """
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    running = _RUNNING.get()
+    if running is None:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    key, layers = running
+    return checkpoint_with_state(function, layers, *args, key=key)
 
 
 #: The checkpoint functions DeepSpeed itself assigns; each stands for :func:`checkpoint_stage`.
@@ -138,7 +158,12 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
             )
         # Upstream runs no layer at all if the interval changed without set_checkpoint_interval.
         self._precompute_checkpointable_values()
-        return super().forward(forward_input)
+        layers = tuple(f for f in self.forward_funcs if isinstance(f, nn.Module))
+        token = _RUNNING.set((self, layers))
+        try:
+            return super().forward(forward_input)
+        finally:
+            _RUNNING.reset(token)
 
     # -- ties ----------------------------------------------------------------------------
 
@@ -163,7 +188,27 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
                 }
                 if self.global_rank != ranks[0]:
                     getattr(module, attr).ds_pipe_replicated = True
+        if self._pipedialect_ties:  # the same ties on every rank: all of them check, or none
+            names = {
+                id(p): n
+                for layer in self.forward_funcs
+                if isinstance(layer, nn.Module)
+                for n, p in getattr(layer, "mod", layer).named_parameters()
+            }
+            stage = int(self.stage_id)
+            mine: dict[str, tuple[str, int, bool]] = {}
+            for key, comm in tied_comms.items():
+                for attr in comm["weight_attr"]:
+                    weight = getattr(comm["module"], attr)
+                    mine[key] = (names.get(id(weight), attr), stage, bool(weight.requires_grad))
+            check_frozen_ties(mine)
         return tied_comms
+
+    def get_tied_weights_and_groups(self) -> list[tuple[nn.Parameter, Any]]:
+        """The tied weights whose gradients are summed, with their groups: frozen ones have
+        none (every rank holding one agrees it is frozen, checked when the module is built)."""
+        found: list[tuple[nn.Parameter, Any]] = super().get_tied_weights_and_groups()
+        return [(weight, group) for weight, group in found if weight.requires_grad]
 
     def _synchronize_tied_weights(self) -> None:
         # A broadcast into a leaf parameter is not an autograd operation; say so to torch.

@@ -47,6 +47,7 @@ from pipedialect import (
 )
 from pipedialect.agreement import (
     agree_on_error,
+    agreed,
     check_inputs,
     first_nonfinite_grad,
     first_nonfinite_loss,
@@ -104,8 +105,18 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
 
     # -- whole steps ---------------------------------------------------------------------------
 
+    def _agreed(self, what: str) -> Any:
+        """A phase every rank runs together: an error on one rank is raised on every rank
+        (``pipedialect.agreement`` [Note: one error, every rank])."""
+        return agreed(what, where=f"[Stage {self.stage_id}] ")
+
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> Any:
-        """DeepSpeed's ``train_batch``, on micro-batches read (and checked) before it starts."""
+        """DeepSpeed's ``train_batch``, on micro-batches read (and checked) before it starts;
+        an error on any rank is raised on every rank, never a hang."""
+        with self._agreed(f"train_batch (step {self.global_steps + 1})"):
+            return self._train_batch(data_iter)
+
+    def _train_batch(self, data_iter: Iterator[Any] | None) -> Any:
         if not torch.is_grad_enabled():
             raise ConfigError("train_batch() needs gradients enabled; use eval_batch() instead")
         if data_iter is not None:
@@ -125,7 +136,12 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
                 self.data_iterator = source
 
     def eval_batch(self, data_iter: Iterator[Any] | None, *args: Any, **kwargs: Any) -> Any:
-        """DeepSpeed's ``eval_batch``, on micro-batches read (and checked) before it starts."""
+        """DeepSpeed's ``eval_batch``, on micro-batches read (and checked) before it starts;
+        an error on any rank is raised on every rank, never a hang."""
+        with self._agreed("eval_batch"):
+            return self._eval_batch(data_iter, *args, **kwargs)
+
+    def _eval_batch(self, data_iter: Iterator[Any] | None, *args: Any, **kwargs: Any) -> Any:
         count = kwargs.get("num_micro_batches")
         if len(args) >= 5:
             count = args[4]
@@ -288,9 +304,18 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
                     break
         agree_on_error(error, device=self.device, what=f"step {step}", choose=root_nonfinite)
 
+    def _exec_backward_pass(self, buffer_id: int) -> None:
+        # A stage with nothing to train: its one parameter gets a zero gradient, so that
+        # DeepSpeed's bf16 optimizer has a gradient to take the norm of (see _nothing_to_train).
+        placeholder = self.module._parameters.get(NOTHING_TO_TRAIN)
+        if placeholder is not None and placeholder.grad is None:
+            placeholder.grad = torch.zeros_like(placeholder)
+        PipelineEngine._exec_backward_pass(self, buffer_id)
+
     _INSTRUCTION_MAP: ClassVar[dict[type, Any]] = {
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ForwardPass: _exec_forward_pass,
+        schedule.BackwardPass: _exec_backward_pass,
         schedule.OptimizerStep: _exec_optimizer_step,
     }
 
@@ -306,21 +331,28 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
     ) -> bool:
         """DeepSpeed's ``save_checkpoint`` into a staging directory, published as ``tag`` once
         every rank wrote its files, with each rank's random number generators (``checkpoint_files``
-        [Note: crash-safe checkpoints]); ``latest`` only ever names a complete checkpoint."""
+        [Note: crash-safe checkpoints]); ``latest`` only ever names a complete checkpoint. An
+        error on any rank is raised on every rank."""
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        staged = checkpoint_files.stage(save_dir, tag)
-        super().save_checkpoint(
-            save_dir, staged.name, dict(client_state or {}), save_latest=False, **kwargs
-        )
-        checkpoint_files.save_rng_state(staged)
-        checkpoint_files.publish(save_dir, tag, save_latest=save_latest)
+        with self._agreed(f"save_checkpoint {tag!r}"):
+            staged = checkpoint_files.stage(save_dir, tag)
+            super().save_checkpoint(
+                save_dir, staged.name, dict(client_state or {}), save_latest=False, **kwargs
+            )
+            checkpoint_files.save_rng_state(staged)
+            checkpoint_files.publish(save_dir, tag, save_latest=save_latest)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
         """DeepSpeed's ``load_checkpoint`` of a verified checkpoint; a tag (given, or read from
         ``latest``) that names no checkpoint, or one that is incomplete, truncated or corrupted,
         is a :class:`~pipedialect.CheckpointError` naming the file, rather than ``(None, None)``
-        or a load of wrong weights. The random number generators are restored too."""
+        or a load of wrong weights. The random number generators are restored too. An error on
+        any rank is raised on every rank."""
+        with self._agreed("load_checkpoint"):
+            return self._load_verified(load_dir, tag, **kwargs)
+
+    def _load_verified(self, load_dir: str, tag: str | None, **kwargs: Any) -> Any:
         if self.load_universal_checkpoint():
             return super().load_checkpoint(load_dir, tag, **kwargs)
         found = checkpoint_files.latest_tag(load_dir, tag)
@@ -442,6 +474,8 @@ def init_ds_engine(
     _check_batch_sizes(checked, model)
     named = _named_local_parameters(model)
     groups = _optimizer_groups(model, named, param_groups, model_parameters, optimizer)
+    if not groups:
+        groups = [_nothing_to_train(model, checked)]
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=groups,
@@ -601,6 +635,35 @@ def _optimizer_groups(
         return [p for _, p in named]  # DeepSpeed steps the client optimizer's own groups
     _check_tied_groups(model, named, groups)
     return groups
+
+
+#: The name of the parameter a stage with nothing to train gets (see :func:`_nothing_to_train`).
+NOTHING_TO_TRAIN = "pipedialect_nothing_to_train"
+
+
+def _nothing_to_train(model: PipelineModule, config: Mapping[str, Any]) -> nn.Parameter:
+    """The one parameter the optimizer of a stage with nothing to train steps (``pipedialect.
+    engine`` [Note: nothing to train]). DeepSpeed's bf16 and fp16 optimizers leave out an empty
+    parameter and then fail on a group with none, and they look each parameter up in the
+    module: so it has one element, the training dtype, the stage's device, and is registered on
+    the pipeline module (outside its layers, so no checkpoint file holds it). Its gradient is
+    zero (:meth:`PipeDialectEngine._exec_backward_pass`), which leaves Adam's step zero."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        device = torch.device("cpu")
+    dtype = torch.float32
+    for key, low in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.half)):
+        section = config.get(key)
+        if isinstance(section, Mapping) and section.get("enabled", False):
+            dtype = low
+    param = nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+    # What PipelineModule sets on every parameter it holds.
+    param.ds_pipe_replicated = False  # type: ignore[attr-defined]
+    model.register_parameter(NOTHING_TO_TRAIN, param)
+    return param
 
 
 def _as_groups(model_parameters: Any) -> list[dict[str, Any]]:

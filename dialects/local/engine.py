@@ -131,6 +131,12 @@ class LocalEngine(DeepSpeedStyleEngine):
                     raise nonfinite_loss_error(
                         loss, step=step, stage=self.module.num_stages - 1, micro_batch=i
                     )
+                if not loss.requires_grad:
+                    raise ConfigError(
+                        f"micro-batch {i}: the loss needs no gradient, so train_batch has "
+                        "nothing to train: no parameter it depends on has requires_grad=True "
+                        "(is every parameter frozen?). Unfreeze some, or use eval_batch"
+                    )
                 torch.autograd.backward(loss / gas)
                 self.accumulate_grads()  # bf16: into the high-precision buffers
                 losses.append(loss.detach().reshape(()))

@@ -10,8 +10,11 @@ passed in-process when both stages are on this rank and sent with ``send_object_
 a few tensors) otherwise. Only the rank holding the first stage needs data. Every stage runs
 with gradients enabled, so its wire layout is the one training uses (``pipedialect.wire``
 [Note: wire layout]) and the ``requires_grad`` of each example tells torch which boundary
-tensors carry gradients; the RNG state is restored afterwards, so the extra forward does not
-change what the training steps draw.
+tensors carry gradients. The run leaves no trace: the RNG state is restored afterwards, so the
+training steps draw what they would have, the stages run on copies of their buffers and their
+plain Python attributes are put back (``pipedialect.module_state.preserved_state``: running
+statistics count only the training micro-batches), and the first stage runs on a copy of the
+micro-batch.
 
 The examples fix the shape, dtype and stride of every boundary tensor for the whole run
 (static shapes), and the run also freezes each wrapper's wire layout.
@@ -44,6 +47,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pipedialect.module_state import preserved_state
 
 from ._stage import StageRunner, normalize_wire, to_device
 
@@ -83,7 +88,10 @@ def infer_examples(
     num_stages = len(placement)
     examples: dict[int, StageExamples] = {}
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    local = [runners[k].stage for k in sorted(runners)]
+    # The model inputs as well: a stage may update them in place.
+    first_inputs = _copied(first_inputs)
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), preserved_state(local):
         carried: tuple[torch.Tensor, ...] | None = None
         for k in range(num_stages):
             if placement[k] != rank:
@@ -118,6 +126,19 @@ def infer_examples(
             [(tuple(t.shape), t.dtype, t.requires_grad) for t in ex.outputs],
         )
     return examples
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor in it (tuples, lists, dicts) copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_copied(v) for v in value)
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    if type(value) is dict:
+        return {k: _copied(v) for k, v in value.items()}
+    return value
 
 
 def _send(wire: Sequence[torch.Tensor], dst: int) -> None:

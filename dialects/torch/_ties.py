@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import TieError, TieGroup
+from pipedialect.agreement import check_frozen_ties
 from pipedialect.ties import retie_parameters
 
 __all__: list[str] = []
@@ -122,6 +123,17 @@ class TieSync:
                 held.setdefault(owner, (name, stage, found))
             mine = held.get(rank)
             resolved.append((group, ranks, mine[2] if mine else None))
+        if groups:  # the same groups on every rank: all of them check, or none
+            check_frozen_ties(
+                {
+                    group.key: (name, stage, bool(param.requires_grad))
+                    for group, _, param in resolved
+                    if param is not None
+                    for name, stage in group
+                    if placement[stage] == rank
+                    and _root(stages[stage]).get_parameter(name) is param
+                }
+            )
         copies = []
         for (group, ranks, param), pgs in zip(
             resolved, _replica_groups(groups, placements), strict=True
@@ -136,6 +148,10 @@ class TieSync:
         for copy in self.copies:
             if copy.group is not None and copy.param is not None:
                 yield copy, copy.param
+
+    def _trainable(self) -> Iterable[tuple[TiedCopy, nn.Parameter]]:
+        """The cross-rank copies that take gradients (a frozen tie is frozen on every rank)."""
+        return ((copy, param) for copy, param in self._cross_rank() if param.requires_grad)
 
     def broadcast_weights(self) -> None:
         """Make every copy equal to the owner's (at start)."""
@@ -152,7 +168,7 @@ class TieSync:
         ``param.grad`` (the high-precision buffer under bf16, as DeepSpeed all-reduces
         ``_hp_grad``).
         """
-        for copy, param in self._cross_rank():
+        for copy, param in self._trainable():
             if grad_of is not None:
                 grad = grad_of(param)
                 if grad is None:
@@ -169,7 +185,7 @@ class TieSync:
     def not_counted_here(self) -> set[int]:
         """``id`` of the tied parameters whose gradient another rank counts in the norm."""
         rank = dist.get_rank()
-        return {id(param) for copy, param in self._cross_rank() if copy.owner != rank}
+        return {id(param) for copy, param in self._trainable() if copy.owner != rank}
 
 
 def _replica_groups(

@@ -43,6 +43,7 @@ from pipedialect import (
 )
 from pipedialect.agreement import (
     agree_on_error,
+    agreed,
     check_inputs,
     first_nonfinite_loss,
     nonfinite_loss_error,
@@ -406,8 +407,22 @@ class TorchEngine(DeepSpeedStyleEngine):
         last = module.replicas.position_of(module.last_rank)
         return module.replicas.mean_loss(loss, last, module.device)
 
+    def _agreed(self, what: str) -> Any:
+        """A phase every rank runs together: an error on one rank is raised on every rank
+        (``pipedialect.agreement`` [Note: one error, every rank])."""
+        stages = ", ".join(str(k) for k in self.stage_ids)
+        return agreed(what, where=f"[Stage {stages}] ")
+
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
-        """Train on ``gradient_accumulation_steps`` micro-batches; return their mean loss."""
+        """Train on ``gradient_accumulation_steps`` micro-batches; return their mean loss.
+
+        An error on any rank is raised on every rank (:class:`~pipedialect.RankFailedError`
+        for an exception of the user's code), never a hang.
+        """
+        with self._agreed(f"train_batch (step {self.global_steps + 1})"):
+            return self._train_batch(data_iter)
+
+    def _train_batch(self, data_iter: Iterator[Any] | None) -> torch.Tensor:
         gas = self.config.gradient_accumulation_steps
         batches = self._pull(data_iter, gas, "train_batch", "gradient_accumulation_steps")
         self.module.train()
@@ -454,6 +469,12 @@ class TorchEngine(DeepSpeedStyleEngine):
         """Return the mean loss over ``num_micro_batches`` (default: gradient accumulation
         steps) micro-batches without changing any parameter; with ``return_logits`` also the
         last micro-batch's outputs (on the rank holding the last stage, None elsewhere)."""
+        with self._agreed("eval_batch"):
+            return self._eval_batch(data_iter, return_logits, num_micro_batches)
+
+    def _eval_batch(
+        self, data_iter: Iterator[Any] | None, return_logits: bool, num_micro_batches: int | None
+    ) -> Any:
         count, source = self.eval_micro_batches(num_micro_batches)
         batches = self._pull(data_iter, count, "eval_batch", source)
         self.module.eval()
@@ -473,6 +494,29 @@ class TorchEngine(DeepSpeedStyleEngine):
         self.module.reset_shapes()
 
     # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> bool:
+        """Save this rank's part of the checkpoint; every rank calls it, and an error on one
+        rank is raised on every rank."""
+        with self._agreed("save_checkpoint"):
+            return super().save_checkpoint(save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load this rank's part of the checkpoint; every rank calls it, and an error on one
+        rank is raised on every rank."""
+        with self._agreed("load_checkpoint"):
+            return super().load_checkpoint(load_dir, tag, load_optimizer_states)
 
     def _write_checkpoint(self, staged: Path, client_state: dict[str, Any]) -> None:
         """This rank's stages, optimizer state and step count (see [Note: torch checkpoints])."""
