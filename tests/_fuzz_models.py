@@ -1746,4 +1746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the importable module, so specs sent to spawned ranks are _fuzz_models.FuzzSpec.
+    import _fuzz_models
+
+    sys.exit(_fuzz_models.main())

@@ -6,9 +6,10 @@ the spec, builds the whole model (identical weights on every rank: per-module se
 on the meta device, each rank then filling the stages it runs from the state of a normally built
 model), partitions it (split points, checkpointed blocks) and runs the spec's train/eval
 schedule on the dialect; it returns the losses, and the parameters and buffers of the stages it
-ran, by their original names. :func:`compare` runs the unsplit reference in the test process and
-compares. A named pipedialect error while building or in the first call is returned as a refusal
-(every rank must refuse alike); one in a later call, or any other exception, fails the launch.
+ran, by their original names, and what ``partition()`` changed on the model (it must change
+nothing). :func:`compare` runs the unsplit reference in the test process and compares. A named
+pipedialect error while building or in the first call is returned as a refusal (every rank must
+refuse alike); one in a later call, or any other exception, fails the launch.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ import pipedialect
 def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
     model = fm.build_model(spec)  # on the meta device when spec.meta: each rank fills its own
     batches = fm.micro_batches(spec)
+    initial = fm.buffer_values(fm.FuzzModel(spec))
     try:
         plan = fm.partition_spec(model, spec, batches)
     except pipedialect.PipeDialectError as exc:  # every rank refuses alike, before any collective
         return {"refused": f"{type(exc).__name__}: {exc}", "phase": "partition"}
+    changed = fm.side_effects(spec, model, initial)  # what partition() left on the model
     config = fm.ds_config(spec)
     phase = "build"
     losses = []
@@ -58,7 +61,7 @@ def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
     except pipedialect.PipeDialectError as exc:
         if phase.startswith("call") and not phase.startswith("call 0"):
             raise
-        return {"refused": f"{type(exc).__name__}: {exc}", "phase": phase}
+        return {"refused": f"{type(exc).__name__}: {exc}", "phase": phase, "changed": changed}
     stages = list(dialect.local_stages(engine))
     params = {
         n: p.detach().cpu().clone()
@@ -76,6 +79,7 @@ def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
         "losses": losses,
         "params": params,
         "buffers": buffers,
+        "changed": changed,
     }
 
 
@@ -103,9 +107,12 @@ def compare(spec: fm.FuzzSpec, per_rank: list[dict[str, Any]]) -> bool:
         FuzzFailure: a loss or parameter differs, or a trained parameter is held by no stage.
     """
     refused = [r.get("refused") for r in per_rank]
+    changed = sorted({c for r in per_rank for c in r.get("changed", [])})
     if any(refused):
         if len(set(refused)) != 1:
             raise fm.failure(spec, f"the ranks disagree about refusing the model: {refused}")
+        if changed:  # refused after partition() had changed the model
+            raise fm.failure(spec, f"{per_rank[0]['phase']} refused, after " + "; ".join(changed))
         return False
     model = fm.FuzzModel(spec)
     initial = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -113,7 +120,7 @@ def compare(spec: fm.FuzzSpec, per_rank: list[dict[str, Any]]) -> bool:
     expected = fm.reference_run(spec, model, fm.micro_batches(spec))
     ref_params = dict(model.named_parameters(remove_duplicate=False))
     ref_buffers = fm.buffer_values(model)
-    problems: list[str] = []
+    problems: list[str] = list(changed)
     held: set[str] = set()
     held_buffers: set[str] = set()
     for r in per_rank:
