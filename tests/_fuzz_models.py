@@ -843,7 +843,9 @@ def _draw_state(src: Source, spec: FuzzSpec, dialect: Dialect) -> FuzzSpec:
             put(target, inplace=kind)
         if with_scale:
             put(scaled, scale=variant)
+    # A block without parameters has no ``lin``: not for a tie or a split point inside it.
     tied = {i for pair in spec.ties for i in pair}
+    tied |= {i for i in range(n) if f"blocks.{i}.lin" in spec.split_points}
     for i in range(n):
         if src.chance(35):
             params = src.choice(("frozen_bias", "frozen", "none"))
