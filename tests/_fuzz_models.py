@@ -14,6 +14,19 @@ and bf16 (``"bf16": {"enabled": true}``) for one local spec in five (by its weig
 draw changes), compared with DeepSpeed's bf16 recipe written out on the unsplit model
 (:func:`reference_run`: bf16 parameters, fp32 master weights, bf16 gradient accumulation).
 
+Last come the dimensions of module state (issue #24, :data:`DIMENSIONS`, drawn by
+:func:`_draw_state` after everything else, so a seed drawn without them is the model it was at
+445325a): ``buffers`` (BatchNorm, hand-written running statistics under ``if self.training:``,
+non-persistent buffers), ``counter`` (``self.calls += 1``), ``cross_buffer`` (a buffer written
+by one block and read before another, later or earlier, maybe in another stage), ``modes``
+(``self.training`` branches, ``F.dropout(training=self.training)``), ``regions``
+(``no_grad``, ``enable_grad``, autocast), ``inplace`` (``h.add_()`` or ``nn.ReLU(inplace=True)``
+on a boundary tensor, ``self.scale.mul_()`` on a buffer saved for backward), ``frozen`` (frozen
+parameters, a frozen first stage, parameterless blocks and stages) and ``bf16_export`` (bf16 on
+the ``example_inputs=`` path). :class:`BlockState` says what each block's forward does. The
+reference then also yields the buffers, compared copy by copy with every stage's, and
+``partition()`` must leave the model's buffers and counters as they were.
+
 :class:`FuzzModel` runs a spec. Its forward is generic code that fx and export really trace: the
 control flow meets the boundary values as it would in user code. :func:`run_local` trains it on
 the local dialect and compares every loss and every parameter with the unsplit model trained by a
@@ -25,6 +38,16 @@ A spec is drawn from a :class:`Source`: hypothesis (which shrinks a failing spec
 
     .venv/bin/python tests/_fuzz_models.py 17          # run seed 17 on the local dialect
     .venv/bin/python tests/_fuzz_models.py 0-300 -q    # sweep, print only what fails
+    .venv/bin/python tests/_fuzz_models.py 0-300 -q --only buffers      # one dimension's state
+    .venv/bin/python tests/_fuzz_models.py 0-300 -q --only none         # the 445325a models
+    .venv/bin/python tests/_fuzz_models.py 4,9 --dialect torch --only inplace,frozen
+
+``--only`` keeps some of the issue-#24 dimensions (comma-separated) and removes the others'
+state from the same seed's model (the draws are the same); ``--dialect deepspeed|torch`` runs
+each seed in its own launch of two ranks; the end of the output counts the models that ran,
+were refused and failed per dimension and feature. For a mutation study (put one bug back,
+show the fuzzer finds it): sweep with ``--only <dimension> -q`` before and after, and give the
+first failing seed with its replay command.
 """
 
 from __future__ import annotations
@@ -33,6 +56,7 @@ import argparse
 import random
 import sys
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, TypeVar
@@ -160,6 +184,110 @@ class BlockSpec:
     out: Tree
 
 
+#: The dimensions of module state (issue #24), in the order they are drawn; ``--only`` (and
+#: the ``dims`` of :func:`generate`) selects some. See :class:`BlockState` and :class:`FuzzSpec`.
+DIMENSIONS = (
+    "buffers",
+    "counter",
+    "cross_buffer",
+    "modes",
+    "regions",
+    "inplace",
+    "frozen",
+    "bf16_export",
+)
+
+
+@dataclass(frozen=True)
+class BlockState:
+    """The module state of one block (issue #24); every field at its default: no state.
+
+    What the block's forward does with each (in this order, before its linear map, except the
+    regions, which wrap or follow it):
+    """
+
+    #: ``inplace``: ``add_`` (``h.add_(0.5)``) or ``relu`` (``nn.ReLU(inplace=True)``) on the
+    #: block's input, which is the previous block's output and used by nothing else (the
+    #: generator checks that no autograd node saved it); right after a split point it is the
+    #: tensor the stage received.
+    inplace: str | None = None
+    #: ``counter``: ``self.calls += 1`` (a Python attribute), and ``h`` scaled by
+    #: ``1 + (calls % 3) / 16``, so every forward's count shows in the loss.
+    counter: bool = False
+    #: ``modes``: ``branch`` (``h * 1.25 if self.training else h - 0.125``) or ``dropout``
+    #: (``F.dropout(h, 0.25, training=self.training)``, local only: masks match in one process).
+    mode: str | None = None
+    #: ``buffers``: ``bn`` (``nn.BatchNorm1d``), ``bn_cumulative`` (momentum None: the average
+    #: over ``num_batches_tracked``), ``stats`` (a hand-written running mean and variance
+    #: updated in place under ``if self.training:``: ``h`` normalised by the batch's statistics
+    #: in training, by the running ones in eval, where ``sqrt(self.running_var + 1)`` reads
+    #: buffers only), ``stats_assign`` (the same, reassigning the buffers), ``stats_np``
+    #: (``stats`` in non-persistent buffers), ``table`` (a non-persistent constant).
+    buffer: str | None = None
+    #: ``inplace`` on a buffer: ``self.scale.mul_(0.97)`` (``train``: under ``if
+    #: self.training:``; ``always``), then ``h / self.scale``, which saves the buffer for backward.
+    scale: str | None = None
+    #: ``regions``: ``no_grad`` (``with torch.no_grad(): n = self.lin.weight.norm()``, then the
+    #: output divided by ``1 + n``), ``enable_grad`` (a ``torch.enable_grad()`` region inside a
+    #: ``torch.no_grad()`` one), ``autocast`` (the linear map under ``torch.autocast("cpu",
+    #: dtype=torch.bfloat16)``).
+    region: str | None = None
+    #: ``frozen``: ``trainable``, ``frozen_bias``, ``frozen`` (``lin`` has
+    #: ``requires_grad=False``) or ``none`` (no parameters: ``lin`` is a fixed function).
+    params: str = "trainable"
+
+    def dims(self) -> set[str]:
+        """The :data:`DIMENSIONS` this block exercises."""
+        found = set()
+        if self.buffer:
+            found.add("buffers")
+        if self.counter:
+            found.add("counter")
+        if self.mode:
+            found.add("modes")
+        if self.region:
+            found.add("regions")
+        if self.inplace or self.scale:
+            found.add("inplace")
+        if self.params != "trainable":
+            found.add("frozen")
+        return found
+
+    def features(self) -> set[str]:
+        """Tags ``dimension:variant`` for the per-dimension counts."""
+        found = set()
+        if self.buffer:
+            found.add(f"buffers:{self.buffer}")
+        if self.counter:
+            found.add("counter")
+        if self.mode:
+            found.add(f"modes:{self.mode}")
+        if self.region:
+            found.add(f"regions:{self.region}")
+        if self.inplace:
+            found.add(f"inplace:{self.inplace}")
+        if self.scale:
+            found.add(f"inplace:scale_{self.scale}")
+        if self.params != "trainable":
+            found.add(f"frozen:{self.params}")
+        return found
+
+    def describe(self, index: int, shared: Sequence[tuple[int, int, bool]] = ()) -> str:
+        """This block's state in a few words (empty when it has none)."""
+        parts = [f"inplace {self.inplace} on its input"] if self.inplace else []
+        parts += ["calls += 1"] if self.counter else []
+        parts += [f"mode {self.mode}"] if self.mode else []
+        parts += [f"buffer {self.buffer}"] if self.buffer else []
+        parts += [f"scale.mul_ ({self.scale})"] if self.scale else []
+        parts += [f"region {self.region}"] if self.region else []
+        parts += [f"params {self.params}"] if self.params != "trainable" else []
+        for writer, reader, train_only in shared:
+            if writer == index:
+                when = " in training" if train_only else ""
+                parts.append(f"memo = batch mean{when} (read by blocks.{reader})")
+        return ", ".join(parts)
+
+
 @dataclass(frozen=True)
 class FuzzSpec:
     """One generated model and how to train it."""
@@ -196,11 +324,50 @@ class FuzzSpec:
     meta: bool = False
     #: Run the calls from this one on inside ``pipedialect.trace`` (local only).
     trace_from: int | None = None
-    #: Train with ``"bf16": {"enabled": true}`` (local, fx capture only: an exported graph
-    #: fixes the dtypes it was captured with).
+    #: Train with ``"bf16": {"enabled": true}`` (local only): one fx spec in five by its weight
+    #: seed, and export specs that draw the ``bf16_export`` dimension (issue #24).
     bf16: bool = False
+    #: Module state, one :class:`BlockState` per block (issue #24); empty: no block has any.
+    state: tuple[BlockState, ...] = ()
+    #: ``(writer, reader, train_only)``: ``blocks.writer`` copies its output's batch mean into
+    #: its buffer ``memo`` (only in training when ``train_only``), and the model's forward adds
+    #: the buffer to ``blocks.reader``'s input (``h + self.blocks[writer].memo``). With
+    #: ``writer > reader`` the reader sees the value the previous forward left (a later
+    #: stage's buffer read by an earlier one).
+    shared: tuple[tuple[int, int, bool], ...] = ()
+    #: ``stem``, ``embed`` and the first ``frozen_prefix`` blocks are frozen (``requires_grad``
+    #: False), as a LoRA-style frozen first stage.
+    frozen_prefix: int | None = None
     #: The seed this spec was generated from, when a ``random.Random`` drew it.
     origin: int | None = field(default=None, compare=False)
+
+    def dims(self) -> frozenset[str]:
+        """The issue-#24 dimensions (:data:`DIMENSIONS`) this spec exercises."""
+        found = {d for st in self.state for d in st.dims()}
+        if self.shared:
+            found.add("cross_buffer")
+        if self.frozen_prefix is not None:
+            found.add("frozen")
+        if self.bf16 and self.capture == "export":
+            found.add("bf16_export")
+        return frozenset(found)
+
+    def features(self) -> frozenset[str]:
+        """Finer tags than :meth:`dims` (``buffers:bn``, ``cross_buffer:backward``, ...)."""
+        found = {f for st in self.state for f in st.features()}
+        for writer, reader, _ in self.shared:
+            found.add("cross_buffer:" + ("forward" if writer < reader else "backward"))
+            stages = _block_stages(self)
+            if stages is not None and stages[writer][-1] != stages[reader][0]:
+                found.add("cross_buffer:across_stages")
+        if self.frozen_prefix is not None:
+            found.add("frozen:prefix")
+        for i, st in enumerate(self.state):
+            if st.inplace and f"blocks.{i - 1}" in self.split_points and not self.num_stages:
+                found.add("inplace:after_split")
+        if "bf16_export" in self.dims():
+            found.add("bf16_export")
+        return frozenset(found)
 
     def describe(self) -> str:
         """The model as readable pseudo-code, for failure reports and minimising."""
@@ -219,14 +386,22 @@ class FuzzSpec:
             "  v0 = x, v1 = ids, v2 = tanh(stem(x)) + embed(ids)",
         ]
         for i, b in enumerate(self.blocks):
+            for writer, reader, _ in self.shared:
+                if reader == i:
+                    lines.append(f"  (blocks.{i}'s input += blocks.{writer}.memo)")
             lines.append(f"  v{3 + i} = blocks.{i}({_ref(b.main)}) -> {_tree(b.out)}")
             lines.extend(f"      {_use(u)}" for u in b.uses)
+            state = (self.state[i] if self.state else BlockState()).describe(i, self.shared)
+            if state:
+                lines.append(f"      state: {state}")
         lines.append(f"  out = head(softsign({_ref(self.final)})) as {self.output}")
         lines.extend(f"      {_use(u)}" for u in self.final_uses)
         if self.ties or self.tie_head:
             ties = [f"blocks.{j}.lin.weight is blocks.{i}.lin.weight" for i, j in self.ties]
             ties += ["head.weight is embed.weight"] if self.tie_head else []
             lines.append(f"  ties: {'; '.join(ties)}")
+        if self.frozen_prefix is not None:
+            lines.append(f"  frozen: stem, embed, blocks.0 to blocks.{self.frozen_prefix - 1}")
         return "\n".join(lines)
 
 
@@ -392,8 +567,17 @@ def _act_refs(values: Sequence[Tree], source: int) -> list[Ref]:
     ]
 
 
-def generate(src: Source, dialect: Dialect = "local", origin: int | None = None) -> FuzzSpec:
-    """Draw one spec that ``dialect`` can run (two ranks for the distributed ones)."""
+def generate(
+    src: Source,
+    dialect: Dialect = "local",
+    origin: int | None = None,
+    dims: Sequence[str] = DIMENSIONS,
+) -> FuzzSpec:
+    """Draw one spec that ``dialect`` can run (two ranks for the distributed ones).
+
+    ``dims``: the issue-#24 dimensions kept (:func:`restrict`); every one is drawn all the
+    same, so a seed's model with fewer dimensions is its full model with some state removed.
+    """
     dim = src.integer(4, 8)
     vocab = dim + src.integer(0, 3)
     num_blocks = src.integer(2, 6)
@@ -474,7 +658,7 @@ def generate(src: Source, dialect: Dialect = "local", origin: int | None = None)
         pipe_schedule=pipe_schedule,
         origin=origin,
     )
-    return _draw_features(src, spec, dialect, candidates)
+    return restrict(_draw_state(src, _draw_features(src, spec, dialect, candidates), dialect), dims)
 
 
 #: Whether a checkpointed block may return a structure (containers, None, Python numbers). The
@@ -529,18 +713,206 @@ def _draw_features(
     )
 
 
-def spec_from_seed(seed: int, dialect: Dialect = "local") -> FuzzSpec:
-    """The spec seed ``seed`` draws for ``dialect``."""
-    return generate(RandomSource(seed), dialect, origin=seed)
+#: How often a spec draws each of :data:`DIMENSIONS` (percent); ``bf16_export`` applies to
+#: local export specs only.
+DIM_CHANCE = {
+    "buffers": 40,
+    "counter": 20,
+    "cross_buffer": 25,
+    "modes": 30,
+    "regions": 30,
+    "inplace": 45,
+    "frozen": 30,
+    "bf16_export": 60,
+}
+_BUFFER_KINDS = ("bn", "bn_cumulative", "stats", "stats_assign", "stats_np", "table")
 
 
-def fuzz_specs(dialect: Dialect = "local") -> Any:
+def _block_stages(spec: FuzzSpec) -> list[tuple[int, ...]] | None:
+    """For each block, the stages its code runs in (two when split at its ``lin``), when the
+    spec names its split points; None under ``num_stages`` (the balancer chooses them)."""
+    if spec.num_stages:
+        return None
+    cuts = []
+    for point in spec.split_points:
+        if point in ("stem", "embed"):
+            cuts.append(0.0 if point == "stem" else 1.0)
+        else:
+            index = int(point.split(".")[1])
+            cuts.append(2 + index + (0.2 if point.endswith(".lin") else 0.5))
+
+    def stage(position: float) -> int:
+        return sum(c < position for c in cuts)
+
+    return [
+        tuple(sorted({stage(2 + i + 0.1), stage(2 + i + 0.3)})) for i in range(len(spec.blocks))
+    ]
+
+
+def _all_refs(spec: FuzzSpec) -> list[tuple[str, Ref]]:
+    """Every reference to a value (``("main", ref)`` or ``("use", ref)``) in the model."""
+    refs = [("main", spec.final)] + [("use", u.ref) for u in spec.final_uses]
+    for b in spec.blocks:
+        refs += [("main", b.main)] + [("use", u.ref) for u in b.uses]
+    return refs
+
+
+def _inplace_candidates(spec: FuzzSpec) -> list[int]:
+    """Blocks whose input may be changed in place with the unsplit model still right.
+
+    Block ``j``'s input must be the previous block's output, read by nothing else (a later read
+    would see the change: legal, but then the pipeline's copies decide what it sees), and not
+    saved for backward before block ``j`` runs: the previous block computes ``sin`` of its
+    output only for a ``sin`` leaf, so none may be in its structure.
+    """
+    found = []
+    for j in range(1, len(spec.blocks)):
+        source = STEM + j  # the slot of block j - 1's output
+        if spec.blocks[j].main.source != source:
+            continue
+        readers = [r for _, r in _all_refs(spec) if r.source == source]
+        sins = [
+            t
+            for _, t in _catalog(spec.blocks[j - 1].out)
+            if isinstance(t, Leaf) and t.kind == "act" and t.arg == "sin"
+        ]
+        if len(readers) == 1 and not sins:
+            found.append(j)
+    return found
+
+
+def _draw_state(src: Source, spec: FuzzSpec, dialect: Dialect) -> FuzzSpec:
+    """Every issue-#24 dimension, drawn after all else (older seeds keep their models).
+
+    The draws do not depend on which dimensions are kept: :func:`restrict` removes them after.
+    """
+    n = len(spec.blocks)
+    gates = {d: src.chance(DIM_CHANCE[d]) for d in DIMENSIONS}
+    states = [BlockState() for _ in range(n)]
+
+    def put(i: int, **changes: Any) -> None:
+        states[i] = replace(states[i], **changes)
+
+    bf16 = spec.bf16 or (gates["bf16_export"] and dialect == "local" and spec.capture == "export")
+    for i in range(n):
+        if src.chance(45):
+            kind = src.choice(_BUFFER_KINDS)
+            if gates["buffers"]:
+                # DeepSpeed keeps buffers fp32 and casts parameters to bf16: BatchNorm's CPU
+                # kernel refuses that mix in the unsplit model itself.
+                put(i, buffer="stats" if bf16 and kind.startswith("bn") else kind)
+    counted = src.integer(0, n - 1)
+    # Half the counters in a split-point block, which runs as one call (its Python runs on every
+    # forward); in traced-through code a counter may be refused by name.
+    eager = [i for i in range(n) if f"blocks.{i}" in spec.split_points]
+    if eager and src.chance(50):
+        counted = src.choice(eager)
+    if gates["counter"]:
+        put(counted, counter=True)
+    writer, reader = src.integer(0, n - 1), src.integer(0, n - 2)
+    reader += reader >= writer
+    forward, train_only = src.chance(80), src.chance(50)
+    if forward != (writer < reader):
+        writer, reader = reader, writer
+    shared = ((writer, reader, train_only),) if gates["cross_buffer"] else ()
+    for i in range(n):
+        if src.chance(40):
+            mode = src.choice(("branch", "dropout"))
+            if gates["modes"]:
+                put(i, mode=mode if dialect == "local" else "branch")
+    for i in range(n):
+        if src.chance(40):
+            region = src.choice(("no_grad", "enable_grad", "autocast"))
+            if gates["regions"]:
+                put(i, region=region)
+    candidates = _inplace_candidates(spec)
+    stages = _block_stages(spec)
+    after = [
+        j
+        for j in candidates
+        if f"blocks.{j - 1}" in spec.split_points and stages is not None and not spec.blocks[j].uses
+    ]
+    kind = src.choice(("add_", "relu"))
+    target = None
+    if candidates:
+        target = src.choice(after) if after and src.chance(90) else src.choice(candidates)
+    scaled, variant = src.integer(0, n - 1), src.choice(("train", "always"))
+    with_scale = src.chance(50) or target is None
+    if gates["inplace"]:
+        if target is not None:
+            put(target, inplace=kind)
+        if with_scale:
+            put(scaled, scale=variant)
+    # A block without parameters has no ``lin``: not for a tie or a split point inside it.
+    tied = {i for pair in spec.ties for i in pair}
+    tied |= {i for i in range(n) if f"blocks.{i}.lin" in spec.split_points}
+    for i in range(n):
+        if src.chance(35):
+            params = src.choice(("frozen_bias", "frozen", "none"))
+            if gates["frozen"]:
+                put(i, params="frozen" if params == "none" and i in tied else params)
+    prefix = src.integer(1, n) if src.chance(40) else None
+    # A parameterless middle stage: every block of one stage between two split points.
+    whole = src.chance(50)
+    middle = sorted({s for st in stages or [] for s in st} - {0, len(spec.split_points)})
+    if middle:
+        chosen = src.choice(middle)
+        if gates["frozen"] and whole:
+            assert stages is not None
+            for i, st in enumerate(stages):
+                if chosen in st:
+                    put(i, params="frozen" if i in tied else "none")
+    return replace(
+        spec,
+        bf16=bf16,
+        state=tuple(states),
+        shared=shared,
+        frozen_prefix=prefix if gates["frozen"] else None,
+    )
+
+
+def restrict(spec: FuzzSpec, dims: Sequence[str]) -> FuzzSpec:
+    """``spec`` with only the issue-#24 dimensions in ``dims`` (the others' state removed)."""
+    unknown = set(dims) - set(DIMENSIONS)
+    if unknown:
+        raise ValueError(f"unknown dimensions {sorted(unknown)}; choose from {DIMENSIONS}")
+    keep = set(dims)
+    fields = {
+        "buffers": {"buffer": None},
+        "counter": {"counter": False},
+        "modes": {"mode": None},
+        "regions": {"region": None},
+        "inplace": {"inplace": None, "scale": None},
+        "frozen": {"params": "trainable"},
+    }
+    cleared = {k: v for d, f in fields.items() if d not in keep for k, v in f.items()}
+    states = tuple(replace(st, **cleared) for st in spec.state)
+    shared = spec.shared if "cross_buffer" in keep else ()
+    if all(st == BlockState() for st in states) and not shared:
+        states = ()
+    return replace(
+        spec,
+        state=states,
+        shared=shared,
+        frozen_prefix=spec.frozen_prefix if "frozen" in keep else None,
+        bf16=spec.bf16 and ("bf16_export" in keep or spec.capture == "fx"),
+    )
+
+
+def spec_from_seed(
+    seed: int, dialect: Dialect = "local", dims: Sequence[str] = DIMENSIONS
+) -> FuzzSpec:
+    """The spec seed ``seed`` draws for ``dialect`` (with the issue-#24 dimensions ``dims``)."""
+    return generate(RandomSource(seed), dialect, origin=seed, dims=dims)
+
+
+def fuzz_specs(dialect: Dialect = "local", dims: Sequence[str] = DIMENSIONS) -> Any:
     """A hypothesis strategy of specs for ``dialect``."""
     from hypothesis import strategies as st
 
     @st.composite
     def specs(draw: Callable[[Any], Any]) -> FuzzSpec:
-        return generate(HypothesisSource(draw), dialect)
+        return generate(HypothesisSource(draw), dialect, dims=dims)
 
     return specs()
 
@@ -658,22 +1030,112 @@ def _realise(a: torch.Tensor, tree: Tree) -> Any:
 
 
 class FuzzBlock(nn.Module):
-    """Block ``index`` of a spec: uses its argument values, then returns its structure."""
+    """Block ``index`` of a spec: uses its argument values, then returns its structure.
+
+    With a :class:`BlockState`, its forward is ordinary stateful user code (buffers, a Python
+    counter, ``self.training`` branches, grad-mode and autocast regions, in-place updates) that
+    fx and export trace through unless the block is a split point.
+    """
 
     def __init__(self, spec: FuzzSpec, index: int) -> None:
         super().__init__()
-        self.lin = nn.Linear(spec.dim, spec.dim)
+        self.st = st = spec.state[index] if spec.state else BlockState()
+        if st.params != "none":
+            self.lin = nn.Linear(spec.dim, spec.dim)
         self.block = spec.blocks[index]
         self.drop = nn.Dropout(0.25) if index in spec.dropout else nn.Identity()
         self.bf16 = spec.bf16
+        if st.inplace == "relu":
+            self.relu = nn.ReLU(inplace=True)
+        if st.counter:
+            self.calls = 0
+        if st.buffer in ("bn", "bn_cumulative"):
+            self.norm = nn.BatchNorm1d(spec.dim, momentum=0.1 if st.buffer == "bn" else None)
+        elif st.buffer in ("stats", "stats_assign", "stats_np"):
+            self.register_buffer("running", torch.zeros(spec.dim), st.buffer != "stats_np")
+            self.register_buffer("running_var", torch.ones(spec.dim), st.buffer != "stats_np")
+        elif st.buffer == "table":
+            self.register_buffer("table", torch.linspace(0.75, 1.25, spec.dim), persistent=False)
+        if st.scale:
+            self.register_buffer("scale", torch.ones(spec.dim))
+        self.memo_train_only: bool | None = None
+        for writer, _, train_only in spec.shared:
+            if writer == index:
+                self.register_buffer("memo", torch.zeros(spec.dim))
+                self.memo_train_only = train_only
+
+    def _keep(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """bf16: a result mixed with an fp32 buffer goes back to the activation's dtype."""
+        return t.to(dtype) if self.bf16 else t
+
+    def _state(self, h: torch.Tensor) -> torch.Tensor:
+        """The counter, the mode branch, the buffer and the in-place scale, applied to ``h``."""
+        st, dtype = self.st, h.dtype
+        if st.counter:
+            self.calls += 1
+            h = h * (1.0 + 0.0625 * (self.calls % 3))
+        if st.mode == "branch":
+            h = h * 1.25 if self.training else h - 0.125
+        elif st.mode == "dropout":
+            h = F.dropout(h, 0.25, training=self.training)
+        if st.buffer in ("bn", "bn_cumulative"):
+            h = self.norm(h)
+        elif st.buffer in ("stats", "stats_assign", "stats_np"):
+            if self.training:
+                mean, var = h.mean(0).detach(), h.var(0, unbiased=False).detach()
+                if st.buffer == "stats_assign":
+                    self.running = 0.9 * self.running + 0.1 * mean
+                    self.running_var = 0.9 * self.running_var + 0.1 * var
+                else:
+                    self.running.mul_(0.9).add_(0.1 * mean)
+                    self.running_var.mul_(0.9).add_(0.1 * var)
+                h = (h - mean) / torch.sqrt(var + 1.0)
+            else:
+                h = self._keep((h - self.running) / torch.sqrt(self.running_var + 1.0), dtype)
+        elif st.buffer == "table":
+            h = self._keep(h * self.table, dtype)
+        if st.scale == "always" or (st.scale == "train" and self.training):
+            self.scale.mul_(0.97)
+        if st.scale:
+            h = self._keep(h / self.scale, dtype)
+        return h
+
+    def _mix(self, h: torch.Tensor) -> torch.Tensor:
+        """The block's linear map (a fixed function when it has no parameters)."""
+        if self.st.params == "none":
+            return 0.5 * h + 0.1 * torch.matmul(h, h.transpose(0, 1)).mean(-1, keepdim=True)
+        # bf16: boundary values mixed with fp32 ones are fp32; the matmul takes the weights'.
+        return self.lin(h.to(self.lin.weight.dtype) if self.bf16 else h)
 
     def forward(self, h: torch.Tensor, *extras: Any) -> Any:
+        st = self.st
+        if st.inplace == "add_":
+            h.add_(0.5)
+        elif st.inplace == "relu":
+            h = self.relu(h)
         inside = [u for u in self.block.uses if u.where == "inside"]
         for use, v in zip(inside, extras, strict=True):
             h = apply_use(h, v, use, None)
-        # bf16: boundary values mixed with fp32 ones are fp32; the matmul takes the weights'.
-        lin_in = h.to(self.lin.weight.dtype) if self.bf16 else h
-        a = h + torch.tanh(self.drop(self.lin(lin_in)))
+        h = self._state(h)
+        if st.region == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                z = self._mix(h)
+            z = z.to(h.dtype)
+        else:
+            z = self._mix(h)
+        a = h + torch.tanh(self.drop(z))
+        if st.region == "no_grad":
+            with torch.no_grad():
+                n = self.lin.weight.norm() if st.params != "none" else h.norm()
+            a = a / (1 + n)
+        elif st.region == "enable_grad":
+            with torch.no_grad():
+                spread = h.abs().mean()
+                with torch.enable_grad():
+                    g = torch.tanh(h).mean()
+            a = a * (1 + 0.1 * spread) + 0.1 * g
+        if self.memo_train_only is not None and (self.training or not self.memo_train_only):
+            self.memo.copy_(a.mean(0).detach())
         return _realise(a, self.block.out)
 
 
@@ -694,12 +1156,23 @@ class FuzzModel(nn.Module):
             self.blocks[j].lin.weight = self.blocks[i].lin.weight
         if spec.tie_head:
             self.head.weight = self.embed.weight
+        for block in self.blocks:
+            if block.st.params in ("frozen", "frozen_bias"):
+                block.lin.bias.requires_grad_(False)
+            if block.st.params == "frozen":
+                block.lin.weight.requires_grad_(False)
+            if hasattr(block, "norm"):  # around 1, as BatchNorm starts (seeded_init: +-0.1)
+                with torch.no_grad():
+                    block.norm.weight.add_(1.0)
+        if spec.frozen_prefix is not None:
+            for module in [self.stem, self.embed, *self.blocks[: spec.frozen_prefix]]:
+                module.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> Any:
         if self.spec.bf16:  # float inputs follow the weights (fp32 when partitioned)
             x = x.to(self.stem.weight.dtype)
         values: list[Any] = [x, ids, torch.tanh(self.stem(x)) + self.embed(ids)]
-        for block, b in zip(self.blocks, self.spec.blocks, strict=True):
+        for index, (block, b) in enumerate(zip(self.blocks, self.spec.blocks, strict=True)):
             h = _fetch(values, b.main)
             extras = []
             for use in b.uses:
@@ -708,6 +1181,10 @@ class FuzzModel(nn.Module):
                     h = apply_use(h, v, use, self)
                 else:
                     extras.append(v)
+            for writer, reader, _ in self.spec.shared:
+                if reader == index:
+                    memo = self.blocks[writer].memo
+                    h = (h + memo).to(h.dtype) if self.spec.bf16 else h + memo
             values.append(block(h, *extras))
         h = _fetch(values, self.spec.final)
         for use in self.spec.final_uses:
@@ -787,10 +1264,17 @@ def reference_optimizer(spec: FuzzSpec, params: Sequence[nn.Parameter]) -> torch
 def reference_run(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) -> list[float]:
     """Run the schedule on the unsplit model by hand; return each call's mean loss.
 
-    With ``spec.bf16``, DeepSpeed's bf16 recipe written out here: parameters cast to bf16, the
-    optimizer on fp32 copies, each micro-batch's bf16 gradient added into a bf16 buffer, the
-    buffers as the copies' gradients, the copies rounded back into the model; a call's loss is
-    summed and divided in bf16.
+    The model keeps its own semantics: ``model.train()`` before a train call (its buffers and
+    counters update as its forward says, once per micro-batch), ``model.eval()`` under
+    ``torch.no_grad()`` for an eval call; frozen parameters get no gradient and the optimizer
+    leaves them alone. The model's buffers after the run are the expected ones.
+
+    With ``spec.bf16``, DeepSpeed's bf16 recipe written out here: parameters cast to bf16 (the
+    floating buffers stay fp32, as DeepSpeed 0.19.8's ``_cast_module_mixed_precision`` leaves
+    them), the optimizer on fp32 copies of the trainable ones (``BF16_Optimizer`` keeps only
+    parameters that require a gradient), each micro-batch's bf16 gradient added into a bf16
+    buffer, the buffers as the copies' gradients, the copies rounded back into the model; a
+    call's loss is summed and divided in bf16.
     """
     if spec.bf16:
         return _reference_run_bf16(spec, model, batches)
@@ -816,10 +1300,10 @@ def reference_run(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) ->
 
 
 def _reference_run_bf16(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) -> list[float]:
-    params = list(dict.fromkeys(model.parameters()))
     with torch.no_grad():
-        for p in params:
+        for p in dict.fromkeys(model.parameters()):
             p.data = p.data.to(torch.bfloat16)
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_() for p in params]
     buffers = [torch.zeros_like(p) for p in params]
     opt = reference_optimizer(spec, masters)
@@ -881,12 +1365,56 @@ def build_model(spec: FuzzSpec) -> nn.Module:
 
 
 def init_weights(spec: FuzzSpec, plan: Any) -> Callable[[nn.Module], None] | None:
-    """For a meta model, the loader filling each local stage from a normally built model."""
+    """For a meta model, the loader filling each local stage from a normally built model (its
+    non-persistent buffers given as ``buffers=``, as they are in no state dict)."""
     if not spec.meta:
         return None
     from pipedialect.weights import from_state_dict
 
-    return from_state_dict(FuzzModel(spec).state_dict(), plan=plan)
+    model = FuzzModel(spec)
+    state = model.state_dict()
+    extra = {n: b for n, b in model.named_buffers(remove_duplicate=False) if n not in state}
+    return from_state_dict(state, plan=plan, buffers=extra)
+
+
+def buffer_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every buffer of ``model`` by name (copies), for comparing state."""
+    return {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)}
+
+
+def stage_buffers(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """The buffers each stage holds, as ``"name (stage k)"``: every copy must be right."""
+    return {
+        f"{n} (stage {k})": b.detach().cpu().clone()
+        for k, stage in enumerate(stages)
+        for n, b in stage.named_buffers(remove_duplicate=False)
+    }
+
+
+def counters(model: nn.Module) -> dict[str, int]:
+    """The Python counters (``calls``) of ``model``'s blocks, by module path."""
+    return {f"{n}.calls": m.calls for n, m in model.named_modules() if hasattr(m, "calls")}
+
+
+def side_effects(spec: FuzzSpec, model: nn.Module, initial: dict[str, torch.Tensor]) -> list[str]:
+    """How ``model`` differs from a freshly built one (``initial``: its buffers): what
+    ``partition`` left on it (issue #24: it must change nothing)."""
+    problems = [
+        f"partition() changed the Python attribute {name} to {value} (it was 0)"
+        for name, value in counters(model).items()
+        if value != 0
+    ]
+    if spec.meta:
+        return problems
+    now = dict(model.named_buffers(remove_duplicate=False))
+    for name, value in initial.items():
+        if name not in now:
+            problems.append(f"partition() removed the buffer {name}")
+        elif type(now[name]) is not type(value):
+            problems.append(f"partition() replaced the buffer {name} by a {type(now[name])}")
+        elif now[name].dtype != value.dtype or not torch.equal(now[name], value):
+            problems.append(f"partition() changed the buffer {name}")
+    return problems
 
 
 # -- running and comparing --------------------------------------------------------------------
@@ -903,6 +1431,8 @@ class Outcome:
     spec: FuzzSpec
     refused: str | None = None
     phase: str | None = None
+    #: Stages of the plan with no parameter that requires a gradient (frozen or parameterless).
+    untrained_stages: int = 0
 
     @property
     def ran(self) -> bool:
@@ -929,8 +1459,15 @@ def compare_results(
     params: dict[str, torch.Tensor],
     ref_params: dict[str, torch.Tensor],
     where: str = "",
+    buffers: dict[str, torch.Tensor] | None = None,
+    ref_buffers: dict[str, torch.Tensor] | None = None,
 ) -> list[str]:
-    """Every disagreement between a pipeline run and the reference, as messages."""
+    """Every disagreement between a pipeline run and the reference, as messages.
+
+    ``buffers`` are the stages' copies (:func:`stage_buffers`), each compared with the unsplit
+    model's buffer of that name (dtype included: floating buffers stay fp32 under bf16); names
+    the model does not have (constants a capture added) are not compared.
+    """
     problems = []
     for k, (op, ours, theirs) in enumerate(zip(spec.schedule, losses, expected, strict=True)):
         if not losses_match(ours, theirs):
@@ -940,7 +1477,33 @@ def compare_results(
             assert_tensor_close(value, ref_params[name].detach(), f"{where}parameter {name}")
         except AssertionError as exc:
             problems.append(str(exc))
+    for key, value in (buffers or {}).items():
+        name = key.split(" (stage")[0]
+        expected_value = (ref_buffers or {}).get(name)
+        if expected_value is None:
+            continue
+        if value.dtype != expected_value.dtype:
+            problems.append(
+                f"{where}buffer {key}: dtype {value.dtype}, unsplit {expected_value.dtype}"
+            )
+            continue
+        try:
+            assert_tensor_close(value, expected_value.detach(), f"{where}buffer {key}")
+        except AssertionError as exc:
+            problems.append(str(exc))
     return problems
+
+
+def unheld_buffers(
+    held: set[str], initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor]
+) -> list[str]:
+    """Buffers the unsplit model changed that no stage holds (``held``: their names)."""
+    changed = [n for n, v in final.items() if not torch.equal(v, initial[n])]
+    return [
+        f"buffer {n} changed in the unsplit model and no stage holds it"
+        for n in changed
+        if n not in held
+    ]
 
 
 def failure(spec: FuzzSpec, what: str) -> FuzzFailure:
@@ -962,13 +1525,16 @@ def run_local(spec: FuzzSpec) -> Outcome:
     reference = FuzzModel(spec)
     model = build_model(spec)  # the stages share Parameter objects with it (unless on meta)
     batches = micro_batches(spec)
+    initial = buffer_values(reference)
     try:
         expected = reference_run(spec, reference, batches)
     except Exception as exc:  # the generator built a model that does not run: a harness bug
         raise failure(spec, f"the unsplit model itself fails: {exc!r}") from exc
     phase = "partition"
+    changed: list[str] = []  # what partition() left on the model (it must leave nothing)
     try:
         plan = partition_spec(model, spec, batches)
+        changed = side_effects(spec, model, initial)
         phase = "build"
         dialect = pipedialect.get_dialect("local")
         config = ds_config(spec)
@@ -995,10 +1561,14 @@ def run_local(spec: FuzzSpec) -> Outcome:
             raise failure(
                 spec, f"{phase} raised after earlier calls ran: {type(exc).__name__}: {exc}"
             ) from exc
+        if phase != "partition" and changed:  # refused, but the model is no longer the same
+            raise failure(spec, f"{phase} refused, after " + "; ".join(changed)) from exc
         return Outcome(spec, f"{type(exc).__name__}: {exc}", phase)
     except Exception as exc:
+        after = f" (after {'; '.join(changed)})" if phase != "partition" and changed else ""
         raise failure(
-            spec, f"{phase} raised {type(exc).__name__} (not a named pipedialect error): {exc}"
+            spec,
+            f"{phase} raised {type(exc).__name__} (not a named pipedialect error){after}: {exc}",
         ) from exc
     params = {
         n: p.detach().float()
@@ -1008,15 +1578,22 @@ def run_local(spec: FuzzSpec) -> Outcome:
     ref_params = {
         n: p.detach().float() for n, p in reference.named_parameters(remove_duplicate=False)
     }
-    problems = compare_results(spec, losses, expected, params, ref_params)
+    buffers = stage_buffers(plan.stages)
+    ref_buffers = buffer_values(reference)
+    problems = changed + compare_results(
+        spec, losses, expected, params, ref_params, buffers=buffers, ref_buffers=ref_buffers
+    )
     moved = {n for n in ref_params if n not in params}
     if moved:
         problems.append(f"parameters held by no stage: {sorted(moved)}")
+    held = {key.split(" (stage")[0] for key in buffers}
+    problems += unheld_buffers(held, initial, ref_buffers)
     if problems:
         raise failure(
             spec, "the pipeline disagrees with the unsplit model:\n" + "\n".join(problems)
         )
-    return Outcome(spec)
+    untrained = sum(not any(p.requires_grad for p in stage.parameters()) for stage in plan.stages)
+    return Outcome(spec, untrained_stages=untrained)
 
 
 # -- finding out which feature a failure needs ------------------------------------------------
@@ -1031,6 +1608,11 @@ def _variants(spec: FuzzSpec) -> dict[str, FuzzSpec]:
         out["static shapes"] = replace(spec, dynamic=False, vary_batch=False)
     if "eval" in spec.schedule:
         out["no eval"] = replace(spec, schedule=tuple(s for s in spec.schedule if s == "train"))
+    present = spec.dims()
+    for dim in sorted(present):
+        out[f"no {dim}"] = restrict(spec, [d for d in DIMENSIONS if d in present and d != dim])
+    if present:
+        out["no state"] = restrict(spec, ())
     return out
 
 
@@ -1054,41 +1636,119 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
+def run_distributed(spec: FuzzSpec, dialect: Dialect, timeout: float = 240.0) -> Outcome:
+    """Train ``spec`` on ``dialect`` in one launch of two ranks and compare (as the tests do).
+
+    Raises:
+        FuzzFailure: as :func:`run_local`, or the launch failed (a rank crashed or hung).
+    """
+    import _fuzz_workers as workers
+
+    from pipedialect.launch import launch
+
+    try:
+        launched = launch(workers.run_specs, 2, dialect, [spec], timeout=timeout)
+    except Exception as exc:
+        text = str(exc)
+        raise failure(spec, f"the {dialect} launch failed: {text[-3000:]}") from exc
+    results = [r[0] for r in launched]
+    if workers.compare(spec, results):
+        return Outcome(spec)
+    return Outcome(spec, results[0]["refused"], results[0].get("phase"))
+
+
+def dimension_counts(outcomes: Sequence[tuple[FuzzSpec, str]]) -> dict[str, Counter[str]]:
+    """``{dimension or feature: Counter(ran=..., refused=..., failed=...)}`` over ``outcomes``
+    (each a spec and ``"ran"``, ``"refused"`` or ``"failed"``)."""
+    table: dict[str, Counter[str]] = {}
+    for spec, status in outcomes:
+        for name in sorted(spec.dims() | spec.features()):
+            table.setdefault(name, Counter())[status] += 1
+    return dict(sorted(table.items()))
+
+
+def format_counts(table: dict[str, Counter[str]]) -> str:
+    """The table of :func:`dimension_counts`, one line per dimension or feature."""
+    return "\n".join(
+        f"  {name:28} ran {c['ran']:4}  refused {c['refused']:4}  failed {c['failed']:4}"
+        for name, c in table.items()
+    )
+
+
+def _dims(text: str) -> list[str]:
+    if text in ("none", ""):
+        return []
+    dims = [d.strip() for d in text.split(",")]
+    unknown = set(dims) - set(DIMENSIONS)
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown dimensions {sorted(unknown)}; choose from {', '.join(DIMENSIONS)}"
+        )
+    return dims
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run seeds on the local dialect; print what fails (and which change makes it pass)."""
+    """Run seeds on a dialect; print what fails (and which change makes it pass)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("seeds", help="a seed, a range 0-99, or a list 1,5,9-12")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only failures")
     parser.add_argument("-d", "--describe", action="store_true", help="print every spec")
+    parser.add_argument(
+        "--only",
+        type=_dims,
+        default=list(DIMENSIONS),
+        help=f"comma-separated issue-#24 dimensions to keep ({', '.join(DIMENSIONS)}), "
+        "or 'none' for the models of 445325a; default: all",
+    )
+    parser.add_argument(
+        "--dialect",
+        choices=("local", "deepspeed", "torch"),
+        default="local",
+        help="deepspeed and torch: one launch of two ranks per seed",
+    )
+    parser.add_argument(
+        "--no-diagnose", action="store_true", help="skip the variants run on each failure"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    failed = refused = 0
+    results: list[tuple[FuzzSpec, str]] = []
     for seed in _seeds(args.seeds):
-        spec = spec_from_seed(seed)
+        spec = spec_from_seed(seed, args.dialect, dims=args.only)
         if args.describe:
             print(spec.describe())
         try:
-            outcome = run_local(spec)
+            if args.dialect == "local":
+                outcome = run_local(spec)
+            else:
+                outcome = run_distributed(spec, args.dialect)
         except FuzzFailure as exc:
-            failed += 1
+            results.append((spec, "failed"))
             lines = str(exc).splitlines()
-            summary = " | ".join(lines[:2] if lines[1].startswith("call") else lines[:1])
+            summary = " | ".join(lines[:2] if lines[0].endswith(":") else lines[:1])
             print(f"FAIL {summary[:300]}")
-            print(f"     diagnosis: {diagnose(spec) or ['no single change makes it pass']}")
+            if args.dialect == "local" and not args.no_diagnose:
+                print(f"     diagnosis: {diagnose(spec) or ['no single change makes it pass']}")
             if not args.quiet:
                 print("\n".join(lines[1:]))
                 if exc.__cause__ is not None:
                     traceback.print_exception(exc.__cause__, limit=-3)
             continue
-        if outcome.refused:
-            refused += 1
+        results.append((spec, "refused" if outcome.refused else "ran"))
         if not args.quiet:
             status = f"refused at {outcome.phase}: {outcome.refused}" if outcome.refused else "ok"
             print(f"seed {seed}: {status[:200]}")
-    total = len(_seeds(args.seeds))
+    total = len(results)
+    failed = sum(status == "failed" for _, status in results)
+    refused = sum(status == "refused" for _, status in results)
     print(f"{total} specs: {failed} failed, {refused} refused, {total - failed - refused} ran")
+    table = dimension_counts(results)
+    if table:
+        print("by issue-#24 dimension and feature:\n" + format_counts(table))
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the importable module, so specs sent to spawned ranks are _fuzz_models.FuzzSpec.
+    import _fuzz_models
+
+    sys.exit(_fuzz_models.main())

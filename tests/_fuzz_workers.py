@@ -5,9 +5,11 @@ Every rank joins one process group, then trains several generated models one aft
 the spec, builds the whole model (identical weights on every rank: per-module seeded init; or
 on the meta device, each rank then filling the stages it runs from the state of a normally built
 model), partitions it (split points, checkpointed blocks) and runs the spec's train/eval
-schedule on the dialect; it returns the losses and the parameters of the stages it ran, by their
-original names. :func:`compare` runs the unsplit
-reference in the test process and compares.
+schedule on the dialect; it returns the losses, and the parameters and buffers of the stages it
+ran, by their original names, and what ``partition()`` changed on the model (it must change
+nothing). :func:`compare` runs the unsplit reference in the test process and compares. A named
+pipedialect error while building or in the first call is returned as a refusal (every rank must
+refuse alike); one in a later call, or any other exception, fails the launch.
 """
 
 from __future__ import annotations
@@ -24,40 +26,61 @@ import pipedialect
 def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
     model = fm.build_model(spec)  # on the meta device when spec.meta: each rank fills its own
     batches = fm.micro_batches(spec)
+    initial = fm.buffer_values(fm.FuzzModel(spec))
     try:
         plan = fm.partition_spec(model, spec, batches)
     except pipedialect.PipeDialectError as exc:  # every rank refuses alike, before any collective
         return {"refused": f"{type(exc).__name__}: {exc}", "phase": "partition"}
+    changed = fm.side_effects(spec, model, initial)  # what partition() left on the model
     config = fm.ds_config(spec)
-    if dialect.name == "deepspeed":
-        module = dialect.pipe_engine(
-            plan,
-            config=config,
-            loss_fn=fm.fuzz_loss,
-            topology=dialect.make_topology(plan.num_stages, 1),
-            dynamic_shapes=spec.dynamic,
-            init_weights=fm.init_weights(spec, plan),
-        )
-    else:
-        module = dialect.pipe_engine(
-            plan,
-            config=config,
-            loss_fn=fm.fuzz_loss,
-            schedule=spec.pipe_schedule,
-            init_weights=fm.init_weights(spec, plan),
-        )
-    engine = dialect.runtime_engine(module, config=config)
+    phase = "build"
     losses = []
-    for op, chunk in zip(spec.schedule, fm.chunks(spec, batches), strict=True):
-        call = engine.train_batch if op == "train" else engine.eval_batch
-        losses.append(float(call(iter(chunk))))
+    try:
+        if dialect.name == "deepspeed":
+            module = dialect.pipe_engine(
+                plan,
+                config=config,
+                loss_fn=fm.fuzz_loss,
+                topology=dialect.make_topology(plan.num_stages, 1),
+                dynamic_shapes=spec.dynamic,
+                init_weights=fm.init_weights(spec, plan),
+            )
+        else:
+            module = dialect.pipe_engine(
+                plan,
+                config=config,
+                loss_fn=fm.fuzz_loss,
+                schedule=spec.pipe_schedule,
+                init_weights=fm.init_weights(spec, plan),
+            )
+        engine = dialect.runtime_engine(module, config=config)
+        for k, (op, chunk) in enumerate(zip(spec.schedule, fm.chunks(spec, batches), strict=True)):
+            phase = f"call {k} ({op})"
+            call = engine.train_batch if op == "train" else engine.eval_batch
+            losses.append(float(call(iter(chunk))))
+    except pipedialect.PipeDialectError as exc:
+        if phase.startswith("call") and not phase.startswith("call 0"):
+            raise
+        return {"refused": f"{type(exc).__name__}: {exc}", "phase": phase, "changed": changed}
     stages = list(dialect.local_stages(engine))
     params = {
         n: p.detach().cpu().clone()
         for k in stages
         for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
     }
-    return {"rank": dist.get_rank(), "stages": stages, "losses": losses, "params": params}
+    buffers = {
+        f"{n} (stage {k})": b.detach().cpu().clone()
+        for k in stages
+        for n, b in plan.stages[k].named_buffers(remove_duplicate=False)
+    }
+    return {
+        "rank": dist.get_rank(),
+        "stages": stages,
+        "losses": losses,
+        "params": params,
+        "buffers": buffers,
+        "changed": changed,
+    }
 
 
 def run_specs(dialect_name: str, cases: list[int | fm.FuzzSpec]) -> list[dict[str, Any]]:
@@ -84,23 +107,40 @@ def compare(spec: fm.FuzzSpec, per_rank: list[dict[str, Any]]) -> bool:
         FuzzFailure: a loss or parameter differs, or a trained parameter is held by no stage.
     """
     refused = [r.get("refused") for r in per_rank]
+    changed = sorted({c for r in per_rank for c in r.get("changed", [])})
     if any(refused):
         if len(set(refused)) != 1:
             raise fm.failure(spec, f"the ranks disagree about refusing the model: {refused}")
+        if changed:  # refused after partition() had changed the model
+            raise fm.failure(spec, f"{per_rank[0]['phase']} refused, after " + "; ".join(changed))
         return False
     model = fm.FuzzModel(spec)
     initial = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    initial_buffers = fm.buffer_values(model)
     expected = fm.reference_run(spec, model, fm.micro_batches(spec))
     ref_params = dict(model.named_parameters(remove_duplicate=False))
-    problems: list[str] = []
+    ref_buffers = fm.buffer_values(model)
+    problems: list[str] = list(changed)
     held: set[str] = set()
+    held_buffers: set[str] = set()
     for r in per_rank:
         where = f"rank {r['rank']} stages {r['stages']}: "
-        problems += fm.compare_results(spec, r["losses"], expected, r["params"], ref_params, where)
+        problems += fm.compare_results(
+            spec,
+            r["losses"],
+            expected,
+            r["params"],
+            ref_params,
+            where,
+            buffers=r["buffers"],
+            ref_buffers=ref_buffers,
+        )
         held.update(r["params"])
+        held_buffers.update(key.split(" (stage")[0] for key in r["buffers"])
     moved = {n for n, p in ref_params.items() if not torch.equal(p.detach(), initial[n])}
     if moved - held:
         problems.append(f"trained parameters held by no stage: {sorted(moved - held)}")
+    problems += fm.unheld_buffers(held_buffers, initial_buffers, ref_buffers)
     if problems:
         raise fm.failure(
             spec, "the pipeline disagrees with the unsplit model:\n" + "\n".join(problems)

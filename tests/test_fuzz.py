@@ -8,17 +8,27 @@ on boundary values, random split points or ``num_stages`` with a random balance 
 export capture, checkpointed blocks (some with dropout), meta-device models filled per stage,
 calls inside ``pipedialect.trace``, SGD and Adam, with and without dynamic shapes, training and
 evaluation interleaved, bf16 on the local dialect (one spec in five, against DeepSpeed's bf16
-recipe written out on the unsplit model). Each is trained on a dialect and compared,
-loss by loss and parameter by parameter, with a deep copy of the model trained by a plain loop.
-A refusal counts only when it is a named pipedialect error raised before any batch ran.
+recipe written out on the unsplit model). Then module state (issue #24, ``fm.DIMENSIONS``):
+buffers (BatchNorm, hand-written running statistics, non-persistent buffers), Python counters,
+a buffer written by one block and read by another (in a later or an earlier stage),
+``self.training`` branches, ``no_grad``/``enable_grad``/autocast regions, in-place ops on
+boundary tensors and on buffers saved for backward, frozen parameters and frozen or
+parameterless stages, and bf16 on the export path. Each is trained on a dialect and compared,
+loss by loss (eval losses included), parameter by parameter and buffer by buffer, with a copy of
+the model trained by a plain loop (``model.train()`` for train calls, ``model.eval()`` under
+``no_grad`` for eval calls); ``partition()`` must leave the model unchanged. A refusal counts
+only when it is a named pipedialect error raised before any batch ran; the tests count ran and
+refused models per dimension and require enough that ran.
 
 Runs are deterministic (``derandomize``, no example database). A failure prints the spec
 (readable, and as a ``FuzzSpec(...)`` expression to replay with ``run_local``); seeds drawn by
-``random.Random`` reproduce with ``python tests/_fuzz_models.py <seed>``.
+``random.Random`` reproduce with ``python tests/_fuzz_models.py <seed>`` (``--only buffers``
+keeps one dimension of its state, ``--dialect torch`` replays it on two ranks).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -28,6 +38,7 @@ from typing import Any
 import _fuzz_models as fm
 import _fuzz_workers as workers
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
 from pipedialect.launch import launch
@@ -45,7 +56,50 @@ def _summary(outcomes: list[fm.Outcome]) -> str:
     refusals = Counter(
         f"{o.phase}: {(o.refused or '').split(':')[0]}" for o in outcomes if not o.ran
     )
-    return f"{sum(o.ran for o in outcomes)} of {len(outcomes)} ran; refusals {dict(refusals)}"
+    table = fm.dimension_counts([(o.spec, "ran" if o.ran else "refused") for o in outcomes])
+    return (
+        f"{sum(o.ran for o in outcomes)} of {len(outcomes)} ran; refusals {dict(refusals)}\n"
+        f"by issue-#24 dimension and feature:\n{fm.format_counts(table)}"
+    )
+
+
+#: Seeds of the sweep for issue #24's dimensions (``random.Random``: stable counts, where the
+#: hypothesis run's draws of the new dimensions shift with any change to the generator).
+STATE_SEEDS = range(2000, 2060)
+#: The fewest local models that must run (not be refused) per issue-#24 dimension or feature,
+#: over the hypothesis run and both seeded sweeps: about a third of those the two sweeps draw
+#: (a dimension counts when its whole model ran, its other dimensions included).
+LOCAL_MINIMUM_RAN = {
+    "buffers": 20,
+    "buffers:bn": 5,
+    "buffers:stats": 5,
+    "counter": 8,
+    "cross_buffer": 12,
+    "cross_buffer:across_stages": 6,
+    "modes": 12,
+    "regions": 12,
+    "regions:no_grad": 4,
+    "inplace": 20,
+    "inplace:after_split": 3,
+    "frozen": 15,
+    "bf16_export": 6,
+}
+#: Local models whose plan has a stage with nothing to train (frozen or parameterless).
+LOCAL_MINIMUM_UNTRAINED_STAGES = 5
+
+
+def _assert_dimensions_ran(outcomes: list[fm.Outcome]) -> None:
+    table = fm.dimension_counts([(o.spec, "ran" if o.ran else "refused") for o in outcomes])
+    short = {
+        name: (table.get(name, Counter())["ran"], least)
+        for name, least in LOCAL_MINIMUM_RAN.items()
+        if table.get(name, Counter())["ran"] < least
+    }
+    assert not short, f"too few models ran (ran, required): {short}\n{_summary(outcomes)}"
+    untrained = sum(o.ran and o.untrained_stages > 0 for o in outcomes)
+    assert untrained >= LOCAL_MINIMUM_UNTRAINED_STAGES, (
+        f"only {untrained} models with a frozen or parameterless stage ran"
+    )
 
 
 def _checkpointed(spec: fm.FuzzSpec) -> fm.FuzzSpec:
@@ -101,6 +155,9 @@ def test_local_dialect_matches_the_unsplit_model_on_random_models() -> None:
     assert len(replayed) >= 3, _summary(outcomes)
     assert sum(s.meta for s in ran) >= 10, _summary(outcomes)
     assert sum(s.trace_from is not None for s in ran) >= 8, _summary(outcomes)
+    outcomes += [fm.run_local(fm.spec_from_seed(seed)) for seed in STATE_SEEDS]
+    print(_summary(outcomes))
+    _assert_dimensions_ran(outcomes)
 
 
 #: Seeds whose local model found a bug on f795e34, the code before the fixes of issue #12 (the
@@ -119,7 +176,7 @@ FOUND = {
 
 @pytest.mark.parametrize("seed", sorted(FOUND), ids=lambda s: f"seed{s}")
 def test_models_that_found_bugs_now_train_like_the_unsplit_model(seed: int) -> None:
-    assert fm.run_local(fm.spec_from_seed(seed)).ran, FOUND[seed]
+    assert fm.run_local(fm.spec_from_seed(seed, dims=())).ran, FOUND[seed]
 
 
 def test_a_checkpointed_block_returning_none_and_a_bool_is_refused_by_name() -> None:
@@ -130,12 +187,121 @@ def test_a_checkpointed_block_returning_none_and_a_bool_is_refused_by_name() -> 
     capture refuses such a module by name instead.
     """
     spec = replace(
-        fm.spec_from_seed(15), checkpoint=("blocks.0",), dropout=(), meta=False, trace_from=None
+        fm.spec_from_seed(15, dims=()),
+        checkpoint=("blocks.0",),
+        dropout=(),
+        meta=False,
+        trace_from=None,
     )
     outcome = fm.run_local(spec)
     assert not outcome.ran
     assert outcome.refused is not None
     assert outcome.refused.startswith("ActivationCheckpointError: checkpointed module 'blocks.0'")
+
+
+#: ``describe()`` of seeds 0-199 per dialect at 445325a (before issue #24's dimensions): a
+#: sha256 prefix of the strings joined by newlines. Drawn without the new dimensions, every
+#: older seed must still be the same model (the new draws come last).
+DESCRIBE_AT_445325A = {
+    "local": "fadc5d8df62958cf",
+    "deepspeed": "c7922916bc3f2cf2",
+    "torch": "c0aacdd63a3e38c2",
+}
+#: One of them in full, to read: seed 17 on the local dialect at 445325a.
+SEED_17_AT_445325A = """\
+FuzzSpec seed=45589 origin=17 dim=8 vocab=11 batch=3 capture=fx dynamic=False optimizer=sgd \
+gas=1 schedule=['train', 'train', 'eval'] split=['blocks.0', 'blocks.1', 'blocks.3']
+  v0 = x, v1 = ids, v2 = tanh(stem(x)) + embed(ids)
+  v3 = blocks.0(v2) -> {'h': <act>}
+      top: walk v2
+  v4 = blocks.1(v3['h']) -> <act>
+      inside: isinstance 'tuple' v3
+      top: walk v3['h']
+      inside: walk v3['h']
+  v5 = blocks.2(v4) -> (<act>, False)
+  v6 = blocks.3(v5[0]) -> <act>
+  out = head(softsign(v6)) as tensor
+      top: walk v0
+      top: is_none v3"""
+
+
+@pytest.mark.parametrize("dialect", sorted(DESCRIBE_AT_445325A))
+def test_older_seeds_keep_their_models_without_the_new_dimensions(dialect: fm.Dialect) -> None:
+    digest = hashlib.sha256()
+    for seed in range(200):
+        digest.update(fm.spec_from_seed(seed, dialect, dims=()).describe().encode() + b"\n")
+    assert digest.hexdigest()[:16] == DESCRIBE_AT_445325A[dialect]
+    if dialect == "local":
+        assert fm.spec_from_seed(17, dims=()).describe() == SEED_17_AT_445325A
+        # With them, the same model gains state and nothing else changes.
+        full = fm.spec_from_seed(17)
+        assert full.dims() and fm.restrict(full, ()) == fm.spec_from_seed(17, dims=())
+
+
+def _one_block_state(seed: int, **state: Any) -> fm.FuzzSpec:
+    """Seed ``seed``'s model without issue-#24 state, except ``state`` on ``blocks.0``."""
+    spec = fm.spec_from_seed(seed, dims=())
+    states = [fm.BlockState()] * len(spec.blocks)
+    states[0] = fm.BlockState(**state)
+    return replace(spec, state=tuple(states), meta=False, checkpoint=(), dropout=(), bf16=False)
+
+
+def test_the_reference_is_the_model_run_by_a_plain_loop_with_its_own_semantics() -> None:
+    """The reference itself, checked by hand: BatchNorm's running statistics follow the train
+    calls' micro-batches only, a counter counts every forward, eval leaves the buffers alone,
+    frozen parameters stay put, a parameterless block has none, and bf16 keeps buffers fp32."""
+    spec = replace(_one_block_state(2, buffer="bn", counter=True), schedule=("train", "eval"))
+    model = fm.FuzzModel(spec)
+    seen: list[torch.Tensor] = []
+    norm = model.blocks[0].norm
+    norm.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    batches = fm.micro_batches(spec)
+    fm.reference_run(spec, model, batches)
+    assert len(seen) == 2 * spec.gas  # one forward per micro-batch, train and eval
+    mean, var = torch.zeros(spec.dim), torch.ones(spec.dim)
+    for x in seen[: spec.gas]:  # the train call's micro-batches; eval updates nothing
+        mean = 0.9 * mean + 0.1 * x.mean(0)
+        var = 0.9 * var + 0.1 * x.var(0, unbiased=True)
+    torch.testing.assert_close(norm.running_mean, mean)
+    torch.testing.assert_close(norm.running_var, var)
+    assert int(norm.num_batches_tracked) == spec.gas
+    assert model.blocks[0].calls == 2 * spec.gas
+    assert not model.training  # the eval call came last
+
+    spec = replace(_one_block_state(3, params="frozen", buffer="stats"), frozen_prefix=None)
+    spec = replace(spec, state=(*spec.state[:1], fm.BlockState(params="none"), *spec.state[2:]))
+    model = fm.FuzzModel(spec)
+    assert not list(model.blocks[1].parameters())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fm.reference_run(spec, model, fm.micro_batches(spec))
+    after = dict(model.named_parameters())
+    assert torch.equal(after["blocks.0.lin.weight"], before["blocks.0.lin.weight"])
+    assert not torch.equal(after["head.bias"], before["head.bias"])
+
+    spec = replace(_one_block_state(5, buffer="stats", scale="train"), bf16=True)
+    model = fm.FuzzModel(spec)
+    fm.reference_run(spec, model, fm.micro_batches(spec))
+    assert {b.dtype for b in model.buffers()} == {torch.float32}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    trains = spec.schedule.count("train") * spec.gas
+    assert torch.allclose(model.blocks[0].scale, torch.full((spec.dim,), 0.97**trains))
+
+
+def test_partition_must_leave_the_model_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A harness rule: a buffer or Python counter that ``partition()`` changed is a failure,
+    even when the pipeline would then agree (or refuse by name)."""
+    spec = _one_block_state(4, counter=True, buffer="table")
+    real_partition = fm.partition_spec
+
+    def count_once(model: Any, *args: Any) -> Any:
+        plan = real_partition(model, *args)
+        model.blocks[0].calls = 0
+        model.blocks[0].table.mul_(2.0)
+        return plan
+
+    monkeypatch.setattr(fm, "partition_spec", count_once)
+    with pytest.raises(fm.FuzzFailure, match=r"partition\(\) changed the buffer blocks.0.table"):
+        fm.run_local(spec)
 
 
 def test_a_failure_names_the_spec_and_its_seed() -> None:
@@ -155,7 +321,7 @@ def test_a_refusal_counts_only_when_it_is_a_named_error(monkeypatch: pytest.Monk
     from pipedialect import CaptureError, WireError
     from pipedialect.dialects.local.engine import LocalEngine
 
-    spec = fm.spec_from_seed(4)
+    spec = fm.spec_from_seed(4, dims=())
     assert fm.run_local(spec).ran
     real_partition = fm.partition_spec
 
@@ -198,8 +364,18 @@ def test_a_refusal_counts_only_when_it_is_a_named_error(monkeypatch: pytest.Monk
 #: 91, 93, 138, 185, 186: a stage output also used inside its stage was detached in place).
 #: Then seeds drawing checkpointed blocks and meta-device models (8ed2218): 26 and 54 both, 14
 #: and 17 checkpoint, 16 and 18 meta (DeepSpeed); 14 and 128 both, 27 checkpoint, 11 meta (torch).
+#: These are drawn without issue #24's dimensions (the models they were chosen for).
 DEEPSPEED_SEEDS = (*range(8), 94, 126, 14, 16, 17, 18, 26, 54)
 TORCH_SEEDS = (*range(8), 91, 93, 94, 138, 185, 186, 11, 14, 27, 128)
+#: Seeds drawn with issue #24's dimensions, chosen so that between them every dimension the
+#: dialect draws appears at least twice, as do a buffer written in one stage and read in the
+#: next, an in-place op on the tensor a stage received, a frozen first stage (LoRA-like) and a
+#: parameterless block, BatchNorm, a ``no_grad`` region and an in-place buffer update saved for
+#: backward; none reads a buffer written by a later stage (which may be refused), none has
+#: more than three dimensions. On torch they cover the 1F1B, zero-bubble and DualPipeV
+#: schedules. (``dropout`` modes and bf16 are drawn for local only.)
+STATE_DEEPSPEED_SEEDS = (238, 123, 178, 219, 180, 64, 44, 118)
+STATE_TORCH_SEEDS = (61, 159, 255, 171, 97, 215, 58)
 
 
 def _balanced(dialect: fm.Dialect) -> list[fm.FuzzSpec]:
@@ -207,7 +383,7 @@ def _balanced(dialect: fm.Dialect) -> list[fm.FuzzSpec]:
     one per cost model, so balanced plans are checked on the multi-process dialects too."""
     return [
         replace(
-            fm.spec_from_seed(seed, dialect),
+            fm.spec_from_seed(seed, dialect, dims=()),
             num_stages=2,
             balance=balance,
             split_points=(),
@@ -217,36 +393,50 @@ def _balanced(dialect: fm.Dialect) -> list[fm.FuzzSpec]:
     ]
 
 
+def _cases(dialect: fm.Dialect, seeds: Sequence[int], state_seeds: Sequence[int]) -> list[Any]:
+    """The specs one launch trains: the older seeds as they were, the balanced plans, then the
+    seeds with module state."""
+    return [
+        *(fm.spec_from_seed(seed, dialect, dims=()) for seed in seeds),
+        *_balanced(dialect),
+        *(fm.spec_from_seed(seed, dialect) for seed in state_seeds),
+    ]
+
+
 def _check_distributed(
-    dialect: fm.Dialect, seeds: Sequence[int | fm.FuzzSpec], launched: list[Any]
+    dialect: fm.Dialect, specs: Sequence[fm.FuzzSpec], launched: list[Any]
 ) -> None:
-    specs = [s if isinstance(s, fm.FuzzSpec) else fm.spec_from_seed(s, dialect) for s in seeds]
     problems: list[str] = []
-    ran = 0
-    balanced_ran = 0
+    outcomes: list[tuple[fm.FuzzSpec, str]] = []
     per_spec = zip(*launched, strict=True)
     for spec, results in zip(specs, per_spec, strict=True):
         try:
-            if workers.compare(spec, list(results)):
-                ran += 1
-                balanced_ran += spec.num_stages is not None
+            outcomes.append((spec, "ran" if workers.compare(spec, list(results)) else "refused"))
         except fm.FuzzFailure as exc:
             problems.append(str(exc))
     assert not problems, "\n\n".join(problems)
-    assert ran >= len(specs) * 3 // 4, f"only {ran} of {len(specs)} models ran"
+    ran = [spec for spec, status in outcomes if status == "ran"]
+    table = fm.format_counts(fm.dimension_counts(outcomes))
+    print(f"{dialect}: {len(ran)} of {len(specs)} ran\n{table}")
+    assert len(ran) >= len(specs) * 3 // 4, f"only {len(ran)} of {len(specs)} models ran"
     balanced = sum(spec.num_stages is not None for spec in specs)
+    balanced_ran = sum(spec.num_stages is not None for spec in ran)
     assert balanced_ran == balanced, f"only {balanced_ran} of {balanced} balanced plans ran"
+    # Every issue-#24 dimension the launch draws trains in at least one model.
+    drawn = {d for spec in specs for d in spec.dims()}
+    trained = {d for spec in ran for d in spec.dims()}
+    assert drawn <= trained, f"no model with {sorted(drawn - trained)} ran\n{table}"
 
 
 @pytest.mark.distributed
 def test_deepspeed_matches_the_unsplit_model_on_random_models() -> None:
-    cases = [*DEEPSPEED_SEEDS, *_balanced("deepspeed")]
+    cases = _cases("deepspeed", DEEPSPEED_SEEDS, STATE_DEEPSPEED_SEEDS)
     launched = launch(workers.run_specs, 2, "deepspeed", cases, timeout=300)
     _check_distributed("deepspeed", cases, launched)
 
 
 @pytest.mark.distributed
 def test_torch_dialect_matches_the_unsplit_model_on_random_models() -> None:
-    cases = [*TORCH_SEEDS, *_balanced("torch")]
+    cases = _cases("torch", TORCH_SEEDS, STATE_TORCH_SEEDS)
     launched = launch(workers.run_specs, 2, "torch", cases, timeout=300)
     _check_distributed("torch", cases, launched)
