@@ -19,7 +19,12 @@ Comparison: the same container types, dict keys in the same order, Python values
 and bools exact, tensors of the same shape, dtype and device, equal for non-float dtypes and
 ``torch.allclose`` with :data:`TOLERANCES` for float dtypes (tight: both runs execute the
 same kernels; the export path's aten ops are the ones eager mode calls). On the meta device only
-structure, shapes and dtypes are compared.
+structure, shapes and dtypes are compared, and the model runs on fake tensors
+(:class:`~torch._subclasses.fake_tensor.FakeTensorMode` over the meta inputs and weights), so
+nothing reads a value: code that would look at one eagerly takes the branch it takes under
+tracing instead (transformers' sdpa mask skips its all-ones test for a fake ``padding_mask``:
+the test is ``.item()``, which a meta tensor cannot answer), and code that reads a value
+regardless is refused by name (:class:`PartitionError`), since a meta tensor has none.
 
 Nothing is left on the model: hooks are removed, buffers (BatchNorm's running statistics, a
 buffer forward replaces) get their objects and values back after each run, the RNG state
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from . import _fx, _state
 from .errors import PartitionError, PipeDialectError, PlanMismatchError
@@ -69,7 +75,8 @@ def verify(plan: PipelinePlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -
             "this plan holds no model to check it against; build it with partition()"
         )
     values = _bind(plan, model, args, kwargs)
-    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    if on_meta:
         # A meta model is checked for structure only; CPU inputs would not meet its weights.
         values = pytree.tree_map(
             lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, values
@@ -83,7 +90,7 @@ def verify(plan: PipelinePlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -
         for training in (True, False):
             with _Modes(model, plan.stages, training):
                 try:
-                    _verify_mode(plan, model, values, points, targets, inputs)
+                    _verify_mode(plan, model, values, points, targets, inputs, on_meta)
                 except PlanMismatchError as exc:
                     if training:
                         raise
@@ -100,24 +107,40 @@ def _verify_mode(
     points: Sequence[nn.Module],
     targets: Sequence[str],
     inputs: Sequence[torch.Tensor],
+    on_meta: bool,
 ) -> None:
     with _Preserved(model, inputs) as rewind, torch.no_grad():
         with _Recorder(points) as seen:
             try:
-                expected = model(**values, **plan.concrete_args)
+                with _fake_values() if on_meta else contextlib.nullcontext():
+                    expected = model(**values, **plan.concrete_args)
             except PipeDialectError:
                 raise
             except Exception as exc:
                 dtype = plan.param_dtype
+                reads = isinstance(exc, DataDependentOutputException)
                 raise PartitionError(
                     f"the model itself raised {type(exc).__name__} on the inputs the plan was "
                     f"to be checked on ({'train' if model.training else 'eval'} mode"
                     + (f", {dtype} parameters" if dtype is not None else "")
                     + f"): {exc}"
+                    + (
+                        "; its forward reads a tensor's value, which a model on the meta device "
+                        "does not have: check the plan on a model with weights "
+                        "(plan.verify(...) after loading them) and pass verify=False here"
+                        if reads
+                        else ""
+                    )
                 ) from exc
         rewind()
         checker = _Checker(plan, targets, seen.outputs, seen.inputs)
         checker.run(values, points, expected)
+
+
+def _fake_values() -> FakeTensorMode:
+    """Runs the meta model on fake tensors: its code sees a traced value and reads none
+    ([Note: plan verification])."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 class _Modes:
