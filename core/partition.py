@@ -46,6 +46,12 @@ __all__ = ["BufferInfo", "PipelinePlan", "check_capture_dtype", "partition"]
 
 logger = logging.getLogger(__name__)
 
+#: ``stage.meta[MODEL_NAMES]``: for each parameter and persistent buffer of a stage that the
+#: model's ``state_dict`` holds under several names, all of them (in the model's order). A
+#: stage holds a tensor under one name, the one its using module has; a checkpoint of the
+#: stages needs the others to be a state dict of the whole model (:mod:`pipedialect.checkpoint`).
+MODEL_NAMES = "pipedialect_model_names"
+
 
 @dataclass(frozen=True)
 class BufferInfo:
@@ -471,6 +477,7 @@ def _partition(
     if ckpt_paths:
         for stage in cut.stages:
             _fx.checkpoint_calls(stage, frozenset(ckpt_paths))
+    _record_model_names(model, cut.stages)
     liveness = compute_liveness(cut.input_names, cut.arg_names, cut.defined_by)
     buffers = tuple(
         BufferInfo(
@@ -499,6 +506,22 @@ def _partition(
         param_dtype=None if named_inputs is None else (capture_dtype or _param_dtype(model)),
         input_defaults=_input_defaults(model, cut.input_names),
     )
+
+
+def _record_model_names(model: nn.Module, stages: Sequence[fx.GraphModule]) -> None:
+    """Set ``stage.meta[MODEL_NAMES]`` on every stage (see :data:`MODEL_NAMES`)."""
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.Tensor):
+            names_of.setdefault(id(tensor), []).append(name)
+    for stage in stages:
+        held = {**dict(stage.named_buffers(remove_duplicate=False))}
+        held.update(stage.named_parameters(remove_duplicate=False))
+        stage.meta[MODEL_NAMES] = {
+            name: tuple(names_of[id(tensor)])
+            for name, tensor in held.items()
+            if len(names_of.get(id(tensor), ())) > 1
+        }
 
 
 #: Names the captures give the constants they set on the model (fx's tensor constants,
