@@ -36,7 +36,7 @@ from ._module_paths import (
     close_matches,
     resolve_leaves,
 )
-from .balance import BalanceMethod, PlanCosts, profile_model
+from .balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, profile_model
 from .contracts import StageSpec
 from .errors import ActivationCheckpointError, ConfigError, PartitionError, SplitPointError
 from .liveness import compute_liveness
@@ -239,6 +239,8 @@ def partition(
     balance: BalanceMethod | None = None,
     micro_batches: int | None = None,
     balance_inputs: Mapping[str, Any] | None = None,
+    candidates: Sequence[str] | None = None,
+    bandwidth: float | None = DEFAULT_BANDWIDTH,
     checkpoint: Sequence[str] | str | None = None,
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
@@ -267,6 +269,14 @@ def partition(
         balance_inputs: ``{parameter name: tensor}``, one micro-batch the cost model measures
             (on fake tensors) when the forward is captured with torch.fx; default:
             ``example_inputs``.
+        candidates: with ``num_stages``, the modules the chosen split points must be among;
+            default: the model's own blocks (the children of its outermost ``ModuleList`` or
+            ``Sequential``, e.g. the decoder layers), or every module that can end a stage
+            when they cannot make ``num_stages`` stages ([Note: blocks] in
+            :mod:`pipedialect.balance`).
+        bandwidth: with ``num_stages``, the bytes per second between stages that price the
+            bytes each cut sends for ``"flops"`` and ``"time"`` (default
+            :data:`pipedialect.balance.DEFAULT_BANDWIDTH`); None: boundaries are free.
         checkpoint: module paths or glob patterns (``"blocks.*"``) whose activations are
             recomputed in backward (non-reentrant ``torch.utils.checkpoint``, dropout masks
             replayed) instead of kept: the stage graphs call them through the checkpoint, so
@@ -353,6 +363,8 @@ def partition(
                 balance=balance,
                 micro_batches=micro_batches,
                 balance_inputs=balance_inputs,
+                candidates=candidates,
+                bandwidth=bandwidth,
                 ckpt_paths=ckpt_paths,
                 concrete_args=concrete_args,
                 leaf_modules=leaf_modules,
@@ -376,6 +388,8 @@ def _partition(
     balance: BalanceMethod | None,
     micro_batches: int | None,
     balance_inputs: Mapping[str, Any] | None,
+    candidates: Sequence[str] | None,
+    bandwidth: float | None,
     ckpt_paths: Sequence[str],
     concrete_args: Mapping[str, Any] | None,
     leaf_modules: Sequence[str | type[nn.Module]] | None,
@@ -386,10 +400,10 @@ def _partition(
     training = model.training
     costs = None
     if num_stages is None:
-        if balance is not None or micro_batches is not None:
+        if balance is not None or micro_batches is not None or candidates is not None:
             raise ConfigError(
-                "balance= and micro_batches= choose split points for num_stages stages; pass "
-                "num_stages=N too"
+                "balance=, micro_batches= and candidates= choose split points for num_stages "
+                "stages; pass num_stages=N too"
             )
         points = list(fixed)
     else:
@@ -402,6 +416,8 @@ def _partition(
             balance_inputs if balance_inputs is not None else named_inputs,
             concrete_args,
             [*(leaf_modules or ()), *ckpt_paths],
+            candidates,
+            bandwidth,
         )
     canonical = {id(m): name for name, m in model.named_modules()}
     point_modules = [_resolve_split_point(model, path) for path in points]
@@ -632,6 +648,8 @@ def _balanced(
     inputs: Mapping[str, Any] | None,
     concrete_args: Mapping[str, Any] | None,
     leaf_modules: Sequence[str | type[nn.Module]],
+    candidates: Sequence[str] | None,
+    bandwidth: float | None,
 ) -> tuple[list[str], PlanCosts]:
     """Split points chosen by the cost model around ``fixed``, and the plan's predicted costs."""
     if balance != "parameters" and inputs is None:
@@ -646,7 +664,14 @@ def _balanced(
         leaf_modules=leaf_modules,
         measure_time=balance == "time",
     )
-    points = profile.choose(num_stages, balance, split_points=fixed, micro_batches=micro_batches)
+    points = profile.choose(
+        num_stages,
+        balance,
+        split_points=fixed,
+        candidates=candidates,
+        micro_batches=micro_batches,
+        bandwidth=bandwidth,
+    )
     costs = profile.costs(
         points, micro_batches=num_stages if micro_batches is None else micro_batches
     )
