@@ -109,8 +109,12 @@ def _verify_mode(
     inputs: Sequence[torch.Tensor],
     on_meta: bool,
 ) -> None:
+    # The modules whose outputs the boundary values are, to find where in them ([Note:
+    # boundary values] in ``partition``); watched in train mode only (eval sends the same).
+    origins = plan._output_origins() if model.training else {}
+    watched = sorted(set(origins.values()))
     with _Preserved(model, inputs) as rewind, torch.no_grad():
-        with _Recorder(points) as seen:
+        with _Recorder(points) as seen, _Recorder(_modules(model, watched)) as produced:
             try:
                 with _fake_values() if on_meta else contextlib.nullcontext():
                     expected = model(**values, **plan.concrete_args)
@@ -134,7 +138,13 @@ def _verify_mode(
                 ) from exc
         rewind()
         checker = _Checker(plan, targets, seen.outputs, seen.inputs)
+        if model.training:
+            checker.observe(origins, dict(zip(watched, produced.outputs, strict=True)))
         checker.run(values, points, expected)
+
+
+def _modules(model: nn.Module, paths: Sequence[str]) -> list[nn.Module]:
+    return [model.get_submodule(path) for path in paths]
 
 
 def _fake_values() -> FakeTensorMode:
@@ -289,6 +299,46 @@ class _Checker:
         self._targets = targets
         self._expected = expected
         self._received = received
+        self._origins: Mapping[str, str] | None = None
+        self._produced: Mapping[str, Sequence[Any]] = {}
+
+    def observe(self, origins: Mapping[str, str], produced: Mapping[str, Sequence[Any]]) -> None:
+        """Record on the plan what each boundary value is as :meth:`run` computes it, and where
+        in its origin module's output (``origins``: value -> module; ``produced``: module ->
+        the outputs of its calls in the model's run)."""
+        self._origins = origins
+        self._produced = produced
+
+    def _record(self, name: str, value: Any) -> None:
+        if self._origins is None:
+            return
+        seen: dict[str, Any] = {}
+        if isinstance(value, torch.Tensor):
+            seen.update(
+                shape=tuple(value.shape),
+                dtype=value.dtype,
+                nbytes=value.numel() * value.element_size(),
+            )
+        else:
+            tensors = _tensors_in(value)
+            seen["other"] = (
+                repr(value)
+                if not tensors and (value is None or isinstance(value, (bool, int, float)))
+                else f"a {type(value).__name__} of {len(tensors)} tensor(s)"
+            )
+            seen["nbytes"] = sum(t.numel() * t.element_size() for t in tensors)
+        module = self._origins.get(name)
+        calls = self._produced.get(module, []) if module is not None else []
+        if len(calls) == 1 and isinstance(value, torch.Tensor):
+            leaves, _ = pytree.tree_flatten_with_path(calls[0])
+            paths = tuple(
+                pytree.keystr(path)
+                for path, leaf in leaves
+                if isinstance(leaf, torch.Tensor) and _difference(leaf, value, "") is None
+            )
+            if paths:
+                seen["output"] = paths
+        self._plan._seen[name] = seen
 
     def run(self, values: Mapping[str, Any], points: Sequence[nn.Module], expected: Any) -> None:
         """Raise :class:`PlanMismatchError` at the first stage whose output differs."""
@@ -309,6 +359,9 @@ class _Checker:
                 else:
                     sent = list(out)
                     env.update((f"{name}.{i}", item) for i, item in enumerate(sent))
+                for value_name in plan.sends(k):
+                    if value_name in env:
+                        self._record(value_name, env[value_name])
                 self._check_split_point(k, seen.outputs[k], nodes, sent)
         difference = _difference(expected, out, "")
         if difference is not None:
