@@ -513,3 +513,59 @@ def train_torch(
             }
             dist.barrier()
     return results
+
+
+# -- a pretrained directory through a meta plan on several ranks ------------------------------
+
+
+def pretrained_roundtrip(
+    directories: dict[str, str], dialect_name: str, out: str, steps: int, gas: int, micro: int
+) -> dict[str, Any]:
+    """For each family's ``save_pretrained`` directory: a meta model from its config, 2 stages
+    with the default attention, each rank loading its stage with ``from_pretrained(dir,
+    plan=plan)`` (no other argument), SGD steps, a portable checkpoint, and (rank 0) its
+    ``export_hf`` into ``out/<name>/export``. Returns losses and this rank's parameters."""
+    import torch.distributed as dist
+
+    from pipedialect import checkpoint
+    from pipedialect.weights import from_pretrained
+
+    dialect = pipedialect.get_dialect(dialect_name)
+    dialect.init_distributed()
+    config = ds_config(gas, micro, "sgd")
+    results: dict[str, Any] = {}
+    for name, directory in directories.items():
+        family = FAMILIES[name]
+        saved = family.model_cls.config_class.from_pretrained(directory)
+        with torch.device("meta"):
+            meta = family.model_cls._from_config(saved).train()
+        plan = partition(
+            meta,
+            [family.split_point],
+            example_inputs=family.example_inputs(micro),
+            concrete_args=family.fixed,
+        )
+        kwargs: dict[str, Any] = {"init_weights": from_pretrained(directory, plan=plan)}
+        if dialect_name == "deepspeed":
+            kwargs["topology"] = dialect.make_topology(2, 1)
+        else:
+            kwargs["schedule"] = "1F1B"
+        module = dialect.pipe_engine(plan, config=config, loss_fn=token_loss, **kwargs)
+        engine = dialect.runtime_engine(module, config=config)
+        data = family.micro_batches(steps * gas, batch_size=micro)
+        losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+        stages = list(dialect.local_stages(engine))
+        checkpoint.save(engine, f"{out}/{name}/ckpt")
+        if dist.get_rank() == 0:
+            checkpoint.export_hf(f"{out}/{name}/ckpt", f"{out}/{name}/export", config=saved)
+        dist.barrier()
+        results[name] = {
+            "losses": losses,
+            "stages": stages,
+            "params": {
+                n: p.detach().cpu().clone()
+                for k in stages
+                for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
+            },
+        }
+    return results

@@ -11,7 +11,8 @@ References: the unsplit model ``from_pretrained(dir)`` loads, trained by a plain
 the same micro-batches (losses and every parameter within 1e-6 relative); and, for the export,
 that model's class loaded with the consolidated weights, whose ``save_pretrained`` the export
 must equal file for file and tensor for tensor, and whose logits the reloaded export must give
-bit for bit.
+bit for bit. The same path runs on two processes on DeepSpeed and torch.distributed.pipelining
+for a rotary model and one whose files rename its head.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from safetensors.torch import load_file
 import pipedialect
 from pipedialect import checkpoint as ckpt
 from pipedialect import partition
+from pipedialect.launch import launch
 from pipedialect.weights import from_pretrained
 
 STEPS = 3
@@ -131,3 +133,63 @@ def _run(family: hf.Family, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(hf.FAMILIES))
 def test_pretrained_meta_model_trains_exports_and_reloads(name: str, tmp_path: Path) -> None:
     _run(hf.FAMILIES[name], tmp_path)
+
+
+def _sgd_reference(family: hf.Family, directory: Path) -> tuple[Any, list[float]]:
+    """The unsplit ``from_pretrained`` model trained by hand with the multi-process SGD."""
+    model = family.model_cls.from_pretrained(directory).train()
+    optimizer = hf.OPTIMIZERS["sgd"][1](model.parameters())
+    data = family.micro_batches(STEPS * GAS, batch_size=MICRO)
+    losses = []
+    for _ in range(STEPS):
+        total = 0.0
+        for _ in range(GAS):
+            inputs, labels = next(data)
+            loss = hf.token_loss(family.forward(model, inputs), labels)
+            (loss / GAS).backward()
+            total += loss.item() / GAS
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return model, losses
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dialect", ["deepspeed", "torch"])
+def test_pretrained_meta_model_on_two_ranks(dialect: str, tmp_path: Path) -> None:
+    """The same path on 2 processes: each rank reads only its stage from the directory
+    (Qwen2: rotary table, tied head; GPT-NeoX: a head stored as ``embed_out.weight``)."""
+    names = ["qwen2", "gpt_neox"]
+    directories = {}
+    for name in names:
+        directories[name] = str(tmp_path / name / "pretrained")
+        hf.FAMILIES[name].build(0).save_pretrained(directories[name])
+    runs = launch(
+        hf.pretrained_roundtrip,
+        2,
+        directories,
+        dialect,
+        str(tmp_path),
+        STEPS,
+        GAS,
+        MICRO,
+        timeout=600,
+    )
+    for name in names:
+        family = hf.FAMILIES[name]
+        reference, expected = _sgd_reference(family, Path(directories[name]))
+        ref_params = dict(reference.named_parameters(remove_duplicate=False))
+        per_rank = [run[name] for run in runs]
+        assert sorted(k for r in per_rank for k in r["stages"]) == [0, 1], name
+        for r in per_rank:
+            assert r["losses"] == pytest.approx(expected, rel=RTOL, abs=ATOL), (name, r["stages"])
+            for param, value in r["params"].items():
+                assert_tensor_close(value, ref_params[param].detach(), f"{name} {param}")
+        reloaded = family.model_cls.from_pretrained(tmp_path / name / "export").eval()
+        inputs, _ = next(family.micro_batches(1, batch_size=MICRO, seed=77))
+        with torch.no_grad():
+            assert_tensor_close(
+                family.forward(reloaded, inputs)[0],
+                family.forward(reference.eval(), inputs)[0],
+                f"{dialect} {name} exported logits",
+            )
