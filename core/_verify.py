@@ -45,7 +45,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 
 from . import _fx, _state
 from .errors import PartitionError, PipeDialectError, PlanMismatchError
@@ -122,7 +126,7 @@ def _verify_mode(
                 raise
             except Exception as exc:
                 dtype = plan.param_dtype
-                reads = isinstance(exc, DataDependentOutputException)
+                reads = isinstance(exc, DataDependentOutputException | DynamicOutputShapeException)
                 raise PartitionError(
                     f"the model itself raised {type(exc).__name__} on the inputs the plan was "
                     f"to be checked on ({'train' if model.training else 'eval'} mode"
