@@ -4,7 +4,8 @@ One run, one model whose layers are unequal: a large input embedding (many param
 FLOPs), transformer blocks whose MLPs have different widths, and a small output head.
 
 - **FLOPs** (``--stages`` p): max/mean of the stages' forward + backward FLOPs for
-  ``balance="flops"`` over every candidate module, ``balance="flops"`` restricted to the layer
+  ``balance="flops"`` over every candidate module (``candidates=profile.candidates``, boundary
+  bytes not priced: ``bandwidth=None``), ``balance="flops"`` restricted to the layer
   sequence a hand-written ``PipelineModule`` would use (embedding, each block, norm, head),
   DeepSpeed's ``partition_method="parameters"`` on that sequence (its ``partition_balanced``
   rule over trainable parameter counts, rewritten in ``pipedialect._balance_solver``), and an
@@ -279,12 +280,14 @@ def main() -> None:
         model, example_inputs={"ids": ids}, measure_time=True, repeats=args.repeats
     )
     counts = [sum(q.numel() for q in model.get_submodule(n).parameters()) for n in layers]
+    # FLOPs and time alone: every candidate module, boundaries free (bandwidth=None).
+    every = {"candidates": profile.candidates, "bandwidth": None}
     points = {
-        'balance="flops"': profile.choose(p, "flops"),
-        'balance="flops", layers': profile.choose(p, "flops", candidates=cuts),
+        'balance="flops"': profile.choose(p, "flops", **every),
+        'balance="flops", layers': profile.choose(p, "flops", candidates=cuts, bandwidth=None),
         "DeepSpeed parameters": _from_parts(layers, spread_partition(counts, p)),
         EQUAL: _from_parts(layers, uniform_partition(len(layers), p)),
-        TIME: profile.choose(p, "time", micro_batches=m),
+        TIME: profile.choose(p, "time", micro_batches=m, **every),
     }
     plans = {name: partition(model, pts) for name, pts in points.items()}
 

@@ -19,7 +19,12 @@ Comparison: the same container types, dict keys in the same order, Python values
 and bools exact, tensors of the same shape, dtype and device, equal for non-float dtypes and
 ``torch.allclose`` with :data:`TOLERANCES` for float dtypes (tight: both runs execute the
 same kernels; the export path's aten ops are the ones eager mode calls). On the meta device only
-structure, shapes and dtypes are compared.
+structure, shapes and dtypes are compared, and the model runs on fake tensors
+(:class:`~torch._subclasses.fake_tensor.FakeTensorMode` over the meta inputs and weights), so
+nothing reads a value: code that would look at one eagerly takes the branch it takes under
+tracing instead (transformers' sdpa mask skips its all-ones test for a fake ``padding_mask``:
+the test is ``.item()``, which a meta tensor cannot answer), and code that reads a value
+regardless is refused by name (:class:`PartitionError`), since a meta tensor has none.
 
 Nothing is left on the model: hooks are removed, buffers (BatchNorm's running statistics, a
 buffer forward replaces) get their objects and values back after each run, the RNG state
@@ -40,6 +45,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 
 from . import _fx, _state
 from .errors import PartitionError, PipeDialectError, PlanMismatchError
@@ -69,7 +79,8 @@ def verify(plan: PipelinePlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -
             "this plan holds no model to check it against; build it with partition()"
         )
     values = _bind(plan, model, args, kwargs)
-    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    if on_meta:
         # A meta model is checked for structure only; CPU inputs would not meet its weights.
         values = pytree.tree_map(
             lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, values
@@ -83,7 +94,7 @@ def verify(plan: PipelinePlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -
         for training in (True, False):
             with _Modes(model, plan.stages, training):
                 try:
-                    _verify_mode(plan, model, values, points, targets, inputs)
+                    _verify_mode(plan, model, values, points, targets, inputs, on_meta)
                 except PlanMismatchError as exc:
                     if training:
                         raise
@@ -100,24 +111,50 @@ def _verify_mode(
     points: Sequence[nn.Module],
     targets: Sequence[str],
     inputs: Sequence[torch.Tensor],
+    on_meta: bool,
 ) -> None:
+    # The modules whose outputs the boundary values are, to find where in them ([Note:
+    # boundary values] in ``partition``); watched in train mode only (eval sends the same).
+    origins = plan._output_origins() if model.training else {}
+    watched = sorted(set(origins.values()))
     with _Preserved(model, inputs) as rewind, torch.no_grad():
-        with _Recorder(points) as seen:
+        with _Recorder(points) as seen, _Recorder(_modules(model, watched)) as produced:
             try:
-                expected = model(**values, **plan.concrete_args)
+                with _fake_values() if on_meta else contextlib.nullcontext():
+                    expected = model(**values, **plan.concrete_args)
             except PipeDialectError:
                 raise
             except Exception as exc:
                 dtype = plan.param_dtype
+                reads = isinstance(exc, DataDependentOutputException | DynamicOutputShapeException)
                 raise PartitionError(
                     f"the model itself raised {type(exc).__name__} on the inputs the plan was "
                     f"to be checked on ({'train' if model.training else 'eval'} mode"
                     + (f", {dtype} parameters" if dtype is not None else "")
                     + f"): {exc}"
+                    + (
+                        "; its forward reads a tensor's value, which a model on the meta device "
+                        "does not have: check the plan on a model with weights "
+                        "(plan.verify(...) after loading them) and pass verify=False here"
+                        if reads
+                        else ""
+                    )
                 ) from exc
         rewind()
         checker = _Checker(plan, targets, seen.outputs, seen.inputs)
+        if model.training:
+            checker.observe(origins, dict(zip(watched, produced.outputs, strict=True)))
         checker.run(values, points, expected)
+
+
+def _modules(model: nn.Module, paths: Sequence[str]) -> list[nn.Module]:
+    return [model.get_submodule(path) for path in paths]
+
+
+def _fake_values() -> FakeTensorMode:
+    """Runs the meta model on fake tensors: its code sees a traced value and reads none
+    ([Note: plan verification])."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 class _Modes:
@@ -266,6 +303,46 @@ class _Checker:
         self._targets = targets
         self._expected = expected
         self._received = received
+        self._origins: Mapping[str, str] | None = None
+        self._produced: Mapping[str, Sequence[Any]] = {}
+
+    def observe(self, origins: Mapping[str, str], produced: Mapping[str, Sequence[Any]]) -> None:
+        """Record on the plan what each boundary value is as :meth:`run` computes it, and where
+        in its origin module's output (``origins``: value -> module; ``produced``: module ->
+        the outputs of its calls in the model's run)."""
+        self._origins = origins
+        self._produced = produced
+
+    def _record(self, name: str, value: Any) -> None:
+        if self._origins is None:
+            return
+        seen: dict[str, Any] = {}
+        if isinstance(value, torch.Tensor):
+            seen.update(
+                shape=tuple(value.shape),
+                dtype=value.dtype,
+                nbytes=value.numel() * value.element_size(),
+            )
+        else:
+            tensors = _tensors_in(value)
+            seen["other"] = (
+                repr(value)
+                if not tensors and (value is None or isinstance(value, (bool, int, float)))
+                else f"a {type(value).__name__} of {len(tensors)} tensor(s)"
+            )
+            seen["nbytes"] = sum(t.numel() * t.element_size() for t in tensors)
+        module = self._origins.get(name)
+        calls = self._produced.get(module, []) if module is not None else []
+        if len(calls) == 1 and isinstance(value, torch.Tensor):
+            leaves, _ = pytree.tree_flatten_with_path(calls[0])
+            paths = tuple(
+                pytree.keystr(path)
+                for path, leaf in leaves
+                if isinstance(leaf, torch.Tensor) and _difference(leaf, value, "") is None
+            )
+            if paths:
+                seen["output"] = paths
+        self._plan._seen[name] = seen
 
     def run(self, values: Mapping[str, Any], points: Sequence[nn.Module], expected: Any) -> None:
         """Raise :class:`PlanMismatchError` at the first stage whose output differs."""
@@ -286,6 +363,9 @@ class _Checker:
                 else:
                     sent = list(out)
                     env.update((f"{name}.{i}", item) for i, item in enumerate(sent))
+                for value_name in plan.sends(k):
+                    if value_name in env:
+                        self._record(value_name, env[value_name])
                 self._check_split_point(k, seen.outputs[k], nodes, sent)
         difference = _difference(expected, out, "")
         if difference is not None:

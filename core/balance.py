@@ -4,9 +4,20 @@
 :func:`pipedialect.partition` accepts and that make the four stages' costs as even as the model
 allows. The candidates are every module forward calls exactly once, at any depth, that computes
 something and is not inside a module that runs as one call (an fx leaf such as
-``nn.TransformerEncoderLayer``, or a ``leaf_modules`` entry); the model is measured once
-([Note: balance trace] in ``_balance_profile``) and the contiguous-partition problem solved
-exactly ([Note: balance solver] in ``_balance_solver``).
+``nn.TransformerEncoderLayer``, or a ``leaf_modules`` entry); by default the split points are
+chosen among the model's own blocks ([Note: blocks]); the model is measured once ([Note:
+balance trace] in ``_balance_profile``) and the contiguous-partition problem solved exactly
+([Note: balance solver] in ``_balance_solver``).
+
+[Note: blocks]
+A stage boundary inside a block (after a decoder layer's ``q_proj``) sends what the rest of the
+block needs, often several tensors the block's end reduces to one: a Llama layer's attention
+cut there sends 2.5 times the bytes of a cut between layers, for a few percent of FLOPs. So
+the split points are chosen, unless ``candidates=`` says otherwise, among the *blocks*: the
+children of the model's outermost ``nn.ModuleList`` and ``nn.Sequential`` containers (the
+decoder layers of a transformers model, the layers of an ``nn.Sequential`` model), a container
+inside a block (a block's MLP, an MoE layer's experts) not counting. When the blocks cannot make
+``num_stages`` stages (fewer blocks than stages, or none), every candidate is used.
 
 Cost models (``balance=``), each a stage's cost per micro-batch:
 
@@ -19,8 +30,13 @@ Cost models (``balance=``), each a stage's cost per micro-batch:
 - ``"time"``: forward + backward seconds measured on the example inputs (the median of a few
   runs); under ``torch.distributed`` every rank takes rank 0's measurement, so all agree.
 
-``boundary_weight`` adds, to both stages beside a cut, that many cost units per byte the cut
-carries (the boundary's activation, and its gradient on the way back).
+Boundary bytes: a cut's bytes per micro-batch ``b`` (what crosses it forward; its gradient as
+many bytes back) cost the two stages beside it ``2 b / bandwidth`` seconds each, at
+``bandwidth`` bytes per second between stages (default :data:`DEFAULT_BANDWIDTH`, 25 GB/s:
+one 200 Gb/s link). ``"time"`` adds them to its seconds; ``"flops"`` converts them to FLOPs at
+``flops_per_second`` (default :data:`DEFAULT_FLOPS_PER_SECOND`, 1e14: a sustained 100
+TFLOP/s), so each byte weighs ``2 * flops_per_second / bandwidth`` FLOPs; ``"parameters"`` and
+``"memory"``, whose units are no time, ignore them. ``bandwidth=None`` leaves them out.
 
 Every method but ``"time"`` depends on the model and the inputs' shapes alone, so every rank
 chooses the same split points; ``"time"`` is a collective when a process group is initialised.
@@ -43,6 +59,8 @@ from ._module_paths import check_execution_order, resolve_leaves
 from .errors import ConfigError, PartitionError, SplitPointError
 
 __all__ = [
+    "DEFAULT_BANDWIDTH",
+    "DEFAULT_FLOPS_PER_SECOND",
     "BalanceMethod",
     "ModelProfile",
     "PlanCosts",
@@ -57,6 +75,11 @@ logger = logging.getLogger(__name__)
 
 BalanceMethod = Literal["parameters", "flops", "memory", "time"]
 _METHODS: tuple[str, ...] = get_args(BalanceMethod)
+
+#: Bytes per second between two stages the cost models assume by default (25 GB/s).
+DEFAULT_BANDWIDTH = 25e9
+#: Sustained FLOP/s of one stage's device that ``"flops"`` assumes to weigh boundary bytes.
+DEFAULT_FLOPS_PER_SECOND = 1e14
 
 
 def predicted_bubble(num_stages: int, micro_batches: int) -> float:
@@ -186,7 +209,13 @@ class ModelProfile:
     is measured once however many stage counts or methods are tried.
     """
 
-    def __init__(self, model_name: str, trace: _profile.Trace, aliases: Mapping[str, str]):
+    def __init__(
+        self,
+        model_name: str,
+        trace: _profile.Trace,
+        aliases: Mapping[str, str],
+        blocks: Sequence[str] = (),
+    ):
         self._name = model_name
         self._trace = trace
         self._aliases = dict(aliases)
@@ -200,6 +229,10 @@ class ModelProfile:
             )
         )
         """The modules that can end a stage, in the order forward finishes them."""
+        block_set = set(blocks)
+        self.blocks: tuple[str, ...] = tuple(p for p in self.candidates if p in block_set)
+        """The candidates that are the model's own blocks ([Note: blocks]): where
+        :meth:`choose` cuts unless told otherwise."""
 
     def _reason(self, rec: _profile.ModuleCalls) -> str | None:
         if rec.path == "":
@@ -260,7 +293,8 @@ class ModelProfile:
         split_points: Sequence[str] = (),
         candidates: Sequence[str] | None = None,
         micro_batches: int | None = None,
-        boundary_weight: float = 0.0,
+        bandwidth: float | None = DEFAULT_BANDWIDTH,
+        flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
         optimizer_states: int = 2,
     ) -> list[str]:
         """Split points for ``num_stages`` stages that minimise the largest stage cost.
@@ -271,10 +305,14 @@ class ModelProfile:
             split_points: split points the answer must contain; the others are chosen between
                 them.
             candidates: restrict the other split points to these modules (say, the layers of
-                a hand-written pipeline); default: every candidate.
+                a hand-written pipeline; :attr:`candidates` for every module that can end a
+                stage); default: the model's blocks (:attr:`blocks`), or every candidate when
+                they cannot make ``num_stages`` stages ([Note: blocks]).
             micro_batches: ``m``, for the activations 1F1B keeps in flight (``"memory"``);
                 default: at least ``num_stages``.
-            boundary_weight: cost units per byte a cut carries, charged to both its stages.
+            bandwidth: bytes per second between stages, which prices each cut's boundary bytes
+                for ``"flops"`` and ``"time"`` (see the module docstring); None: free.
+            flops_per_second: what ``"flops"`` turns those seconds into FLOPs at.
             optimizer_states: tensors of optimizer state per trainable parameter (Adam: 2).
 
         Raises:
@@ -291,6 +329,9 @@ class ModelProfile:
             raise ConfigError(f"balance={balance!r} needs a measurement taken with {need}")
         if micro_batches is not None and micro_batches < 1:
             raise ConfigError(f"micro_batches must be at least 1, got {micro_batches}")
+        for what, value in (("bandwidth", bandwidth), ("flops_per_second", flops_per_second)):
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ConfigError(f"{what} must be a positive number, got {value!r}")
         if isinstance(split_points, str):
             raise SplitPointError(
                 f"split_points must be a list of module paths: [{split_points!r}]"
@@ -302,39 +343,35 @@ class ModelProfile:
                 f"{len(fixed)} fixed split points make at least {len(fixed) + 1} stages, more "
                 f"than num_stages={num_stages}"
             )
-        if candidates is None:
-            pool = set(self.candidates)
-        else:
+        if candidates is not None:
             if isinstance(candidates, str):
                 raise SplitPointError(
                     f"candidates must be a list of module paths: [{candidates!r}]"
                 )
-            pool = {self._resolve(p, "candidate") for p in candidates}
-        ordered = sorted(pool | set(fixed), key=self._exit)
+            pools = [{self._resolve(p, "candidate") for p in candidates}]
+        elif self.blocks:
+            pools = [set(self.blocks), set(self.candidates)]
+        else:
+            pools = [set(self.candidates)]
         if num_stages == 1:
             return []
-        xs = [self._exit(p) for p in ordered]
-        channels, scales, overlaps = self._channels(
-            balance, xs, num_stages, micro_batches, optimizer_states
-        )
-        boundary = None
-        if boundary_weight:
-            if self._trace.crossing is None:
-                raise ConfigError("boundary_weight needs a measurement taken with example_inputs")
-            boundary = [boundary_weight * self._trace.crossing[x] for x in xs]
-        enters = [self._trace.modules[p].enter for p in ordered]
-        nested_from = [bisect.bisect_right(xs, enters[j]) for j in range(len(ordered))]
-        last_op = max((g for g, n in enumerate(self._trace.ops) if n), default=0)
-        solution = solve(
-            channels,
-            num_stages,
-            scales=scales,
-            boundary=boundary,
-            nested_from=nested_from,
-            fixed=[ordered.index(p) for p in fixed],
-            last_cut_below=bisect.bisect_left(xs, last_op),
-            overlaps=overlaps,
-        )
+        per_byte = self._byte_cost(balance, bandwidth, flops_per_second)
+        solution = None
+        ordered: list[str] = []
+        for number, pool in enumerate(pools):
+            ordered = sorted(pool | set(fixed), key=self._exit)
+            solution = self._solve(
+                ordered, fixed, balance, num_stages, micro_batches, optimizer_states, per_byte
+            )
+            if solution is not None:
+                break
+            if number + 1 < len(pools):
+                logger.info(
+                    "the %d blocks of %s cannot make %d stages: choosing among every candidate",
+                    len(self.blocks),
+                    self._name,
+                    num_stages,
+                )
         if solution is None:
             raise PartitionError(
                 f"{self._name} cannot be cut into {num_stages} stages"
@@ -352,6 +389,45 @@ class ModelProfile:
             solution.bottleneck,
         )
         return points
+
+    def _byte_cost(self, balance: str, bandwidth: float | None, flops_per_second: float) -> float:
+        """What one byte across a cut costs each stage beside it, in ``balance``'s unit."""
+        if bandwidth is None or balance in ("parameters", "memory"):
+            return 0.0
+        seconds = 2.0 / bandwidth  # the activation forward, its gradient backward
+        return seconds if balance == "time" else seconds * flops_per_second
+
+    def _solve(
+        self,
+        ordered: Sequence[str],
+        fixed: Sequence[str],
+        balance: str,
+        num_stages: int,
+        micro_batches: int | None,
+        optimizer_states: int,
+        per_byte: float,
+    ) -> Any:
+        """The solver's answer for cuts among ``ordered`` (fixed ones included), or None."""
+        xs = [self._exit(p) for p in ordered]
+        channels, scales, overlaps = self._channels(
+            balance, xs, num_stages, micro_batches, optimizer_states
+        )
+        boundary = None
+        if per_byte and self._trace.crossing is not None:
+            boundary = [per_byte * self._trace.crossing[x] for x in xs]
+        enters = [self._trace.modules[p].enter for p in ordered]
+        nested_from = [bisect.bisect_right(xs, enters[j]) for j in range(len(ordered))]
+        last_op = max((g for g, n in enumerate(self._trace.ops) if n), default=0)
+        return solve(
+            channels,
+            num_stages,
+            scales=scales,
+            boundary=boundary,
+            nested_from=nested_from,
+            fixed=[ordered.index(p) for p in fixed],
+            last_cut_below=bisect.bisect_left(xs, last_op),
+            overlaps=overlaps,
+        )
 
     def _channels(
         self,
@@ -540,7 +616,21 @@ def profile_model(
             _profile.agree_across_ranks(trace)
     canonical = {id(m): name for name, m in model.named_modules()}
     aliases = {name: canonical[id(m)] for name, m in model.named_modules(remove_duplicate=False)}
-    return ModelProfile(type(model).__name__, trace, aliases)
+    return ModelProfile(type(model).__name__, trace, aliases, _blocks(model))
+
+
+def _blocks(model: nn.Module) -> list[str]:
+    """The children of the outermost ``ModuleList`` and ``Sequential`` containers ([Note:
+    blocks])."""
+    blocks: list[str] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList | nn.Sequential) or len(module) < 2:
+            continue
+        if any(path == b or path.startswith(f"{b}.") for b in blocks):
+            continue  # a container inside a block
+        prefix = f"{path}." if path else ""
+        blocks.extend(f"{prefix}{name}" for name, _ in module.named_children())
+    return blocks
 
 
 def choose_split_points(
@@ -554,7 +644,8 @@ def choose_split_points(
     micro_batches: int | None = None,
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
-    boundary_weight: float = 0.0,
+    bandwidth: float | None = DEFAULT_BANDWIDTH,
+    flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
     optimizer_states: int = 2,
     repeats: int = 3,
 ) -> list[str]:
@@ -584,7 +675,8 @@ def choose_split_points(
         split_points=split_points,
         candidates=candidates,
         micro_batches=micro_batches,
-        boundary_weight=boundary_weight,
+        bandwidth=bandwidth,
+        flops_per_second=flops_per_second,
         optimizer_states=optimizer_states,
     )
 

@@ -54,6 +54,7 @@ from torch import nn
 from . import checkpoint_files as _files
 from .agreement import agree_on_error
 from .errors import CheckpointError, ConfigError
+from .partition import MODEL_NAMES
 from .stage import StageWrapper
 
 __all__ = [
@@ -252,6 +253,9 @@ class _Local:
 
     params: list[_Param] = field(default_factory=list)
     buffers: list[_Buffer] = field(default_factory=list)
+    #: Stage name -> every name the model's ``state_dict`` has for that tensor, where it has
+    #: several (:data:`pipedialect.partition.MODEL_NAMES`).
+    model_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def names(self) -> list[str]:
         """Every name a local parameter or buffer has."""
@@ -267,6 +271,8 @@ def _local(held: _Holdings) -> _Local:
     out = _Local()
     buffer_names: set[str] = set()
     for stage_id, module in held.stages:
+        recorded = getattr(module, "meta", {}).get(MODEL_NAMES, {})
+        out.model_names.update({str(n): tuple(all_) for n, all_ in recorded.items()})
         params = list(module.named_parameters(remove_duplicate=False))
         for position, (name, param) in enumerate(params):
             record = by_id.get(id(param))
@@ -311,6 +317,7 @@ def _summary(local: _Local) -> dict[str, Any]:
             }
             for b in local.buffers
         ],
+        "model_names": dict(local.model_names),
     }
 
 
@@ -584,6 +591,7 @@ def _index(
         "aliases": dict(sorted(canonical.items())),
         "params": params,
         "buffers": buffers,
+        "other_names": _other_names(summaries, canonical, buffers),
         "order": sorted(order, key=lambda n: (order[n], n)),
         "optimizer": {"type": type(held.optimizer).__name__, **_optimizer_index(optimizer)},
         "counters": dict(counters),
@@ -593,6 +601,26 @@ def _index(
             "num_stages": held.num_stages,
         },
     }
+
+
+def _other_names(
+    summaries: Sequence[Mapping[str, Any]],
+    canonical: Mapping[str, str],
+    buffers: Mapping[str, Any],
+) -> dict[str, str]:
+    """``name -> stored key`` for the model's names of a saved tensor that no stage holds
+    (T5's ``shared.weight``, which the stages hold as ``encoder.embed_tokens.weight``)."""
+    held = set(canonical) | set(buffers)
+    out: dict[str, str] = {}
+    for summary in summaries:
+        for name, names in summary.get("model_names", {}).items():
+            key = canonical.get(name, name if name in buffers else None)
+            if key is None:
+                continue
+            for other in names:
+                if other not in held:
+                    out.setdefault(other, key)
+    return dict(sorted(out.items()))
 
 
 # -- finding and reading a checkpoint -------------------------------------------------------
@@ -955,11 +983,14 @@ def _load_optimizer(
 def consolidate(path: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The unsplit model's ``state_dict`` from a portable checkpoint (any layout saved it).
 
-    Every parameter name the model has is a key (a tied weight's names share one tensor), and
-    so is every persistent buffer: ``model.load_state_dict(result, strict=True)`` loads it. The
-    keys come stage by stage (each stage's parameters, then its buffers), which is the model's
-    own order except for buffers registered before a module's parameters. Runs in this process
-    alone (no collective), with or without a process group.
+    Every name the model's own ``state_dict`` has is a key: each parameter name (a tied
+    weight's names, and the other names of a parameter two modules hold, such as T5's
+    ``shared.weight``, share one tensor) and each persistent buffer; non-persistent buffers
+    are not, as in ``state_dict``. So ``model.load_state_dict(result, strict=True)`` loads it.
+    The keys come stage by stage (each stage's parameters, then its buffers), which is the
+    model's own order except for buffers registered before a module's parameters; names no
+    stage holds come last. Runs in this process alone (no collective), with or without a
+    process group.
     """
     directory = _locate(path, tag)
     index = _read_index(directory)
@@ -971,6 +1002,8 @@ def consolidate(path: str | Path, tag: str | None = None) -> dict[str, torch.Ten
     for name in index["order"]:
         key = aliases.get(name, name)
         out[name] = loaded[_MODEL + key]
+    for name, key in index.get("other_names", {}).items():
+        out.setdefault(name, loaded[_MODEL + key])
     return out
 
 
@@ -986,13 +1019,17 @@ def export_hf(
 
     ``config`` is the model's ``transformers`` config; ``model_cls`` the model class
     (default: ``config.architectures[0]`` from ``transformers``). The model is built from the
-    config, loaded with :func:`consolidate`'s state dict (strictly) and saved with its own
-    ``save_pretrained`` (``model.safetensors``, ``config.json``), so ``from_pretrained(out_dir)``
-    loads it. Returns ``out_dir``.
+    config on the meta device (no memory, no random initialisation), given
+    :func:`consolidate`'s tensors (strictly: every name of its ``state_dict``, nothing else)
+    and saved by its own ``save_pretrained``, so the directory holds what ``save_pretrained``
+    of the trained model writes: ``model.safetensors`` without non-persistent buffers (the
+    model re-creates them), tied weights once where the config ties them, ``config.json`` and
+    ``generation_config.json``; ``from_pretrained(out_dir)`` loads it. Returns ``out_dir``.
 
     Raises:
         ConfigError: no model class can be found for ``config``.
-        CheckpointError: the checkpoint does not hold exactly the model's state.
+        CheckpointError: the checkpoint does not hold exactly the model's state, or the config
+            ties weights the checkpoint holds different values for.
     """
     state = consolidate(path, tag)
     if model_cls is None:
@@ -1005,13 +1042,60 @@ def export_hf(
                 f"export_hf cannot tell which model class {type(config).__name__} is for (its "
                 "architectures list is empty); pass model_cls=, e.g. GPT2LMHeadModel"
             )
-    model = model_cls(config)
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise CheckpointError(
-            f"checkpoint {path} does not hold the state of a {model_cls.__name__}: missing "
-            f"{result.missing_keys[:_SHOW]}, unexpected {result.unexpected_keys[:_SHOW]}"
-        )
+    with torch.device("meta"):
+        model = model_cls(config)
+    _assign_state(model, state, f"checkpoint {path}")
     out = Path(out_dir)
     model.save_pretrained(out)
     return out
+
+
+def _assign_state(model: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> None:
+    """Make ``state``'s tensors ``model``'s (a model on meta), keeping the model's own ties.
+
+    The names the model holds as one tensor (the config ties them) must have equal values in
+    ``state``, and get one tensor; tensors ``state`` shares between names the model keeps
+    apart are copied, so that ``save_pretrained`` sees the ties the model has, no others.
+    """
+    expected = model.state_dict(keep_vars=True)
+    missing = [n for n in expected if n not in state]
+    unexpected = [n for n in state if n not in expected]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{what} does not hold the state of a {type(model).__name__}: missing "
+            f"{missing[:_SHOW]}, unexpected {unexpected[:_SHOW]}"
+        )
+    groups: dict[int, list[str]] = {}
+    for name, tensor in expected.items():
+        groups.setdefault(id(tensor), []).append(name)
+    assigned: dict[str, torch.Tensor] = {}
+    used: set[int] = set()
+    for names in groups.values():
+        value = state[names[0]]
+        for other in names[1:]:
+            if not torch.equal(state[other], value):
+                raise CheckpointError(
+                    f"{what}: the config makes {names} one tensor in a {type(model).__name__}, "
+                    f"but the checkpoint holds different values for {names[0]!r} and "
+                    f"{other!r} (the model trained them untied); export with a config that "
+                    "does not tie them (e.g. tie_word_embeddings=False)"
+                )
+        if value.untyped_storage().data_ptr() in used:
+            value = value.clone()
+        used.add(value.untyped_storage().data_ptr())
+        assigned.update(dict.fromkeys(names, value))
+    model.load_state_dict(assigned, strict=True, assign=True)
+    for names in groups.values():  # assign made one Parameter per name: one per tensor again
+        holder, name = _owner(model, names[0])
+        shared: Any = holder._parameters.get(name)
+        if shared is None:
+            shared = holder._buffers[name]
+        for other in names[1:]:
+            module, attr = _owner(model, other)
+            table: Any = module._parameters if attr in module._parameters else module._buffers
+            table[attr] = shared
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return model.get_submodule(path), attr

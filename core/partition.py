@@ -12,6 +12,22 @@ graph's node order, so every rank that partitions the same model gets the same p
 plan and the model on one set of inputs and names the first stage that differs ([Note: plan
 verification] in ``_verify``); ``partition`` does it before returning when it has
 ``example_inputs``.
+
+[Note: boundary values]
+A value a stage sends is named ``submod_<k>.<i>`` (the ``i``-th output of stage ``k``), which
+says nothing about what it is; :meth:`PipelinePlan.boundary_values` and ``describe()`` say where
+it comes from. From the stage graphs (every node records the modules whose code computed it,
+``nn_module_stack``, on both capture routes): the value is the output of the outermost of
+those modules that some code outside it uses (a Llama layer's hidden state: ``model.layers.0``;
+the rotary tables: ``model.rotary_emb``), or, when every use is inside all of them, it stays
+inside the innermost one's forward (the causal mask ``LlamaModel.forward`` builds); a module
+called as one op (a torch.fx split point) and the ``getitem``s on its result say where in its
+output directly. Elsewhere :meth:`PipelinePlan.verify` (which ``partition`` runs with
+``example_inputs``) records each origin module's output in the model's run and finds the sent
+tensor among its leaves (``[0]``, ``['last_hidden_state']``); on the meta device only shapes
+and dtypes can tell, so two leaves alike are both named (``[0] or [1]``). Shapes, dtypes and
+bytes per micro-batch come from the export capture's metadata, or from what the check ran;
+without either they are unknown, and said to be.
 """
 
 from __future__ import annotations
@@ -21,6 +37,8 @@ import hashlib
 import inspect
 import json
 import logging
+import math
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,15 +54,21 @@ from ._module_paths import (
     close_matches,
     resolve_leaves,
 )
-from .balance import BalanceMethod, PlanCosts, profile_model
+from .balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, profile_model
 from .contracts import StageSpec
 from .errors import ActivationCheckpointError, ConfigError, PartitionError, SplitPointError
 from .liveness import compute_liveness
 from .ties import TieGroup, find_tie_groups
 
-__all__ = ["BufferInfo", "PipelinePlan", "check_capture_dtype", "partition"]
+__all__ = ["BoundaryValue", "BufferInfo", "PipelinePlan", "check_capture_dtype", "partition"]
 
 logger = logging.getLogger(__name__)
+
+#: ``stage.meta[MODEL_NAMES]``: for each parameter and persistent buffer of a stage that the
+#: model's ``state_dict`` holds under several names, all of them (in the model's order). A
+#: stage holds a tensor under one name, the one its using module has; a checkpoint of the
+#: stages needs the others to be a state dict of the whole model (:mod:`pipedialect.checkpoint`).
+MODEL_NAMES = "pipedialect_model_names"
 
 
 @dataclass(frozen=True)
@@ -74,6 +98,62 @@ class BufferInfo:
         sent = f", sent as {self.value!r}" if self.value else ""
         kind = "persistent" if self.persistent else "not persistent"
         return f"{self.name}: {owner}{readers}{sent} ({kind})"
+
+
+@dataclass(frozen=True)
+class BoundaryValue:
+    """One value a stage sends to the next, named by where it comes from.
+
+    See [Note: boundary values]. ``kind`` says what :attr:`module` is: ``"output"``, the
+    module's output (at :attr:`output`); ``"inside"``, a value its forward computes but does
+    not return (a mask built in ``LlamaModel.forward``); ``"input"``, a plan input passed on;
+    ``"buffer"``, a buffer's value its writer sends (:attr:`module` is the buffer's name).
+    """
+
+    #: The plan's name for it (``submod_0.3``, or an input's name).
+    name: str
+    #: ``"output"``, ``"inside"``, ``"input"`` or ``"buffer"``.
+    kind: str
+    #: The module path ('' for the model itself), the buffer's name, or None for an input.
+    module: str | None
+    #: The module's class name (``"output"`` and ``"inside"``).
+    module_type: str | None
+    #: Where in the module's output: ``""`` the whole output, ``"[0]"``, ``"['logits']"``;
+    #: several when the check could not tell them apart (on meta: same shape and dtype); None
+    #: when unknown (``plan.verify`` finds it).
+    output: tuple[str, ...] | None
+    #: Shape, dtype and bytes per micro-batch, when known (export capture, or a check ran).
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    nbytes: int | None
+    #: What it is when it is no tensor (``"None"``, ``"a tuple of 2 tensors"``), else None.
+    other: str | None = None
+
+    def source(self) -> str:
+        """Where it comes from: ``model.layers.1 -> [0]``, ``input 'attention_mask'``, ..."""
+        if self.kind == "input":
+            return f"input {self.name!r}"
+        if self.kind == "buffer":
+            return f"buffer {self.module!r}"
+        where = self.module or "the model"
+        if self.kind == "inside":
+            return f"inside {where}'s forward ({self.module_type})"
+        if self.output is None:
+            return f"{where} -> ? (plan.verify(...) finds where in its output)"
+        paths = " or ".join(p or "output" for p in self.output)
+        return f"{where} -> {paths}"
+
+    def describe(self) -> str:
+        """One line: name, source, shape, dtype and bytes per micro-batch."""
+        if self.other is not None:
+            what = self.other
+        elif self.shape is None or self.dtype is None:
+            what = "shape unknown (an export capture or plan.verify(...) records it)"
+        else:
+            dtype = str(self.dtype).removeprefix("torch.")
+            size = "" if self.nbytes is None else f", {self.nbytes:,} B"
+            what = f"{dtype} {list(self.shape)}{size}"
+        return f"{self.name}: {self.source()}, {what}"
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -123,6 +203,9 @@ class PipelinePlan:
     #: ``None`` default is not here: the capture traced the input as a value, so an input that
     #: may be left out is fixed with ``concrete_args`` instead.
     input_defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: What :meth:`verify` saw of each boundary value: shape, dtype, bytes, output paths
+    #: ([Note: boundary values]).
+    _seen: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
 
     @property
     def num_stages(self) -> int:
@@ -145,8 +228,46 @@ class PipelinePlan:
             sends=self.sends(stage_id),
         )
 
+    def boundary_values(self, stage_id: int) -> tuple[BoundaryValue, ...]:
+        """The values ``stage_id`` sends to the next stage, in :meth:`sends` order, each named
+        by where it comes from, with its shape, dtype and bytes per micro-batch when known
+        ([Note: boundary values])."""
+        origins = _boundary_origins(self)
+        return tuple(self._boundary_value(name, origins[name]) for name in self.sends(stage_id))
+
+    def _boundary_value(self, name: str, origin: _Origin) -> BoundaryValue:
+        seen = self._seen.get(name, {})
+        shape, dtype, other = origin.shape, origin.dtype, None
+        if "shape" in seen or "other" in seen:
+            shape, dtype, other = seen.get("shape"), seen.get("dtype"), seen.get("other")
+        nbytes = seen.get("nbytes")
+        if nbytes is None and shape is not None and dtype is not None:
+            nbytes = math.prod(shape) * dtype.itemsize
+        output = origin.output if origin.output is not None else seen.get("output")
+        return BoundaryValue(
+            name=name,
+            kind=origin.kind,
+            module=origin.module,
+            module_type=origin.module_type,
+            output=output,
+            shape=shape,
+            dtype=dtype,
+            nbytes=nbytes,
+            other=other,
+        )
+
+    def _output_origins(self) -> dict[str, str]:
+        """``value -> module`` for the boundary values that are a module's output at a place
+        the graphs do not tell (:meth:`verify` finds it)."""
+        return {
+            name: origin.module
+            for name, origin in _boundary_origins(self).items()
+            if origin.kind == "output" and origin.output is None and origin.module is not None
+        }
+
     def describe(self) -> str:
-        """A readable summary: per stage, its parameters, arguments, what it receives and sends."""
+        """A readable summary: per stage, its parameters, arguments, what it receives and sends
+        (each value by where it comes from, with its shape, dtype and bytes per micro-batch)."""
         lines = [
             f"PipelinePlan: {self.num_stages} stage(s), inputs {list(self.input_names)}, "
             f"split after {list(self.split_points)}"
@@ -161,8 +282,19 @@ class PipelinePlan:
             )
             lines.append(f"    arguments: {list(self.stage_arg_names[k])}")
             lines.append(f"    receives:  {list(self.liveness[k])}")
-            sends = list(self.sends(k)) if k + 1 < self.num_stages else "(the model's output)"
-            lines.append(f"    sends:     {sends}")
+            if k + 1 == self.num_stages:
+                lines.append("    sends:     (the model's output)")
+            else:
+                values = self.boundary_values(k)
+                sizes = [v.nbytes for v in values]
+                total = (
+                    f", {sum(n for n in sizes if n is not None):,} B per micro-batch"
+                    + (" (some sizes unknown)" if None in sizes else "")
+                    if any(n is not None for n in sizes)
+                    else ""
+                )
+                lines.append(f"    sends:     {len(values)} value(s){total}")
+                lines.extend(f"      {value.describe()}" for value in values)
             if isinstance(stage, _fx.ModalGraphModule):
                 lines.append("    runs other code in eval mode than in train mode")
         if self.tie_groups:
@@ -233,6 +365,8 @@ def partition(
     balance: BalanceMethod | None = None,
     micro_batches: int | None = None,
     balance_inputs: Mapping[str, Any] | None = None,
+    candidates: Sequence[str] | None = None,
+    bandwidth: float | None = DEFAULT_BANDWIDTH,
     checkpoint: Sequence[str] | str | None = None,
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
@@ -261,6 +395,14 @@ def partition(
         balance_inputs: ``{parameter name: tensor}``, one micro-batch the cost model measures
             (on fake tensors) when the forward is captured with torch.fx; default:
             ``example_inputs``.
+        candidates: with ``num_stages``, the modules the chosen split points must be among;
+            default: the model's own blocks (the children of its outermost ``ModuleList`` or
+            ``Sequential``, e.g. the decoder layers), or every module that can end a stage
+            when they cannot make ``num_stages`` stages ([Note: blocks] in
+            :mod:`pipedialect.balance`).
+        bandwidth: with ``num_stages``, the bytes per second between stages that price the
+            bytes each cut sends for ``"flops"`` and ``"time"`` (default
+            :data:`pipedialect.balance.DEFAULT_BANDWIDTH`); None: boundaries are free.
         checkpoint: module paths or glob patterns (``"blocks.*"``) whose activations are
             recomputed in backward (non-reentrant ``torch.utils.checkpoint``, dropout masks
             replayed) instead of kept: the stage graphs call them through the checkpoint, so
@@ -347,6 +489,8 @@ def partition(
                 balance=balance,
                 micro_batches=micro_batches,
                 balance_inputs=balance_inputs,
+                candidates=candidates,
+                bandwidth=bandwidth,
                 ckpt_paths=ckpt_paths,
                 concrete_args=concrete_args,
                 leaf_modules=leaf_modules,
@@ -370,6 +514,8 @@ def _partition(
     balance: BalanceMethod | None,
     micro_batches: int | None,
     balance_inputs: Mapping[str, Any] | None,
+    candidates: Sequence[str] | None,
+    bandwidth: float | None,
     ckpt_paths: Sequence[str],
     concrete_args: Mapping[str, Any] | None,
     leaf_modules: Sequence[str | type[nn.Module]] | None,
@@ -380,10 +526,10 @@ def _partition(
     training = model.training
     costs = None
     if num_stages is None:
-        if balance is not None or micro_batches is not None:
+        if balance is not None or micro_batches is not None or candidates is not None:
             raise ConfigError(
-                "balance= and micro_batches= choose split points for num_stages stages; pass "
-                "num_stages=N too"
+                "balance=, micro_batches= and candidates= choose split points for num_stages "
+                "stages; pass num_stages=N too"
             )
         points = list(fixed)
     else:
@@ -396,6 +542,8 @@ def _partition(
             balance_inputs if balance_inputs is not None else named_inputs,
             concrete_args,
             [*(leaf_modules or ()), *ckpt_paths],
+            candidates,
+            bandwidth,
         )
     canonical = {id(m): name for name, m in model.named_modules()}
     point_modules = [_resolve_split_point(model, path) for path in points]
@@ -471,6 +619,7 @@ def _partition(
     if ckpt_paths:
         for stage in cut.stages:
             _fx.checkpoint_calls(stage, frozenset(ckpt_paths))
+    _record_model_names(model, cut.stages)
     liveness = compute_liveness(cut.input_names, cut.arg_names, cut.defined_by)
     buffers = tuple(
         BufferInfo(
@@ -499,6 +648,131 @@ def _partition(
         param_dtype=None if named_inputs is None else (capture_dtype or _param_dtype(model)),
         input_defaults=_input_defaults(model, cut.input_names),
     )
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """Where a boundary value comes from, as the stage graphs tell it ([Note: boundary
+    values])."""
+
+    kind: str
+    module: str | None
+    module_type: str | None = None
+    #: The output paths when the graph says (a module called as one op), else None.
+    output: tuple[str, ...] | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+
+
+def _boundary_origins(plan: PipelinePlan) -> dict[str, _Origin]:
+    """Every value some stage sends, by name ([Note: boundary values])."""
+    produced: dict[str, Any] = {}
+    producer: dict[str, int] = {}
+    consumers: dict[str, list[fx.Node]] = {}
+    for k, stage in enumerate(plan.stages):
+        graph = stage.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for name, node in zip(plan.stage_arg_names[k], placeholders, strict=False):
+            consumers.setdefault(name, []).extend(u for u in node.users if u.op != "output")
+            if k == 0:
+                produced.setdefault(name, node)
+        returned = graph.output_node().args[0]
+        items = list(returned) if isinstance(returned, tuple) else None
+        if items is None:
+            produced[plan.stage_names[k]] = returned
+            producer[plan.stage_names[k]] = k
+        else:
+            for i, item in enumerate(items):
+                produced[f"{plan.stage_names[k]}.{i}"] = item
+                producer[f"{plan.stage_names[k]}.{i}"] = k
+        for node in graph.nodes:
+            if node.op not in ("placeholder", "output"):
+                for used in node.all_input_nodes:
+                    consumers.setdefault(f"@{k}:{used.name}", []).append(node)
+    buffers = {b.value: b.name for b in plan.buffers if b.value}
+    out: dict[str, _Origin] = {}
+    names = {n for k in range(plan.num_stages) for n in plan.sends(k)}
+    for name in sorted(names):
+        node = produced.get(name)
+        shape, dtype = _meta_shape(node)
+        if name in plan.input_names:
+            out[name] = _Origin("input", None, shape=shape, dtype=dtype)
+        elif name in buffers:
+            out[name] = _Origin("buffer", buffers[name], shape=shape, dtype=dtype)
+        elif isinstance(node, fx.Node):
+            inside = consumers.get(f"@{producer.get(name)}:{node.name}", [])
+            users = [*consumers.get(name, []), *inside]
+            out[name] = _origin_of(node, users, shape, dtype)
+        else:
+            out[name] = _Origin("inside", "", "forward", shape=shape, dtype=dtype)
+    return out
+
+
+def _meta_shape(node: Any) -> tuple[tuple[int, ...] | None, torch.dtype | None]:
+    """The shape and dtype the capture recorded for ``node`` (the export path records them)."""
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if isinstance(value, torch.Tensor) and all(isinstance(d, int) for d in value.shape):
+        return tuple(int(d) for d in value.shape), value.dtype
+    return None, None
+
+
+def _stack(node: fx.Node) -> list[tuple[str, str]]:
+    """``(module path, class name)`` of the modules whose code computed ``node``, outermost
+    first, the model itself left out."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for path, kind in stack.values():
+        if path:
+            name = kind if isinstance(kind, str) else getattr(kind, "__qualname__", str(kind))
+            out.append((str(path), name.rsplit(".", 1)[-1]))
+    return out
+
+
+def _origin_of(
+    node: fx.Node,
+    users: Sequence[fx.Node],
+    shape: tuple[int, ...] | None,
+    dtype: torch.dtype | None,
+) -> _Origin:
+    """The outermost module whose code computed ``node`` and that some code outside it uses:
+    ``node`` is (part of) its output; or, when every use is inside all of them, the innermost
+    one, inside whose forward it stays."""
+    path: list[str] = []
+    called = node
+    while called.op == "call_function" and called.target in (operator.getitem, getattr):
+        key = called.args[1]
+        path.insert(0, f".{key}" if called.target is getattr else f"[{key!r}]")
+        if not isinstance(called.args[0], fx.Node):
+            break
+        called = called.args[0]
+    if called.op == "call_module":  # a module called as one op: the graph says the path
+        module = str(called.target)
+        kind = next((t for p, t in _stack(called) if p == module), None)
+        return _Origin("output", module, kind, ("".join(path),), shape, dtype)
+    stack = _stack(node)
+    used_in = [{p for p, _ in _stack(user)} for user in users]
+    for module, kind in stack:
+        if not used_in or any(module not in inside for inside in used_in):
+            return _Origin("output", module, kind, None, shape, dtype)
+    if stack:
+        return _Origin("inside", stack[-1][0], stack[-1][1], None, shape, dtype)
+    return _Origin("inside", "", "forward", None, shape, dtype)
+
+
+def _record_model_names(model: nn.Module, stages: Sequence[fx.GraphModule]) -> None:
+    """Set ``stage.meta[MODEL_NAMES]`` on every stage (see :data:`MODEL_NAMES`)."""
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.Tensor):
+            names_of.setdefault(id(tensor), []).append(name)
+    for stage in stages:
+        held = {**dict(stage.named_buffers(remove_duplicate=False))}
+        held.update(stage.named_parameters(remove_duplicate=False))
+        stage.meta[MODEL_NAMES] = {
+            name: tuple(names_of[id(tensor)])
+            for name, tensor in held.items()
+            if len(names_of.get(id(tensor), ())) > 1
+        }
 
 
 #: Names the captures give the constants they set on the model (fx's tensor constants,
@@ -609,6 +883,8 @@ def _balanced(
     inputs: Mapping[str, Any] | None,
     concrete_args: Mapping[str, Any] | None,
     leaf_modules: Sequence[str | type[nn.Module]],
+    candidates: Sequence[str] | None,
+    bandwidth: float | None,
 ) -> tuple[list[str], PlanCosts]:
     """Split points chosen by the cost model around ``fixed``, and the plan's predicted costs."""
     if balance != "parameters" and inputs is None:
@@ -623,7 +899,14 @@ def _balanced(
         leaf_modules=leaf_modules,
         measure_time=balance == "time",
     )
-    points = profile.choose(num_stages, balance, split_points=fixed, micro_batches=micro_batches)
+    points = profile.choose(
+        num_stages,
+        balance,
+        split_points=fixed,
+        candidates=candidates,
+        micro_batches=micro_batches,
+        bandwidth=bandwidth,
+    )
     costs = profile.costs(
         points, micro_batches=num_stages if micro_batches is None else micro_batches
     )

@@ -19,17 +19,42 @@ This module provides ready loaders:
 ``transformer.wte.weight``), and a stage may hold only the absent name. Given the plan, a loader
 treats every name of a tie group as an alias of the others and reads whichever the file has;
 ``ties={"lm_head.weight": "transformer.wte.weight"}`` adds aliases by hand. Non-persistent
-buffers (rotary frequency tables, causal masks) are in no file: the loader takes them from
-``buffers={name: tensor}`` (computed on the CPU, e.g. from the module that owns them) or
-refuses by name. Every other name a stage holds must be found (the error lists all that are
-not); names in the file that no stage holds are ignored, so each rank reads its own part.
+buffers (rotary frequency tables, position ids) are in no file; see [Note: non-persistent
+buffers]. Every other name a stage holds must be found (the error lists all that are not);
+names in the file that no stage holds are ignored, so each rank reads its own part.
+
+[Note: checkpoint names]
+transformers 5 may store a tensor under another name than the model gives it (GPT-NeoX's
+``lm_head.weight`` is ``embed_out.weight`` in its files; old checkpoints say
+``LayerNorm.gamma``), and renames while loading. :func:`from_pretrained` applies the model's
+own renaming rules (``transformers.conversion_mapping``) to the file's names, so each stage reads
+the tensor ``from_pretrained`` would put there. Tensors transformers converts rather than
+renames (experts merged into one tensor, permuted rotary projections) cannot be read one name
+at a time: a stage that needs one is refused by name. A tie is taken from the model itself (two
+names of one tensor), never from what a class declares, so an untied head is never read from
+the embedding.
+
+[Note: non-persistent buffers]
+A buffer registered with ``persistent=False`` is computed by its module's ``__init__`` (Llama's
+``inv_freq`` from the config's rope parameters) and written to no checkpoint; built on the meta
+device, it holds no value. The loader takes it from ``buffers={name: tensor}`` when given;
+otherwise, given the plan, it re-creates every buffer the plan's table
+(:attr:`~pipedialect.PipelinePlan.buffers`) marks as not persistent the way the model's own
+initialisation does: a CPU copy of the module that owns it (its own tensors only, on the CPU,
+its children left out) goes through the model's per-module initialiser, and the buffer is
+taken from the copy. transformers models have one, ``_init_weights(module)``, which is what
+their own ``from_pretrained`` runs on these buffers after building on meta and computes them as
+the owner's ``__init__`` does; it draws no random numbers from the caller (the RNG is forked).
+A buffer the initialiser leaves unwritten, or a model without one, is refused by name.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,7 +63,7 @@ import torch
 from torch import nn
 
 from .errors import WeightsError
-from .partition import PipelinePlan
+from .partition import MODEL_NAMES, PipelinePlan
 from .stage import StageWrapper
 
 __all__ = [
@@ -72,10 +97,13 @@ def _unwrap(stage_module: nn.Module) -> nn.Module:
 def _alias_groups(
     plan: PipelinePlan | None, ties: Mapping[str, str] | None
 ) -> dict[str, tuple[str, ...]]:
-    """For every tied name, all the names that hold the same weight (itself first)."""
+    """For every tied name, all the names that hold the same weight (itself first): the
+    plan's tie groups, the model's own names of one tensor, and ``ties``."""
     groups: list[set[str]] = []
     if plan is not None:
         groups.extend({name for name, _ in g.members} for g in plan.tie_groups)
+        for stage in plan.stages:
+            groups.extend(set(names) for names in stage.meta.get(MODEL_NAMES, {}).values())
     for a, b in (ties or {}).items():
         groups.append({a, b})
     merged: dict[str, set[str]] = {}
@@ -104,8 +132,12 @@ class _Loader:
         self._buffers = dict(buffers or {})
         self._what = what
         self._stage_of: dict[int, int] = {}
+        self._model = plan.model if plan is not None else None
+        self._non_persistent: frozenset[str] = frozenset()
+        self._recreated: dict[str, torch.Tensor | None] = {}
         if plan is not None:
             self._stage_of = {id(s): k for k, s in enumerate(plan.stages)}
+            self._non_persistent = frozenset(b.name for b in plan.buffers if not b.persistent)
 
     def __call__(self, stage_module: nn.Module) -> None:
         module = _unwrap(stage_module)
@@ -122,18 +154,18 @@ class _Loader:
                 wanted[name] = key
             elif name in self._buffers:
                 given[name] = self._buffers[name]
+            elif self._is_non_persistent(module, name):
+                value = self._recreate(name)
+                if value is None:
+                    missing.append(name)
+                else:
+                    given[name] = value
             else:
                 missing.append(name)
         if missing:
-            hint = ""
-            if any(_is_non_persistent(module, n) for n in missing):
-                hint = (
-                    "; non-persistent buffers are in no checkpoint: pass buffers={name: tensor} "
-                    "(computed on the CPU by the module that owns them)"
-                )
             raise WeightsError(
-                f"{where}{self._what} has no tensor for {missing}{hint}. Tied names need the "
-                "plan (plan=) or ties={name: name in the file}.",
+                f"{where}{self._what} has no tensor for {missing}"
+                + self._hint(module, missing, targets),
                 stage=stage,
                 parameter=missing[0],
             )
@@ -151,6 +183,90 @@ class _Loader:
                     )
                 tensor.copy_(value)
         logger.debug("%sloaded %d tensors from %s", where, len(targets), self._what)
+
+    def _is_non_persistent(self, module: nn.Module, name: str) -> bool:
+        """Whether ``name`` is a buffer no checkpoint holds: the plan's table says so, or the
+        stage (which mirrors the model's persistence) does."""
+        return name in self._non_persistent or _is_non_persistent(module, name)
+
+    def _recreate(self, name: str) -> torch.Tensor | None:
+        """The non-persistent buffer ``name`` as the model's own initialisation computes it,
+        or None ([Note: non-persistent buffers])."""
+        if name not in self._recreated:
+            self._recreated[name] = (
+                None if self._model is None else _initialised_buffer(self._model, name)
+            )
+        return self._recreated[name]
+
+    def _hint(
+        self, module: nn.Module, missing: Sequence[str], targets: Mapping[str, torch.Tensor]
+    ) -> str:
+        """What to do about ``missing``: tied parameters, and non-persistent buffers."""
+        buffers = [n for n in missing if self._is_non_persistent(module, n)]
+        others = [n for n in missing if n not in buffers]
+        parts = []
+        if others:
+            parts.append(
+                "Tied names need the plan (plan=) or ties={name: name in the file}"
+                if any(isinstance(targets[n], nn.Parameter) for n in others)
+                else "the file does not hold every persistent tensor of the stage"
+            )
+        if buffers:
+            if self._model is None:
+                how = (
+                    "pass plan= to re-create them as the model's own initialisation does, or "
+                    "buffers={name: tensor}"
+                )
+            else:
+                how = (
+                    f"{type(self._model).__name__} has no per-module initialiser that computes "
+                    f"them (transformers' _init_weights); pass buffers={{name: tensor}} "
+                    "(computed on the CPU by the module that owns them)"
+                )
+            parts.append(f"{buffers} are not persistent, so no checkpoint holds them: {how}")
+        return ". " + "; ".join(parts) + "."
+
+
+def _initialised_buffer(model: nn.Module, name: str) -> torch.Tensor | None:
+    """Buffer ``name`` of ``model`` computed on the CPU by the model's per-module initialiser,
+    or None when it has none or leaves the buffer unwritten ([Note: non-persistent buffers])."""
+    owner_path, _, attr = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_path)
+    except AttributeError:
+        return None
+    # The initialiser of the innermost model on the path (a composite model's part has its own).
+    init = None
+    parts = owner_path.split(".") if owner_path else []
+    for depth in range(len(parts), -1, -1):
+        candidate = getattr(model.get_submodule(".".join(parts[:depth])), "_init_weights", None)
+        if callable(candidate):
+            init = candidate
+            break
+    if init is None or owner._buffers.get(attr) is None:
+        return None
+    shell = copy.copy(owner)  # the owner's attributes, but tables of its own:
+    shell._modules = {}
+    shell._parameters = {
+        n: nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+        for n, p in owner._parameters.items()
+        if p is not None
+    }
+    empty = {
+        n: torch.empty_like(b, device="cpu") for n, b in owner._buffers.items() if b is not None
+    }
+    shell._buffers = dict(empty)
+    before = _mark(empty[attr])
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        try:
+            init(shell)
+        except Exception as exc:  # the initialiser needed what the shell lacks
+            logger.debug("%s could not re-create %r: %s", type(model).__name__, name, exc)
+            return None
+    value = shell._buffers.get(attr)
+    if value is None or value.is_meta or _mark(value) == before:
+        return None
+    return value
 
 
 def _named_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -184,27 +300,33 @@ class _StateDictSource:
 
 
 class _SafetensorsSource:
-    """Tensor names of several files, each file opened only when one of its tensors is read."""
+    """Tensor names of several files, each file opened only when one of its tensors is read.
 
-    def __init__(self, where: Mapping[str, Path]) -> None:
+    ``renamed`` maps a model name to the name the file stores it under, where they differ
+    ([Note: checkpoint names]).
+    """
+
+    def __init__(self, where: Mapping[str, Path], renamed: Mapping[str, str] | None = None):
         self._where = where
+        self._renamed = dict(renamed or {})
         self.files_opened: list[Path] = []
 
     def keys(self) -> Iterable[str]:
-        return self._where.keys()
+        return [*self._where.keys(), *self._renamed]
 
     def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
 
         by_file: dict[Path, list[str]] = {}
         for name in names:
-            by_file.setdefault(self._where[name], []).append(name)
+            stored = self._renamed.get(name, name)
+            by_file.setdefault(self._where[stored], []).append(name)
         out: dict[str, torch.Tensor] = {}
         for path in sorted(by_file):
             self.files_opened.append(path)
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in by_file[path]:
-                    out[name] = f.get_tensor(name)
+                    out[name] = f.get_tensor(self._renamed.get(name, name))
         return out
 
 
@@ -257,6 +379,63 @@ def from_safetensors(
     return _Loader(_SafetensorsSource(_index(files)), plan, ties, buffers, names)
 
 
+def _pretrained_source(files: Sequence[Path], plan: PipelinePlan | None) -> _SafetensorsSource:
+    """The files of a ``save_pretrained`` directory, under the model's names ([Note:
+    checkpoint names])."""
+    where = _index(files)
+    model = plan.model if plan is not None else None
+    renamed, converted = _transformers_names(model, sorted(where))
+    held = set()
+    if plan is not None:
+        held = {n for stage in plan.stages for n in _named_state(stage)}
+    needed = sorted(n for n in converted if n in held)
+    if needed:
+        raise WeightsError(
+            f"{type(model).__name__}'s checkpoint stores {needed[:5]} in another layout than "
+            f"the model (transformers converts {sorted({converted[n] for n in needed})[:5]} "
+            "while loading, beyond renaming), which per-stage loading by name cannot do: load "
+            "the model with from_pretrained on the CPU once and pass init_weights="
+            "pipedialect.weights.from_state_dict(model.state_dict(), plan=plan)",
+            parameter=needed[0],
+        )
+    return _SafetensorsSource(where, renamed)
+
+
+def _transformers_names(
+    model: nn.Module | None, stored: Sequence[str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """``({model name: stored name}, {model name: stored name})`` for the names transformers'
+    loading renames, and for those it converts (merges, splits, permutes); empty for a model
+    that is not a transformers model ([Note: checkpoint names])."""
+    if model is None or "transformers" not in sys.modules:
+        return {}, {}
+    import transformers
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
+
+    if not isinstance(model, transformers.PreTrainedModel):
+        return {}, {}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    expected = model.state_dict()
+    renamed: dict[str, str] = {}
+    converted: dict[str, str] = {}
+    for name in stored:
+        target, pattern = rename_source_key(
+            name, renamings, converters, model.base_model_prefix, expected
+        )
+        if pattern is not None:
+            converted[target] = name
+        elif target != name:
+            renamed[target] = name
+    return renamed, converted
+
+
 def from_pretrained(
     directory: str | os.PathLike[str],
     *,
@@ -267,9 +446,12 @@ def from_pretrained(
     """An ``init_weights`` for a Hugging Face ``save_pretrained`` directory: its
     ``model.safetensors``, or the shards listed in ``model.safetensors.index.json``.
 
-    Pass the plan: its tie groups, and the ``_tied_weights_keys`` its transformers model
-    declares, let a stage that holds only ``lm_head.weight`` read the embedding it is tied to;
-    ``ties`` adds aliases by hand.
+    Pass the plan: its tie groups and the model's own ties (names of one tensor in the model)
+    let a stage that holds only ``lm_head.weight`` read the embedding it is tied to (``ties``
+    adds aliases by hand); the names the file stores under other names than the model's are
+    found as transformers finds them ([Note: checkpoint names]); and the non-persistent buffers
+    are re-created as the model's own initialisation computes them ([Note: non-persistent
+    buffers]), so a meta model loads like ``from_pretrained`` with no other argument.
     """
     root = Path(directory)
     index = root / "model.safetensors.index.json"
@@ -284,16 +466,7 @@ def from_pretrained(
             f"{str(root)!r} has neither model.safetensors nor model.safetensors.index.json "
             f"(it holds {found}); save the model with save_pretrained(safe_serialization=True)"
         )
-    merged = dict(_hf_ties(plan))
-    merged.update(ties or {})
-    return from_safetensors(target, plan=plan, ties=merged, buffers=buffers)
-
-
-def _hf_ties(plan: PipelinePlan | None) -> dict[str, str]:
-    """``_tied_weights_keys`` of the plan's transformers model, as ``{tied name: source}``."""
-    model = plan.model if plan is not None else None
-    declared = getattr(model, "_tied_weights_keys", None)
-    return {str(k): str(v) for k, v in declared.items()} if isinstance(declared, dict) else {}
+    return _Loader(_pretrained_source([target], plan), plan, ties, buffers, str(target))
 
 
 def materialise_stages(

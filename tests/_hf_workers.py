@@ -220,6 +220,184 @@ CASES = {
 }
 
 
+# -- families as a new user meets them ----------------------------------------------------------
+
+
+def _decoder_kwargs() -> dict[str, Any]:
+    return {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 1}
+
+
+def _family_configs() -> dict[str, Any]:
+    """Tiny configs (2 layers, hidden 32) with every dropout off and the attention each model
+    picks by default (sdpa wherever transformers has it)."""
+    t = transformers
+    rotary = {
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 32,
+        **_decoder_kwargs(),
+    }
+    return {
+        "llama": t.LlamaConfig(**rotary, tie_word_embeddings=True),
+        "qwen2": t.Qwen2Config(**rotary, tie_word_embeddings=True),
+        "mistral": t.MistralConfig(**rotary, head_dim=8),
+        "gpt_neox": t.GPTNeoXConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            rotary_pct=0.5,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **_decoder_kwargs(),
+        ),
+        "gpt2": t.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            n_positions=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            vocab_size=VOCAB,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "opt": t.OPTConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            ffn_dim=64,
+            word_embed_proj_dim=32,
+            max_position_embeddings=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            **_decoder_kwargs(),
+        ),
+        "bert": t.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=0,
+        ),
+        "t5": t.T5Config(
+            num_layers=2,
+            num_decoder_layers=2,
+            d_model=32,
+            d_kv=16,
+            num_heads=2,
+            d_ff=64,
+            vocab_size=VOCAB,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        ),
+        "bart": t.BartConfig(
+            encoder_layers=2,
+            decoder_layers=2,
+            d_model=32,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            decoder_start_token_id=0,
+            **_decoder_kwargs(),
+        ),
+    }
+
+
+@dataclass(frozen=True)
+class Family:
+    """One transformers family as a user brings it: a class, a config, where to cut it."""
+
+    name: str
+    #: The transformers model class.
+    model_cls: type[Any]
+    #: The module the first stage ends after (2 stages).
+    split_point: str
+    #: Whether forward takes ``decoder_input_ids`` (an encoder-decoder).
+    encoder_decoder: bool = False
+    #: Forward flags fixed for the capture and for the reference call alike.
+    fixed: dict[str, Any] = field(
+        default_factory=lambda: {"return_dict": False, "use_cache": False}
+    )
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        names = ("input_ids", "attention_mask")
+        return (*names, "decoder_input_ids") if self.encoder_decoder else names
+
+    def config(self) -> Any:
+        return _family_configs()[self.name]
+
+    def build(self, seed: int = 0) -> nn.Module:
+        """The model with random weights drawn from ``seed``, the caller's RNG left alone."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model: nn.Module = self.model_cls(self.config())
+        return model.train()
+
+    def micro_batches(
+        self, count: int, *, batch_size: int = 2, seed: int = DATA_SEED
+    ) -> Iterator[Batch]:
+        """Token ids with right padding in every other row (and decoder ids), token labels."""
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(count):
+            ids = torch.randint(2, VOCAB, (batch_size, SEQ), generator=gen)
+            inputs: tuple[torch.Tensor, ...] = (ids, _padding_mask(gen, batch_size, SEQ))
+            length = SEQ
+            if self.encoder_decoder:
+                length = SEQ - 2
+                inputs += (torch.randint(2, VOCAB, (batch_size, length), generator=gen),)
+            yield inputs, torch.randint(2, VOCAB, (batch_size, length), generator=gen)
+
+    def example_inputs(self, batch_size: int = 2) -> dict[str, torch.Tensor]:
+        inputs, _ = next(self.micro_batches(1, batch_size=batch_size, seed=EXAMPLE_SEED))
+        return dict(zip(self.input_names, inputs, strict=True))
+
+    def forward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
+        """The unsplit model called as transformers users call it (keyword inputs)."""
+        return model(**dict(zip(self.input_names, inputs, strict=True)), **self.fixed)
+
+
+#: Every family the HF tests partition; the rotary ones (Llama, Qwen2, Mistral, GPT-NeoX) hold
+#: a non-persistent ``inv_freq``, BERT its position and token type ids, T5 and BART a shared
+#: embedding that the stages hold under other names.
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("llama", transformers.LlamaForCausalLM, "model.layers.0"),
+        Family("qwen2", transformers.Qwen2ForCausalLM, "model.layers.0"),
+        Family("mistral", transformers.MistralForCausalLM, "model.layers.0"),
+        Family("gpt_neox", transformers.GPTNeoXForCausalLM, "gpt_neox.layers.0"),
+        Family("gpt2", transformers.GPT2LMHeadModel, "transformer.h.0"),
+        Family("opt", transformers.OPTForCausalLM, "model.decoder.layers.0"),
+        Family(
+            "bert",
+            transformers.BertForMaskedLM,
+            "bert.encoder.layer.0",
+            fixed={"return_dict": False},
+        ),
+        Family("t5", transformers.T5ForConditionalGeneration, "decoder.block.0", True),
+        Family("bart", transformers.BartForConditionalGeneration, "model.decoder.layers.0", True),
+    )
+}
+
+
 # -- DeepSpeed ranks --------------------------------------------------------------------------
 
 
@@ -334,4 +512,60 @@ def train_torch(
                 },
             }
             dist.barrier()
+    return results
+
+
+# -- a pretrained directory through a meta plan on several ranks ------------------------------
+
+
+def pretrained_roundtrip(
+    directories: dict[str, str], dialect_name: str, out: str, steps: int, gas: int, micro: int
+) -> dict[str, Any]:
+    """For each family's ``save_pretrained`` directory: a meta model from its config, 2 stages
+    with the default attention, each rank loading its stage with ``from_pretrained(dir,
+    plan=plan)`` (no other argument), SGD steps, a portable checkpoint, and (rank 0) its
+    ``export_hf`` into ``out/<name>/export``. Returns losses and this rank's parameters."""
+    import torch.distributed as dist
+
+    from pipedialect import checkpoint
+    from pipedialect.weights import from_pretrained
+
+    dialect = pipedialect.get_dialect(dialect_name)
+    dialect.init_distributed()
+    config = ds_config(gas, micro, "sgd")
+    results: dict[str, Any] = {}
+    for name, directory in directories.items():
+        family = FAMILIES[name]
+        saved = family.model_cls.config_class.from_pretrained(directory)
+        with torch.device("meta"):
+            meta = family.model_cls._from_config(saved).train()
+        plan = partition(
+            meta,
+            [family.split_point],
+            example_inputs=family.example_inputs(micro),
+            concrete_args=family.fixed,
+        )
+        kwargs: dict[str, Any] = {"init_weights": from_pretrained(directory, plan=plan)}
+        if dialect_name == "deepspeed":
+            kwargs["topology"] = dialect.make_topology(2, 1)
+        else:
+            kwargs["schedule"] = "1F1B"
+        module = dialect.pipe_engine(plan, config=config, loss_fn=token_loss, **kwargs)
+        engine = dialect.runtime_engine(module, config=config)
+        data = family.micro_batches(steps * gas, batch_size=micro)
+        losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+        stages = list(dialect.local_stages(engine))
+        checkpoint.save(engine, f"{out}/{name}/ckpt")
+        if dist.get_rank() == 0:
+            checkpoint.export_hf(f"{out}/{name}/ckpt", f"{out}/{name}/export", config=saved)
+        dist.barrier()
+        results[name] = {
+            "losses": losses,
+            "stages": stages,
+            "params": {
+                n: p.detach().cpu().clone()
+                for k in stages
+                for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
+            },
+        }
     return results

@@ -219,17 +219,23 @@ def test_parameters_without_example_inputs_use_an_fx_trace() -> None:
     assert profile.choose(2, "parameters") == ["0"]
 
 
-def test_boundary_weight_moves_the_cut_to_a_narrow_boundary() -> None:
+def test_bandwidth_moves_the_cut_to_a_narrow_boundary() -> None:
     """Linear 8->8, 8->64, 64->8, 8->8, batch 2. In units u = 2*2*8*8 FLOPs the four layers
     cost 2u (no input gradient), 24u, 24u, 3u. Cutting after layer 1 (a 64-wide boundary,
-    512 bytes) balances 26u | 27u; after layer 2 (8 wide, 64 bytes) gives 50u | 3u. At 100
-    units per byte the charge dominates: 27u + 51200 > 50u + 6400, so the narrow cut wins."""
+    512 bytes) balances 26u | 27u; after layer 2 (8 wide, 64 bytes) gives 50u | 3u. A byte
+    costs 2 * flops_per_second / bandwidth FLOPs (forward and backward): at 100 per byte the
+    charge dominates, 27u + 51200 > 50u + 6400, so the narrow cut wins; with free boundaries
+    (bandwidth=None) the balanced one does."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 64), nn.Linear(64, 8), nn.Linear(8, 8))
     inputs = {"input": torch.randn(2, 8)}
     profile = profile_model(model, example_inputs=inputs)
-    assert profile.choose(2, "flops") == ["1"]
-    assert profile.choose(2, "flops", boundary_weight=100.0) == ["2"]
+    assert profile.choose(2, "flops", bandwidth=None) == ["1"]
+    assert profile.choose(2, "flops", bandwidth=2e12, flops_per_second=1e14) == ["2"]
+    assert profile.choose(2, "flops", bandwidth=1e20, flops_per_second=1e14) == ["1"]
+    assert profile.choose(2, "parameters") == profile.choose(2, "parameters", bandwidth=None)
+    with pytest.raises(ConfigError, match="bandwidth must be a positive number"):
+        profile.choose(2, "flops", bandwidth=0)
     assert [s.boundary_bytes for s in profile.costs(["1"]).stages] == [512, 0]
     assert [s.boundary_bytes for s in profile.costs(["2"]).stages] == [64, 0]
 
@@ -369,16 +375,17 @@ def test_fixed_split_points_are_kept_and_the_rest_solved_around_them() -> None:
     model = TinyGPT()
     ids = torch.zeros(2, 8, dtype=torch.long)
     profile = profile_model(model, example_inputs={"input_ids": ids})
-    free = profile.choose(4, "flops")
-    fixed = profile.choose(4, "flops", split_points=["blocks.0"])
+    every = {"candidates": profile.candidates, "bandwidth": None}  # any module, free boundaries
+    free = profile.choose(4, "flops", **every)
+    fixed = profile.choose(4, "flops", split_points=["blocks.0"], **every)
     assert "blocks.0" in fixed and len(fixed) == 3
     assert "blocks.0" not in free
     assert fixed == sorted(fixed, key=profile.candidates.index)
     # Restricting the candidates to whole blocks, as a hand-written LayerSpec pipeline would.
     layers = ["wte", *(f"blocks.{i}" for i in range(4)), "ln_f"]
-    coarse = profile.choose(3, "flops", candidates=layers)
+    coarse = profile.choose(3, "flops", candidates=layers, bandwidth=None)
     assert set(coarse) <= set(layers)
-    fine_max = max(s.flops or 0 for s in profile.costs(profile.choose(3, "flops")).stages)
+    fine_max = max(s.flops or 0 for s in profile.costs(profile.choose(3, "flops", **every)).stages)
     assert max(s.flops or 0 for s in profile.costs(coarse).stages) >= fine_max
 
 
