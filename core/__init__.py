@@ -49,6 +49,7 @@ __all__ = [
     "GridTopology",
     "LaunchError",
     "MetadataError",
+    "MissingCapabilityError",
     "NonFiniteError",
     "PartitionError",
     "PipeDialectError",

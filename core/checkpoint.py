@@ -32,9 +32,10 @@ Saving and publishing are those of the dialects' own checkpoints
 ``.<tag>.partial``, which is renamed to ``<tag>`` once every rank finished, ``latest`` only names
 a published checkpoint, and every file is checked against the manifest before anything is read.
 
-The engines are not asked for anything new: the small adapters below find, by duck typing, what
-each of the three engines holds (``_holdings``): its stage modules and their stage ids, the
-optimizer, the LR scheduler, the step counters and the tie groups.
+What an engine holds -- its stage modules and their stage ids, the optimizer, the LR scheduler,
+the step counters and the tie groups -- comes from the dialect that built it, through its
+``engine_state`` hook (``pipedialect.dialect`` [Note: features through the contract]); an engine
+whose dialect does not declare ``portable-checkpoints`` is refused by name.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ from torch import nn
 
 from . import checkpoint_files as _files
 from .agreement import agree_on_error
+from .contracts import Capability
+from .dialect import require_capability
 from .errors import CheckpointError, ConfigError
 from .partition import MODEL_NAMES
-from .stage import StageWrapper
 
 __all__ = [
     "FORMAT",
@@ -76,7 +78,7 @@ INDEX_FILE = "pipedialect_index.pt"
 _LATEST = _files.LATEST_FILE
 _MODEL = "model."
 _OPTIM = "optim."
-#: The step counters an engine may keep (DeepSpeed keeps all four, the others global_steps).
+#: The step counters a checkpoint knows how to derive when the saving engine did not keep one.
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 #: At most this many names are listed in a mismatch error.
 _SHOW = 5
@@ -91,9 +93,9 @@ def _rank_file(rank: int) -> str:
 
 @dataclass
 class _Holdings:
-    """What one engine trains in this process, found by :func:`_holdings`."""
+    """What one engine trains in this process: its dialect's ``engine_state``, checked."""
 
-    #: ``local``, ``torch`` or ``deepspeed``.
+    #: The name of the dialect that built the engine.
     kind: str
     #: ``(stage id, module whose parameter names are the model's)`` for each local stage.
     stages: list[tuple[int, nn.Module]]
@@ -104,91 +106,28 @@ class _Holdings:
     engine: Any
     #: The number of stages of the whole pipeline.
     num_stages: int
-    #: Buffer name -> the stage that writes it, from the plan when the engine holds one
-    #: (:attr:`pipedialect.PipelinePlan.buffers`): its value is taken from that stage only.
+    #: Buffer name -> the stage that writes it: its value is taken from that stage only.
     buffer_owners: dict[str, int] = field(default_factory=dict)
-
-
-def _root(stage: Any) -> nn.Module | None:
-    """The module whose parameter names are the original ones (a wrapper's ``mod``)."""
-    if isinstance(stage, StageWrapper):
-        mod = stage.mod
-        return mod if isinstance(mod, nn.Module) else None
-    inner = getattr(stage, "mod", None)
-    if isinstance(inner, nn.Module):
-        return inner
-    return stage if isinstance(stage, nn.Module) else None
-
-
-def _plan_ties(plan: Any, stages: Sequence[tuple[int, nn.Module]]) -> dict[int, str]:
-    """``id(parameter) -> key`` for the plan's tie groups, resolved on the local stages."""
-    held = dict(stages)
-    ties: dict[int, str] = {}
-    for group in getattr(plan, "tie_groups", ()):
-        for name, stage_id in group.members:
-            module = held.get(stage_id)
-            if module is None:
-                continue
-            try:
-                ties[id(module.get_parameter(name))] = str(group.key)
-            except AttributeError:
-                continue
-    return ties
-
-
-def _deepspeed_ties(module: Any, stages: Sequence[tuple[int, nn.Module]]) -> dict[int, str]:
-    """``id(parameter) -> key`` from the DeepSpeed dialect's module's public ``tie_specs``."""
-    ties: dict[int, str] = {}
-    ids = {stage_id for stage_id, _ in stages}
-    for spec in getattr(module, "tie_specs", ()):
-        for stage_id, (owner, attr) in getattr(spec, "owners", {}).items():
-            if stage_id in ids:
-                param = getattr(owner, attr, None)
-                if isinstance(param, torch.Tensor):
-                    ties[id(param)] = str(spec.key)
-    return ties
+    #: The engine's step counters (attribute names).
+    counters: tuple[str, ...] = ()
+    gradient_accumulation_steps: int = 1
+    train_batch_size: int = 0
 
 
 def _holdings(engine: Any) -> _Holdings:
-    """Find the local stages, optimizer, scheduler and tie groups of any of the three engines.
+    """What ``engine`` trains, from its dialect's ``engine_state`` hook.
 
     Raises:
-        ConfigError: ``engine`` is none of the local, torch and DeepSpeed engines, or its
-            optimizer is not a plain ``torch.optim.Optimizer`` over the stages' parameters.
+        ConfigError: no dialect built ``engine``, or its optimizer is not a plain
+            ``torch.optim.Optimizer`` over the stages' parameters.
+        MissingCapabilityError: the engine's dialect does not declare portable-checkpoints.
     """
-    module = getattr(engine, "module", None)
-    stages: list[tuple[int, nn.Module]] = []
-    if module is not None and hasattr(module, "runners") and hasattr(module, "plan"):
-        kind = "torch"
-        for runner in module.runners:
-            root = _root(getattr(runner, "stage", None))
-            if root is not None:
-                stages.append((int(runner.stage_id), root))
-        ties = _plan_ties(module.plan, stages)
-        num_stages = int(module.plan.num_stages)
-    elif module is not None and hasattr(module, "forward_funcs"):
-        kind = "deepspeed"
-        for layer in module.forward_funcs:
-            root = _root(layer)
-            if root is not None:
-                stage_id = getattr(layer, "stage_id", None)
-                stages.append((int(engine.stage_id if stage_id is None else stage_id), root))
-        ties = _deepspeed_ties(module, stages)
-        num_stages = int(getattr(engine, "num_stages", len(stages)))
-    elif module is not None and hasattr(module, "stages") and hasattr(module, "plan"):
-        kind = "local"
-        for index, stage in enumerate(module.stages):
-            root = _root(stage)
-            if root is not None:
-                stages.append((int(getattr(stage, "stage_id", index)), root))
-        ties = _plan_ties(module.plan, stages)
-        num_stages = int(module.plan.num_stages)
-    else:
-        raise ConfigError(
-            f"pipedialect.checkpoint cannot find the stages of a {type(engine).__name__}: pass "
-            "the engine dialect.runtime_engine(...) returned (local, torch or deepspeed)"
-        )
-    optimizer = getattr(engine, "optimizer", None)
+    what = "pipedialect.checkpoint"
+    dialect = require_capability(engine, Capability.PORTABLE_CHECKPOINTS, what)
+    state = dialect.engine_state(engine)
+    kind = dialect.name
+    stages = [(int(held.stage_id), held.module) for held in state.stages]
+    optimizer = state.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
             f"the {kind} engine's optimizer is {type(optimizer).__name__}, not a "
@@ -206,21 +145,18 @@ def _holdings(engine: Any) -> _Holdings:
                     "or a mixed-precision wrapper keeps): portable checkpoints cannot name its "
                     "state; use the dialect's own save_checkpoint"
                 )
-    plan = getattr(module, "plan", None)
-    owners = {
-        b.name: b.owner
-        for b in getattr(plan, "buffers", ())
-        if getattr(b, "owner", None) is not None
-    }
     return _Holdings(
         kind=kind,
         stages=sorted(stages, key=lambda s: s[0]),
-        ties=ties,
+        ties=dict(state.tie_keys),
         optimizer=optimizer,
-        scheduler=getattr(engine, "lr_scheduler", None),
+        scheduler=state.lr_scheduler,
         engine=engine,
-        num_stages=num_stages,
-        buffer_owners=owners,
+        num_stages=int(state.num_stages),
+        buffer_owners=dict(state.buffer_owners),
+        counters=tuple(state.counters),
+        gradient_accumulation_steps=int(state.gradient_accumulation_steps),
+        train_batch_size=int(state.train_batch_size),
     )
 
 
@@ -507,8 +443,9 @@ def save(
     saved. Returns the published directory.
 
     Raises:
-        ConfigError: the engine is not one of the three, or its optimizer is not a plain
+        ConfigError: no dialect built the engine, or its optimizer is not a plain
             ``torch.optim.Optimizer`` over the stage parameters.
+        MissingCapabilityError: the engine's dialect does not declare portable-checkpoints.
         CheckpointError: ``tag`` is not a valid tag.
     """
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -519,7 +456,7 @@ def save(
     canonical = _canonical(summaries)
     keys = {id(p.param): canonical[p.names[0][1]] for p in local.params}
     optimizer = _gather(_optimizer_summary(held, local, keys))
-    counters = _counters(engine)
+    counters = _counters(held)
     tag = tag or f"global_step{counters.get('global_steps', 0)}"
     staged = _files.stage(path, tag)
 
@@ -550,12 +487,11 @@ def save(
     return _files.publish(path, tag, save_latest=save_latest)
 
 
-def _counters(engine: Any) -> dict[str, int]:
-    out = {name: int(getattr(engine, name)) for name in _COUNTERS if hasattr(engine, name)}
-    for name in ("gradient_accumulation_steps", "train_batch_size"):
-        method = getattr(engine, name, None)
-        if callable(method):
-            out[name] = int(method())
+def _counters(held: _Holdings) -> dict[str, int]:
+    engine = held.engine
+    out = {name: int(getattr(engine, name)) for name in held.counters if hasattr(engine, name)}
+    out["gradient_accumulation_steps"] = held.gradient_accumulation_steps
+    out["train_batch_size"] = held.train_batch_size
     return out
 
 
@@ -735,6 +671,9 @@ def load(
             model's names or shapes differ from the checkpoint's (the message lists the first
             missing, unexpected and mismatched names); or ``dataloader`` is given and the
             checkpoint has no data-loader state.
+        ConfigError: no dialect built the engine, or its optimizer is not a plain
+            ``torch.optim.Optimizer`` over the stage parameters.
+        MissingCapabilityError: the engine's dialect does not declare portable-checkpoints.
     """
     held = _holdings(engine)
     local = _local(held)
@@ -766,7 +705,7 @@ def load(
             buffer.tensor.copy_(loaded[_MODEL + buffer.name])
     if load_optimizer_states:
         _load_optimizer(held, index, plan, loaded)
-    _restore_counters(engine, extras["counters"])
+    _restore_counters(held, extras["counters"])
     if held.scheduler is not None and extras["scheduler"] is not None:
         held.scheduler.load_state_dict(extras["scheduler"])
     if dataloader is not None:
@@ -922,13 +861,12 @@ def _read_extras(directory: Path, want_loader: bool) -> dict[str, Any]:
     }
 
 
-def _restore_counters(engine: Any, saved: Mapping[str, int]) -> None:
+def _restore_counters(held: _Holdings, saved: Mapping[str, int]) -> None:
     """Set the engine's step counters; what the saving engine did not keep is derived."""
+    engine = held.engine
     steps = int(saved.get("global_steps", 0))
-    gas_method = getattr(engine, "gradient_accumulation_steps", None)
-    batch_method = getattr(engine, "train_batch_size", None)
-    gas = int(gas_method()) if callable(gas_method) else 1
-    batch = int(batch_method()) if callable(batch_method) else 0
+    gas = held.gradient_accumulation_steps
+    batch = held.train_batch_size
     derived = {
         "global_steps": steps,
         "global_samples": int(saved.get("global_samples", steps * batch)),
@@ -938,9 +876,11 @@ def _restore_counters(engine: Any, saved: Mapping[str, int]) -> None:
         else steps * gas,
         "skipped_steps": int(saved.get("skipped_steps", 0)),
     }
-    for name in _COUNTERS:
-        if hasattr(engine, name):
+    for name in held.counters:
+        if name in derived:
             setattr(engine, name, derived[name])
+        elif name in saved:  # a counter of the dialect's own
+            setattr(engine, name, int(saved[name]))
 
 
 def _load_optimizer(

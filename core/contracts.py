@@ -7,9 +7,10 @@ This module is the leaf of the package: the codec, the stage wrapper, tie analys
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -21,7 +22,11 @@ if TYPE_CHECKING:
 __all__ = [
     "BOUNDARY_CAPABILITIES",
     "Capability",
+    "EngineState",
+    "HeldStage",
+    "Instrumented",
     "RuntimeEngine",
+    "SpanRecorder",
     "StageSpec",
     "TensorCodec",
     "TieAnalyzer",
@@ -50,6 +55,13 @@ class Capability(enum.StrEnum):
     DATA_PARALLEL = "data-parallel"
     #: Engines can save a checkpoint and resume from it.
     CHECKPOINTS = "checkpoints"
+    #: ``Dialect.engine_state`` says what an engine trains, under the model's names, so that
+    #: :mod:`pipedialect.checkpoint` saves it for, and resumes it from, any dialect and layout.
+    PORTABLE_CHECKPOINTS = "portable-checkpoints"
+    #: ``Dialect.engine_state`` gives the modules that run the stages, so that
+    #: :func:`pipedialect.trace` times them (``Dialect.instrument`` may add the runtime's sends,
+    #: receives and optimizer step).
+    TRACING = "tracing"
     #: The dialect only runs on CUDA devices.
     CUDA_ONLY = "cuda-only"
 
@@ -171,4 +183,105 @@ class RuntimeEngine(Protocol):
 
     def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
         """Evaluate one batch without changing parameters and return its mean loss."""
+        ...
+
+
+@dataclass(frozen=True)
+class HeldStage:
+    """One stage an engine runs in this process (part of :class:`EngineState`)."""
+
+    #: The stage's index in the plan.
+    stage_id: int
+    #: The module whose ``forward`` runs the stage once per micro-batch (the stage wrapper):
+    #: a trace hooks it, so a forward re-run inside a backward must go through it too.
+    runner: nn.Module
+    #: The module whose parameter and buffer names are the unsplit model's (the wrapper's
+    #: ``mod``): a portable checkpoint stores the stage under these names.
+    module: nn.Module
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What an engine trains in this process, by the model's names: ``Dialect.engine_state``.
+
+    Portable checkpoints (:mod:`pipedialect.checkpoint`) and traces (:func:`pipedialect.trace`)
+    read an engine through this record only, so that they work for any dialect that declares
+    :attr:`Capability.PORTABLE_CHECKPOINTS` or :attr:`Capability.TRACING`.
+    """
+
+    #: This process's stages, in stage order.
+    stages: tuple[HeldStage, ...]
+    #: The number of stages of the whole pipeline.
+    num_stages: int
+    #: The optimizer that steps the stages' parameters (a plain ``torch.optim.Optimizer`` for a
+    #: portable checkpoint: it stores each parameter's state under the parameter's name).
+    optimizer: Any
+    #: The LR scheduler stepped with it (an object with ``state_dict``), or None.
+    lr_scheduler: Any = None
+    #: ``id(parameter) -> tie group key`` for the local parameters of cross-stage tie groups
+    #: (:func:`pipedialect.ties.tie_keys`): the copies of one tied weight are stored once.
+    tie_keys: Mapping[int, str] = field(default_factory=dict)
+    #: Buffer name -> the stage that writes it (:attr:`pipedialect.PipelinePlan.buffers`): a
+    #: buffer several stages hold is saved from that stage only.
+    buffer_owners: Mapping[str, int] = field(default_factory=dict)
+    #: The engine's step counters, its attributes of these names (DeepSpeed's
+    #: ``global_steps``, ``global_samples``, ``micro_steps``, ``skipped_steps``): saved and set
+    #: again on resume; a counter the saving engine did not keep is derived.
+    counters: tuple[str, ...] = ("global_steps",)
+    #: Micro-batches per optimizer step.
+    gradient_accumulation_steps: int = 1
+    #: Samples per optimizer step (over every replica).
+    train_batch_size: int = 0
+
+
+@dataclass(frozen=True)
+class Instrumented:
+    """What ``Dialect.instrument`` did to an engine for a trace."""
+
+    #: Puts the engine back as it was.
+    undo: Callable[[], None]
+    #: Span kinds the dialect records itself (``"optimizer"``: the core leaves the optimizer).
+    records: frozenset[str] = frozenset()
+
+
+class SpanRecorder(Protocol):
+    """What a dialect's ``instrument`` hook writes to (:class:`pipedialect.trace.Recorder`)."""
+
+    #: The rank's first stage: where rank-wide spans (sends, the optimizer) go.
+    home_stage: int
+    #: What the dialect keeps for the current step (cleared when the step ends).
+    step_state: dict[Any, Any]
+
+    @property
+    def recording(self) -> bool:
+        """Whether a step is running and recording is not paused."""
+        ...
+
+    def now(self) -> int:
+        """Nanoseconds since the common origin."""
+        ...
+
+    def add(
+        self,
+        kind: str,
+        name: str,
+        stage: int,
+        start: int,
+        end: int,
+        micro_batch: int | None = None,
+        detail: str | None = None,
+    ) -> int:
+        """Record a span; return its index."""
+        ...
+
+    def extend(self, index: int, end: int) -> bool:
+        """Stretch span ``index`` to ``end`` if it is still the last one recorded."""
+        ...
+
+    def next_index(self, key: Any) -> int:
+        """0, 1, 2, ... for each ``key`` within the current step (micro-batch numbers)."""
+        ...
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Record nothing inside (set-up work that is not part of the schedule)."""
         ...

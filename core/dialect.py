@@ -9,6 +9,18 @@ implements: :meth:`Dialect._build_pipeline` (given a :class:`PipelineRequest`) a
 shared arguments it declares as a frozen dataclass (:attr:`Dialect.options`,
 :attr:`Dialect.engine_options`): an unknown option is refused by name, and ``pipedialect list
 --json`` shows them.
+
+[Note: features through the contract]
+Features that read a built engine -- portable checkpoints (:mod:`pipedialect.checkpoint`) and
+traces (:func:`pipedialect.trace`) -- know no engine class. They ask the dialect that built the
+engine (:func:`dialect_of`: ``pipe_engine`` and ``runtime_engine`` record it) for
+:meth:`Dialect.engine_state`, an :class:`~pipedialect.contracts.EngineState` naming the stages,
+optimizer, scheduler, ties and counters under the model's names, and a trace also for
+:meth:`Dialect.instrument`, which times what only the runtime sees (sends, receives, its own
+optimizer step). A dialect declares these as :attr:`Capability.PORTABLE_CHECKPOINTS` and
+:attr:`Capability.TRACING`; a feature used on an engine whose dialect does not declare it is
+refused with :class:`~pipedialect.errors.MissingCapabilityError` naming both
+(:func:`require_capability`), and the conformance suite runs the cases of each declared one.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ import dataclasses
 import json
 import os
 import typing
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar, final
@@ -30,8 +43,17 @@ from .agreement import agreed, check_plan_agreement
 from .batches import check_loss_fn
 from .codec import SchemaCodec
 from .config import check_config_keys
-from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, Topology
-from .errors import ConfigError, TopologyError
+from .contracts import (
+    Capability,
+    EngineState,
+    Instrumented,
+    RuntimeEngine,
+    SpanRecorder,
+    TensorCodec,
+    TieAnalyzer,
+    Topology,
+)
+from .errors import ConfigError, MissingCapabilityError, TopologyError
 from .param_groups import ParamGroupsFn
 from .partition import PipelinePlan, check_capture_dtype
 from .stage import StageWrapper
@@ -52,8 +74,10 @@ __all__ = [
     "LossFn",
     "NoOptions",
     "PipelineRequest",
+    "dialect_of",
     "given_options",
     "option_descriptions",
+    "require_capability",
 ]
 
 #: Every shared ``runtime_engine`` argument an engine may honour (see ``Dialect.engine_features``).
@@ -256,7 +280,7 @@ class Dialect(abc.ABC):
                 every rank's error on every rank: ``agreement`` [Note: one error, every rank]).
         """
         with self._agreed("pipe_engine"):
-            return self._pipe_engine(
+            module = self._pipe_engine(
                 plan,
                 stage_modules,
                 config=config,
@@ -266,6 +290,8 @@ class Dialect(abc.ABC):
                 init_weights=init_weights,
                 **options,
             )
+        _record_builder(module, self)
+        return module
 
     def _agreed(self, what: str) -> contextlib.AbstractContextManager[None]:
         """A phase every rank of a multi-process dialect runs together: an error on one rank is
@@ -387,7 +413,7 @@ class Dialect(abc.ABC):
             RankFailedError: building failed on another rank (see :meth:`pipe_engine`).
         """
         with self._agreed("runtime_engine"):
-            return self._runtime_engine(
+            engine = self._runtime_engine(
                 module,
                 config=config,
                 check_finite=check_finite,
@@ -396,6 +422,8 @@ class Dialect(abc.ABC):
                 optimizer=optimizer,
                 **options,
             )
+        _record_builder(engine, self)
+        return engine
 
     def _runtime_engine(
         self,
@@ -481,6 +509,37 @@ class Dialect(abc.ABC):
         """Return the ids of the stages whose parameters ``engine`` trains in this process."""
         raise NotImplementedError(f"dialect {self.name!r} does not report its local stages")
 
+    def engine_state(self, engine: RuntimeEngine) -> EngineState:
+        """What ``engine`` trains in this process, under the model's names.
+
+        The hook behind :attr:`Capability.PORTABLE_CHECKPOINTS` and :attr:`Capability.TRACING`
+        ([Note: features through the contract]): a dialect that declares either implements it.
+        Called with an engine this dialect built (``runtime_engine``, or its runtime's own
+        initialisation of a module ``pipe_engine`` built).
+
+        Raises:
+            MissingCapabilityError: the dialect declares neither capability (the default).
+        """
+        wanted = Capability.PORTABLE_CHECKPOINTS
+        if Capability.TRACING in self.capabilities:
+            wanted = Capability.TRACING
+        raise MissingCapabilityError(
+            f"the {self.name} dialect does not implement engine_state(), which {wanted.value} "
+            "needs; a dialect that declares portable-checkpoints or tracing must implement it",
+            dialect=self.name,
+            capability=wanted.value,
+        )
+
+    def instrument(self, engine: RuntimeEngine, recorder: SpanRecorder) -> Instrumented | None:
+        """Make ``engine`` record its runtime's own spans into ``recorder`` during a trace.
+
+        Part of :attr:`Capability.TRACING`: the trace times each stage's forward and backward
+        itself (through :meth:`engine_state`); this adds what only the runtime sees -- sends,
+        receives, reductions, its own optimizer step -- and returns how to undo it. The
+        default adds nothing.
+        """
+        return None
+
     def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
         """Return a topology with ``num_stages`` pipeline stages and ``data_parallel`` replicas."""
         return GridTopology(pipe=num_stages, data=data_parallel)
@@ -502,6 +561,63 @@ class Dialect(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.version}>"
+
+
+#: What built each pipeline module and engine: read by :func:`dialect_of`.
+_BUILT_BY: weakref.WeakKeyDictionary[Any, Dialect] = weakref.WeakKeyDictionary()
+
+
+def _record_builder(built: Any, dialect: Dialect) -> None:
+    with contextlib.suppress(TypeError):  # not weakly referenceable: dialect_of says so
+        _BUILT_BY[built] = dialect
+
+
+def dialect_of(engine: Any, what: str) -> Dialect:
+    """The dialect that built ``engine`` (with ``runtime_engine``), or built the module it
+    trains as ``engine.module`` (with ``pipe_engine``; an engine the runtime initialised
+    itself, such as ``deepspeed.initialize`` on the seed's module).
+
+    ``what`` names the feature asking, for the error.
+
+    Raises:
+        ConfigError: no dialect built ``engine`` or its module.
+    """
+    for candidate in (engine, getattr(engine, "module", None)):
+        if candidate is None:
+            continue
+        try:
+            found = _BUILT_BY.get(candidate)
+        except TypeError:
+            continue
+        if found is not None:
+            return found
+    raise ConfigError(
+        f"{what} cannot tell which dialect built this {type(engine).__name__}: pass the engine "
+        "a dialect's runtime_engine(...) returned (or one whose .module a dialect's "
+        "pipe_engine(...) built)"
+    )
+
+
+def require_capability(engine: Any, capability: Capability, what: str) -> Dialect:
+    """The dialect that built ``engine``, which must declare ``capability`` for ``what``.
+
+    Raises:
+        ConfigError: no dialect built ``engine`` (:func:`dialect_of`).
+        MissingCapabilityError: its dialect does not declare ``capability``; the message names
+            the dialect, the capability and the hook that provides it.
+    """
+    dialect = dialect_of(engine, what)
+    if capability not in dialect.capabilities:
+        declared = ", ".join(sorted(c.value for c in dialect.capabilities)) or "none"
+        raise MissingCapabilityError(
+            f"{what} needs the {capability.value} capability, which the {dialect.name} dialect "
+            f"does not declare (it declares: {declared}); its author adds it by implementing "
+            "Dialect.engine_state() (and, for tracing, optionally Dialect.instrument()) and "
+            "declaring it, see docs/conformance.rst",
+            dialect=dialect.name,
+            capability=capability.value,
+        )
+    return dialect
 
 
 _SHARED_PIPELINE = ("config", "loss_fn", "topology", "dynamic_shapes", "init_weights")

@@ -31,9 +31,9 @@ each micro-batch's backward and :meth:`take_step` once per step, and reads gradi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -48,10 +48,15 @@ from .agreement import (
 from .batches import input_spec
 from .checkpoint_files import LATEST_FILE
 from .config import TrainingConfig, build_optimizer, check_one_optimizer
+from .contracts import EngineState, HeldStage
 from .errors import CheckpointError, ConfigError, DataError, NonFiniteError, PipeDialectError
 from .lr_schedules import build_schedule, current_lrs, resolve_client_schedule
 from .param_groups import ParamGroupsFn, resolve_param_groups
 from .precision import BF16Master, cast_parameters
+from .ties import tie_keys
+
+if TYPE_CHECKING:
+    from .partition import PipelinePlan
 
 __all__ = [
     "DeepSpeedStyleEngine",
@@ -174,6 +179,22 @@ class DeepSpeedStyleEngine:
             names = {id(self.mixed.master_of(p)): n for n, p in trainable}
         _check_optimizer_params(built, names, "the optimizer the factory built")
         return built
+
+    def engine_state(self, stages: Sequence[HeldStage], plan: PipelinePlan) -> EngineState:
+        """What a dialect's ``engine_state`` hook returns for this engine running ``stages`` of
+        ``plan`` (the plan gives the number of stages, the tie keys and the buffers' owners;
+        the counters are ``global_steps`` and ``skipped_steps``)."""
+        return EngineState(
+            stages=tuple(sorted(stages, key=lambda s: s.stage_id)),
+            num_stages=int(plan.num_stages),
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            tie_keys=tie_keys(plan.tie_groups, [(s.stage_id, s.module) for s in stages]),
+            buffer_owners=plan.buffer_owners(),
+            counters=("global_steps", "skipped_steps"),
+            gradient_accumulation_steps=self.gradient_accumulation_steps(),
+            train_batch_size=self.train_batch_size(),
+        )
 
     def get_global_grad_norm(self) -> float | None:
         """The global 2-norm of the last step's gradients, before clipping (over every stage

@@ -24,6 +24,7 @@ everything the library raises on purpose. Below it, one branch per concern::
     ├── ConfigError
     │   ├── DataError
     │   │   └── DataExhaustedError (also a StopIteration)
+    │   ├── MissingCapabilityError
     │   └── UnknownConfigKeyError
     ├── CheckpointError
     │   └── WeightsError
@@ -55,6 +56,7 @@ __all__ = [
     "ExtensionBuildError",
     "LaunchError",
     "MetadataError",
+    "MissingCapabilityError",
     "NonFiniteError",
     "PartitionError",
     "PipeDialectError",
@@ -214,6 +216,17 @@ class DataExhaustedError(DataError, StopIteration):
         self.expected = expected
         #: The micro-batches the iterator yielded before it ran out.
         self.got = got
+
+
+class MissingCapabilityError(ConfigError):
+    """A feature needs a capability (and its hook) the engine's dialect does not declare."""
+
+    def __init__(self, message: str, *, dialect: str, capability: str) -> None:
+        super().__init__(message)
+        #: The name of the dialect that lacks it.
+        self.dialect = dialect
+        #: The capability it lacks (a :class:`~pipedialect.Capability` value).
+        self.capability = capability
 
 
 class UnknownConfigKeyError(ConfigError):

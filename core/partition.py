@@ -212,6 +212,11 @@ class PipelinePlan:
         """The number of stages (split points + 1)."""
         return len(self.stages)
 
+    def buffer_owners(self) -> dict[str, int]:
+        """Buffer name -> the stage that writes it, for the buffers one stage writes
+        (what an engine reports in :attr:`pipedialect.contracts.EngineState.buffer_owners`)."""
+        return {b.name: b.owner for b in self.buffers if b.owner is not None}
+
     def sends(self, stage_id: int) -> tuple[str, ...]:
         """The names of the values ``stage_id`` sends to the next stage."""
         return self.liveness[stage_id + 1] if stage_id + 1 < self.num_stages else ()

@@ -44,6 +44,7 @@ __all__ = [
     "check_tie_objects",
     "find_tie_groups",
     "retie_parameters",
+    "tie_keys",
 ]
 
 logger = logging.getLogger(__name__)
@@ -336,3 +337,24 @@ def retie_parameters(groups: Iterable[TieGroup], stages: Sequence[nn.Module]) ->
             f" (whose values replace those of {', '.join(differed)})" if differed else "",
         )
     return rebound
+
+
+def tie_keys(groups: Iterable[TieGroup], stages: Iterable[tuple[int, nn.Module]]) -> dict[int, str]:
+    """``id(parameter) -> group key`` for the members of ``groups`` that ``stages`` hold.
+
+    ``stages`` are ``(stage id, module)`` pairs, each module named as the unsplit model (a
+    stage wrapper's ``mod``); what an engine reports in
+    :attr:`pipedialect.contracts.EngineState.tie_keys`.
+    """
+    held = dict(stages)
+    keys: dict[int, str] = {}
+    for group in groups:
+        for name, stage_id in group.members:
+            module = held.get(stage_id)
+            if module is None:
+                continue
+            try:
+                keys[id(module.get_parameter(name))] = str(group.key)
+            except AttributeError:
+                continue
+    return keys

@@ -20,24 +20,23 @@ GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` for ``p`` pipeline ranks holding ``v
 ``m`` micro-batches.
 
 [Note: how spans are taken]
-Forward and backward are the same on every dialect: a forward pre/post hook pair on each
-:class:`~pipedialect.StageWrapper` times its forward; the backward of micro-batch ``k`` starts
-when the gradient of one of that forward's outputs arrives (a tensor hook) and ends with the last
-gradient the stage computes for it (hooks on that forward's inputs, and on the stage's
-parameters while its backward is open). A forward run again inside a backward (activation
-checkpointing) is part of that backward, not a new micro-batch. Every hook returns None and
-every wrapper passes its call through, so tracing changes no value. Sends, receives and the
-dialect's own optimizer step are taken by the dialect: the module ``_trace`` beside the module
-that defines the engine's class may define ``instrument(engine, recorder) -> Instrumented``
-(found by name, so the core imports no runtime). Clocks are ``time.perf_counter_ns()`` relative
-to an origin every rank takes right after a barrier.
+Forward and backward are the same on every dialect: a forward pre/post hook pair on the module
+that runs each stage (its :class:`~pipedialect.StageWrapper`) times its forward; the backward of
+micro-batch ``k`` starts when the gradient of one of that forward's outputs arrives (a tensor
+hook) and ends with the last gradient the stage computes for it (hooks on that forward's inputs,
+and on the stage's parameters while its backward is open). A forward run again inside a backward
+(activation checkpointing) is part of that backward, not a new micro-batch. Every hook returns
+None and every wrapper passes its call through, so tracing changes no value. The stages come
+from the engine's dialect (``Dialect.engine_state``: each stage's id and the module that runs
+it), which must declare ``tracing`` (``pipedialect.dialect`` [Note: features through the
+contract]). Sends, receives and the dialect's own optimizer step are taken by the dialect, in
+its ``Dialect.instrument(engine, recorder)`` hook, so the core imports no runtime. Clocks are
+``time.perf_counter_ns()`` relative to an origin every rank takes right after a barrier.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import json
 import logging
 import time
@@ -51,8 +50,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .contracts import Capability, HeldStage, Instrumented
+from .dialect import Dialect, require_capability
 from .errors import ConfigError
-from .stage import StageWrapper
 
 __all__ = [
     "COMPUTE_KINDS",
@@ -251,16 +251,6 @@ def _meta(what: str, pid: int, tid: int, name: str) -> dict[str, Any]:
     return {"name": what, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
 
 
-@dataclass(frozen=True)
-class Instrumented:
-    """What a dialect's ``_trace.instrument`` did to an engine."""
-
-    #: Puts the engine back as it was.
-    undo: Callable[[], None]
-    #: Span kinds the dialect records itself (``"optimizer"``: the core leaves the optimizer).
-    records: frozenset[str] = frozenset()
-
-
 def patch_attribute(obj: Any, name: str, value: Any) -> Callable[[], None]:
     """Set ``obj.name = value`` on the instance; return what undoes it.
 
@@ -447,15 +437,16 @@ def _in_backward() -> bool:
 
 
 class _StageProbe:
-    """The hooks of one stage wrapper ([Note: how spans are taken])."""
+    """The hooks of one stage's runner ([Note: how spans are taken])."""
 
-    def __init__(self, recorder: Recorder, stage: StageWrapper) -> None:
+    def __init__(self, recorder: Recorder, stage: HeldStage) -> None:
         self.recorder = recorder
         self.stage_id = stage.stage_id
         self._calls: list[tuple[int, int | None, list[torch.Tensor]]] = []
+        runner = stage.runner
         self.handles = [
-            stage.register_forward_pre_hook(self._before, with_kwargs=True),
-            stage.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+            runner.register_forward_pre_hook(self._before, with_kwargs=True),
+            runner.register_forward_hook(self._after, with_kwargs=True, always_call=True),
         ]
 
     def _before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -497,29 +488,10 @@ class _StageProbe:
             handle.remove()
 
 
-def _stage_wrappers(engine: Any) -> list[StageWrapper]:
-    module = getattr(engine, "module", None)
-    if not isinstance(module, nn.Module):
-        raise ConfigError(
-            f"trace() needs a runtime engine with a .module (what dialect.runtime_engine "
-            f"returns), got {type(engine).__name__}"
-        )
-    found: dict[int, StageWrapper] = {}
-    for m in module.modules():
-        if isinstance(m, StageWrapper):
-            found.setdefault(id(m), m)
-    if not found:
-        raise ConfigError(
-            f"trace() found no StageWrapper in {type(module).__name__}; it traces engines built "
-            "by a pipedialect dialect"
-        )
-    return sorted(found.values(), key=lambda w: w.stage_id)
-
-
-def _param_hooks(recorder: Recorder, stages: list[StageWrapper]) -> list[RemovableHandle]:
+def _param_hooks(recorder: Recorder, stages: list[HeldStage]) -> list[RemovableHandle]:
     owners: dict[int, tuple[nn.Parameter, set[int]]] = {}
     for stage in stages:
-        for p in stage.parameters():
+        for p in stage.runner.parameters():
             if p.requires_grad:
                 owners.setdefault(id(p), (p, set()))[1].add(stage.stage_id)
     handles = []
@@ -532,28 +504,6 @@ def _param_hooks(recorder: Recorder, stages: list[StageWrapper]) -> list[Removab
 
         handles.append(param.register_post_accumulate_grad_hook(accumulated))  # type: ignore[no-untyped-call]
     return handles
-
-
-def _dialect_instrumentation(engine: Any, recorder: Recorder) -> Instrumented | None:
-    """Call ``instrument`` of the ``_trace`` module beside the engine class's module, if any."""
-    module_name = type(engine).__module__
-    package = module_name.rpartition(".")[0]
-    if not package:
-        return None
-    name = f"{package}._trace"
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None:
-        return None
-    instrument = getattr(importlib.import_module(name), "instrument", None)
-    if instrument is None:
-        return None
-    result = instrument(engine, recorder)
-    if not isinstance(result, Instrumented):
-        raise ConfigError(f"{name}.instrument returned {type(result).__name__}, not Instrumented")
-    return result
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -588,8 +538,15 @@ class Trace:
         self._num_stages = 0
 
     def __enter__(self) -> Trace:
-        stages = _stage_wrappers(self.engine)
-        self._num_stages = stages[0].total_stages
+        dialect = require_capability(self.engine, Capability.TRACING, "pipedialect.trace")
+        state = dialect.engine_state(self.engine)
+        stages = sorted(state.stages, key=lambda s: s.stage_id)
+        if not stages:
+            raise ConfigError(
+                f"the {dialect.name} dialect's engine_state() reports no stage in this process; "
+                "trace() times the stages an engine runs"
+            )
+        self._num_stages = int(state.num_stages)
         rank, world = _rank_and_world()
         if world > 1:
             import torch.distributed as dist
@@ -598,13 +555,15 @@ class Trace:
         recorder = Recorder(rank, stages[0].stage_id)
         self._recorder = recorder
         try:
-            self._install(recorder, stages)
+            self._install(recorder, stages, dialect, state.optimizer)
         except BaseException:
             self._uninstall()
             raise
         return self
 
-    def _install(self, recorder: Recorder, stages: list[StageWrapper]) -> None:
+    def _install(
+        self, recorder: Recorder, stages: list[HeldStage], dialect: Dialect, optimizer: Any
+    ) -> None:
         probes = [_StageProbe(recorder, s) for s in stages]
         self._undo.extend(p.remove for p in probes)
         for handle in _param_hooks(recorder, stages):
@@ -615,11 +574,15 @@ class Trace:
                 self._undo.append(
                     patch_attribute(self.engine, method, _step_method(recorder, original, method))
                 )
-        dialect = _dialect_instrumentation(self.engine, recorder)
-        records = frozenset() if dialect is None else dialect.records
-        if dialect is not None:
-            self._undo.append(dialect.undo)
-        optimizer = getattr(self.engine, "optimizer", None)
+        instrumented = dialect.instrument(self.engine, recorder)
+        if instrumented is not None and not isinstance(instrumented, Instrumented):
+            raise ConfigError(
+                f"the {dialect.name} dialect's instrument() returned "
+                f"{type(instrumented).__name__}, not pipedialect.contracts.Instrumented"
+            )
+        records = frozenset() if instrumented is None else instrumented.records
+        if instrumented is not None:
+            self._undo.append(instrumented.undo)
         step = getattr(optimizer, "step", None)
         if "optimizer" not in records and callable(step):
             self._undo.append(patch_attribute(optimizer, "step", _timed_call(recorder, step)))

@@ -173,7 +173,7 @@ def test_a_failed_step_writes_nothing_and_restores_the_engine(tmp_path: Path) ->
 
 
 def test_trace_refuses_what_is_not_a_pipedialect_engine() -> None:
-    with pytest.raises(pipedialect.ConfigError, match="no StageWrapper"):
+    with pytest.raises(pipedialect.ConfigError, match="cannot tell which dialect built"):
         pipedialect.trace(type("E", (), {"module": torch.nn.Linear(2, 2)})(), None).__enter__()
 
 

@@ -13,7 +13,12 @@ from torch import nn
 
 import pipedialect
 from pipedialect import Capability, Dialect, RuntimeEngine, Topology
-from pipedialect.contracts import BOUNDARY_CAPABILITIES
+from pipedialect.contracts import (
+    BOUNDARY_CAPABILITIES,
+    EngineState,
+    Instrumented,
+    SpanRecorder,
+)
 from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, PipelineRequest, given_options
 
 from ._stage import DeepSpeedStageWrapper
@@ -132,6 +137,8 @@ class DeepSpeedDialect(Dialect):
         Capability.DATA_PARALLEL,
         Capability.CHECKPOINTS,
         Capability.DYNAMIC_SHAPES,
+        Capability.PORTABLE_CHECKPOINTS,
+        Capability.TRACING,
     }
 
     @property
@@ -182,6 +189,19 @@ class DeepSpeedDialect(Dialect):
     def local_stages(self, engine: RuntimeEngine) -> Sequence[int]:
         """The one stage this process trains."""
         return [int(engine.stage_id)]  # type: ignore[attr-defined]
+
+    def engine_state(self, engine: RuntimeEngine) -> EngineState:
+        """This process's stage of a ``PipelineEngine`` (ours, or one ``deepspeed.initialize``
+        built from the seed's module), its ties from the module's ``tie_specs``."""
+        from ._engine_state import deepspeed_engine_state
+
+        return deepspeed_engine_state(engine)
+
+    def instrument(self, engine: RuntimeEngine, recorder: SpanRecorder) -> Instrumented:
+        """Time the engine's send, receive, reduce and optimizer instructions (``_trace``)."""
+        from ._trace import instrument
+
+        return instrument(engine, recorder)
 
     def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
         """``PipeModelDataParallelTopology(num_pp=num_stages, num_mp=1, num_dp=data_parallel)``."""

@@ -5,7 +5,8 @@
 engine an instance table whose communication, reduction and optimizer entries time the
 method they stand for and call it unchanged; leaving the trace removes it. Micro-batches are
 numbered per instruction type in schedule order (DeepSpeed sends and receives them in order).
-Found by :func:`pipedialect.trace` beside the engine's module ([Note: how spans are taken]).
+:meth:`DeepSpeedDialect.instrument` installs it for :func:`pipedialect.trace` ([Note: how
+spans are taken]).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 
 from deepspeed.runtime.pipe import schedule
 
-from pipedialect.trace import Instrumented, Recorder, patch_attribute
+from pipedialect.contracts import Instrumented, SpanRecorder
+from pipedialect.trace import patch_attribute
 
 __all__ = ["instrument"]
 
@@ -32,7 +34,7 @@ _TIMED: dict[type, tuple[str, str, str | None]] = {
 
 
 def _timed(
-    method: Callable[..., Any], recorder: Recorder, instruction: type, stage: int
+    method: Callable[..., Any], recorder: SpanRecorder, instruction: type, stage: int
 ) -> Callable[..., Any]:
     kind, name, carries = _TIMED[instruction]
 
@@ -49,7 +51,7 @@ def _timed(
     return run
 
 
-def instrument(engine: Any, recorder: Recorder) -> Instrumented:
+def instrument(engine: Any, recorder: SpanRecorder) -> Instrumented:
     """Time ``engine``'s communication, reduction and optimizer instructions."""
     stage = recorder.home_stage
     table = dict(engine._INSTRUCTION_MAP)

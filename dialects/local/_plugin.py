@@ -8,7 +8,7 @@ from torch import nn
 
 import pipedialect
 from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine, TopologyError
-from pipedialect.contracts import BOUNDARY_CAPABILITIES
+from pipedialect.contracts import BOUNDARY_CAPABILITIES, EngineState, HeldStage
 from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, NoOptions, PipelineRequest
 
 __all__ = ["LocalDialect", "register_dialects"]
@@ -21,7 +21,12 @@ class LocalDialect(Dialect):
     version = pipedialect.__version__
     description = "All stages in one process: the reference and the debugger"
     engine_features = ENGINE_FEATURES
-    capabilities = BOUNDARY_CAPABILITIES | {Capability.DYNAMIC_SHAPES, Capability.CHECKPOINTS}
+    capabilities = BOUNDARY_CAPABILITIES | {
+        Capability.DYNAMIC_SHAPES,
+        Capability.CHECKPOINTS,
+        Capability.PORTABLE_CHECKPOINTS,
+        Capability.TRACING,
+    }
 
     def _build_pipeline(self, request: PipelineRequest[NoOptions]) -> nn.Module:
         """A :class:`~pipedialect.dialects.local.engine.LocalPipeline` of every stage.
@@ -84,6 +89,20 @@ class LocalDialect(Dialect):
         if not isinstance(engine, LocalEngine):
             raise ConfigError(f"not a local engine: {type(engine).__name__}")
         return list(range(engine.module.num_stages))
+
+    def engine_state(self, engine: RuntimeEngine) -> EngineState:
+        """Every stage of the plan, each run by its wrapper, named as the model."""
+        from pipedialect.stage import StageWrapper
+
+        from .engine import LocalEngine
+
+        if not isinstance(engine, LocalEngine):
+            raise ConfigError(f"not a local engine: {type(engine).__name__}")
+        held = [
+            HeldStage(k, stage, stage.mod if isinstance(stage, StageWrapper) else stage)
+            for k, stage in enumerate(engine.module.stages)
+        ]
+        return engine.engine_state(held, engine.module.plan)
 
 
 @pipedialect.hookimpl

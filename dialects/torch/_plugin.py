@@ -11,7 +11,13 @@ from torch import nn
 
 import pipedialect
 from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine, Topology, TopologyError
-from pipedialect.contracts import BOUNDARY_CAPABILITIES
+from pipedialect.contracts import (
+    BOUNDARY_CAPABILITIES,
+    EngineState,
+    HeldStage,
+    Instrumented,
+    SpanRecorder,
+)
 from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, NoOptions, PipelineRequest
 
 from ._schedules import resolve_schedule
@@ -65,6 +71,8 @@ class TorchDialect(Dialect):
         Capability.MULTI_PROCESS,
         Capability.CHECKPOINTS,
         Capability.DATA_PARALLEL,
+        Capability.PORTABLE_CHECKPOINTS,
+        Capability.TRACING,
     }
 
     def __init__(self, schedule: str = "1f1b", stages_per_rank: int | None = None) -> None:
@@ -135,6 +143,27 @@ class TorchDialect(Dialect):
         if not isinstance(engine, TorchEngine):
             raise ConfigError(f"not a torch engine: {type(engine).__name__}")
         return list(engine.stage_ids)
+
+    def engine_state(self, engine: RuntimeEngine) -> EngineState:
+        """This rank's stages, each run by its wrapper inside a stage runner."""
+        from pipedialect.stage import StageWrapper
+
+        from .engine import TorchEngine
+
+        if not isinstance(engine, TorchEngine):
+            raise ConfigError(f"not a torch engine: {type(engine).__name__}")
+        held = []
+        for runner in engine.module._runners():
+            stage = runner.stage
+            root = stage.mod if isinstance(stage, StageWrapper) else stage
+            held.append(HeldStage(int(runner.stage_id), stage, root))
+        return engine.engine_state(held, engine.module.plan)
+
+    def instrument(self, engine: RuntimeEngine, recorder: SpanRecorder) -> Instrumented:
+        """Time the schedule's sends and receives (``_trace``); skip the stages' set-up."""
+        from ._trace import instrument
+
+        return instrument(engine, recorder)
 
     def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
         """A ``pipe`` axis of ``num_stages / stages_per_rank`` ranks (see the class arguments)

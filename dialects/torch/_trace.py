@@ -9,7 +9,8 @@ wait of annotated ops and call the originals unchanged; a wait that follows its 
 once extends the issue's span (a receive reads as one span, from issue to arrival). The
 first batch builds the torch stages, running every stage once on the first micro-batch
 (``_setup`` [Note: boundary examples]): that is set-up, so nothing is recorded while it runs.
-Found by :func:`pipedialect.trace` beside the engine's module ([Note: how spans are taken]).
+:meth:`TorchDialect.instrument <pipedialect.dialects.torch.TorchDialect.instrument>` installs it
+for :func:`pipedialect.trace` ([Note: how spans are taken]).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 
 from torch.distributed.pipelining import schedules
 
-from pipedialect.trace import Instrumented, Recorder, patch_attribute
+from pipedialect.contracts import Instrumented, SpanRecorder
+from pipedialect.trace import patch_attribute
 
 __all__ = ["instrument"]
 
@@ -35,7 +37,7 @@ _WORKS_KEY = "torch-p2p-works"
 
 
 def _annotating(
-    method: Callable[..., Any], recorder: Recorder, stage: int, kind: str, carries: str
+    method: Callable[..., Any], recorder: SpanRecorder, stage: int, kind: str, carries: str
 ) -> Callable[..., Any]:
     def get_ops(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         ops = method(chunk_id, *args, **kwargs)
@@ -51,7 +53,7 @@ def _annotating(
 class _Instrumentation:
     """The patches of one traced engine, and how to take them off."""
 
-    def __init__(self, engine: Any, recorder: Recorder) -> None:
+    def __init__(self, engine: Any, recorder: SpanRecorder) -> None:
         self.recorder = recorder
         self.undo: list[Callable[[], None]] = []
         self._patched: set[int] = set()
@@ -131,7 +133,7 @@ class _Instrumentation:
             undo()
 
 
-def instrument(engine: Any, recorder: Recorder) -> Instrumented:
+def instrument(engine: Any, recorder: SpanRecorder) -> Instrumented:
     """Time ``engine``'s point-to-point sends and receives; skip the stages' set-up."""
     patches = _Instrumentation(engine, recorder)
     return Instrumented(undo=patches.remove)
