@@ -28,7 +28,8 @@ def add_check_parser(sub: Any) -> None:
         "check",
         help="run the conformance suite against installed dialects",
         description="Run pipedialect's conformance suite against each dialect named and print "
-        "a summary per contract area (registration, codec, stages, ties, training, errors). "
+        "a summary per contract area (registration, codec, stages, ties, training, "
+        "portability, tracing, errors). "
         "Exits non-zero when a test fails.",
     )
     parser.add_argument("names", nargs="+", metavar="NAME", help="installed dialect to check")

@@ -14,7 +14,16 @@ from ._session import Outcome, SuiteSession
 __all__ = ["AREAS", "format_summary", "summary_failed"]
 
 #: The contract areas, in the order the suite presents them.
-AREAS = ("registration", "codec", "stages", "ties", "training", "errors")
+AREAS = (
+    "registration",
+    "codec",
+    "stages",
+    "ties",
+    "training",
+    "portability",
+    "tracing",
+    "errors",
+)
 
 _DETAIL_LINES = 3
 

@@ -1,7 +1,8 @@
 """The runs the suite makes a dialect do, each a :class:`Case`.
 
 A case is one engine built and driven on the suite's data: a training run compared with the
-unsplit model, a checkpoint round trip, or a mistake the dialect must refuse with a named error.
+unsplit model, a checkpoint round trip (the dialect's own, or a portable one across dialects),
+a traced run, or a mistake the dialect must refuse with a named error.
 Cases are grouped by world size and run together (for a multi-process dialect, one launch per
 group of as many ranks as ``dialect.make_topology(stages, data_parallel)`` has; in the test
 process for a single-process one), so the tests that read them cost one launch, not one each.
@@ -19,7 +20,7 @@ from .._requirements import refuses, requires, runs_dialect
 
 __all__ = ["CASES", "Case", "case_params", "get_case"]
 
-Kind = Literal["train", "checkpoint", "build-error", "run-error"]
+Kind = Literal["train", "checkpoint", "portable-checkpoint", "trace", "build-error", "run-error"]
 
 #: Seed of the training micro-batches of data-parallel replica ``d``: ``DATA_SEED + d``.
 DATA_SEED = 100
@@ -91,6 +92,8 @@ _D = Capability.DYNAMIC_SHAPES
 _M = Capability.MULTI_PROCESS
 _DP = Capability.DATA_PARALLEL
 _C = Capability.CHECKPOINTS
+_PC = Capability.PORTABLE_CHECKPOINTS
+_TR = Capability.TRACING
 
 
 def _train(id: str, model: str, stages: int, *needs: Capability, **kw: Any) -> Case:
@@ -121,6 +124,22 @@ CASES: tuple[Case, ...] = (
         engine_kwargs=(("dynamic_shapes", True),),
     ),
     Case(id="checkpoint-2", kind="checkpoint", model="plain", stages=2, requires=frozenset({_C})),
+    # Saved on the dialect, resumed on the local dialect, and the other way round.
+    Case(
+        id="portable-2",
+        kind="portable-checkpoint",
+        model="plain",
+        stages=2,
+        requires=frozenset({_PC}),
+    ),
+    Case(
+        id="portable-gpt-2",
+        kind="portable-checkpoint",
+        model="gpt",
+        stages=2,
+        requires=frozenset({_PC, _T}),
+    ),
+    Case(id="trace-2", kind="trace", model="plain", stages=2, requires=frozenset({_TR})),
     Case(id="error-no-loss-fn", kind="build-error", model="plain", stages=2, mistake="no-loss-fn"),
     Case(id="error-no-config", kind="build-error", model="plain", stages=2, mistake="no-config"),
     Case(id="error-topology", kind="build-error", model="plain", stages=2, mistake="topology"),

@@ -30,7 +30,9 @@ __all__ = [
     "checkpoint_failures",
     "fail",
     "fail_if",
+    "portable_checkpoint_failures",
     "run_error_failures",
+    "trace_failures",
     "training_failures",
 ]
 
@@ -62,6 +64,10 @@ def fail_if(failures: Sequence[str]) -> None:
 def _training_label(case: Case) -> str:
     if case.kind == "checkpoint":
         return "checkpoints"
+    if case.kind == "portable-checkpoint":
+        return "portable checkpoints"
+    if case.kind == "trace":
+        return "tracing"
     if case.data_parallel > 1:
         return "data parallel"
     if case.model == "plain-dynamic":
@@ -312,6 +318,107 @@ def checkpoint_failures(result: CaseResult) -> list[str]:
                 if text is not None:
                     text = text.replace("after step 1", "one step after load_checkpoint()")
                     failures.append(f"{head}: after resuming, {text}")
+    return failures
+
+
+#: The two directions of a portable-checkpoint case: record key, what was done.
+_PORTABLE_DIRECTIONS = (
+    ("resumed", "saved on the dialect, resumed on the local dialect"),
+    ("imported", "saved on the local dialect, resumed on the dialect"),
+)
+
+
+def portable_checkpoint_failures(result: CaseResult) -> list[str]:
+    """Training before the save must match the unsplit model, and so must the step after a
+    resume, in either direction between the dialect and the local dialect."""
+    failures = training_failures(result)
+    if failures:
+        return failures
+    case = result.case
+    ref = reference(case.id)
+    ties = tied_names(case.id)
+    head = f"portable checkpoints [{case.title}]"
+    for rank, rec in sorted(result.records.items()):
+        for key, done in _PORTABLE_DIRECTIONS:
+            (loss,) = rec[f"{key}_losses"]
+            if not _loss_close(loss, ref.losses[-1]):
+                failures.append(
+                    f"{head}: {done} (pipedialect.checkpoint), train_batch() returned loss "
+                    f"{loss:.8g} on rank {rank}; the uninterrupted unsplit run's is "
+                    f"{ref.losses[-1]:.8g}: engine_state() did not give every parameter, buffer "
+                    "and optimizer state under the model's names"
+                )
+            for stage, named in sorted(rec[f"{key}_params"][0].items()):
+                for name, value in named.items():
+                    text = _param_failure(
+                        name, value, ref.params[-1].get(name), stage, rank, 1, ties
+                    )
+                    if text is not None:
+                        text = text.replace("after step 1", "one step after the resume")
+                        failures.append(f"{head}: {done}, {text}")
+    return failures
+
+
+def trace_failures(result: CaseResult) -> list[str]:
+    """A traced run trains like the unsplit model, and its timeline has, for every stage and
+    step, one forward per micro-batch (and, in training, one backward after it)."""
+    failures = training_failures(result)
+    if failures:
+        return failures
+    case = result.case
+    head = f"tracing [{case.title}]"
+    for rank, rec in sorted(result.records.items()):
+        on = f" (gathered on rank {rank})" if result.world_size > 1 else ""
+        if rec["traced_stages"] != case.stages:
+            failures.append(
+                f"{head}: the timeline{on} says {rec['traced_stages']} stages, the plan has "
+                f"{case.stages}: engine_state().num_stages is wrong"
+            )
+        failures += _timeline_failures(case, rec["spans"], f"{head}:", on)
+    return failures
+
+
+def _timeline_failures(case: Case, spans: Sequence[Any], head: str, on: str) -> list[str]:
+    forwards: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+    backwards: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+    counts: dict[tuple[str, int, int, int | None], int] = {}
+    for kind, _rank, stage, step, micro, start, end in spans:
+        counts[(kind, stage, step, micro)] = counts.get((kind, stage, step, micro), 0) + 1
+        table = {"forward": forwards, "backward": backwards}.get(kind)
+        if table is not None and micro is not None:
+            table.setdefault((stage, step), {})[micro] = (start, end)
+    failures = []
+    want = list(range(case.gas))
+    for step in range(case.steps + 1):  # the training steps, then eval_batch
+        training = step < case.steps
+        what = f"train_batch() {step + 1}" if training else "eval_batch()"
+        for stage in range(case.stages):
+            fwd = forwards.get((stage, step), {})
+            bwd = backwards.get((stage, step), {})
+            if sorted(fwd) != want:
+                failures.append(
+                    f"{head} [Stage {stage}] {what}{on}: forward spans of micro-batches "
+                    f"{sorted(fwd)}, expected {want}: engine_state() must give the module that "
+                    "runs the stage once per micro-batch"
+                )
+            if sorted(bwd) != (want if training else []):
+                failures.append(
+                    f"{head} [Stage {stage}] {what}{on}: backward spans of micro-batches "
+                    f"{sorted(bwd)}, expected {want if training else []}"
+                )
+            for micro, (start, _end) in sorted(bwd.items()):
+                if micro in fwd and start < fwd[micro][1]:
+                    failures.append(
+                        f"{head} [Stage {stage}] {what}{on}: the backward of micro-batch "
+                        f"{micro} starts before its forward ends"
+                    )
+    repeated = sorted(k for k, n in counts.items() if n > 1 and k[0] in ("forward", "backward"))
+    if repeated:
+        kind, stage, step, micro = repeated[0]
+        failures.append(
+            f"{head} [Stage {stage}]{on}: {len(repeated)} span(s) recorded twice, first the "
+            f"{kind} of micro-batch {micro} in step {step}: a stage's runner is reported twice"
+        )
     return failures
 
 

@@ -31,7 +31,14 @@ __all__ = ["CaseResult", "DialectRun"]
 
 logger = logging.getLogger(__name__)
 
-_KIND_ORDER = {"train": 0, "checkpoint": 1, "build-error": 2, "run-error": 3}
+_KIND_ORDER = {
+    "train": 0,
+    "checkpoint": 1,
+    "portable-checkpoint": 2,
+    "trace": 3,
+    "build-error": 4,
+    "run-error": 5,
+}
 
 
 @dataclass

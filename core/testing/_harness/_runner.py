@@ -41,11 +41,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import checkpoint
 from ...contracts import Capability, RuntimeEngine, Topology
 from ...dialect import Dialect
 from ...errors import PipeDialectError
 from ...partition import PipelinePlan, partition
+from ...plugins import get_dialect
 from ...stage import StageWrapper
+from ...trace import trace
 from .._options import EngineOptions
 from ._cases import Case, get_case
 from ._data import eval_stream, suite_config, train_stream
@@ -490,6 +493,90 @@ def _run_checkpoint(
     }
 
 
+#: The dialect a portable checkpoint is carried to and from: every stage in one process.
+_REFERENCE_DIALECT = "local"
+
+
+def _run_portable_checkpoint(
+    dialect: Dialect,
+    case: Case,
+    options: EngineOptions,
+    out_dir: str,
+    multi: bool,
+    partial: Record,
+) -> Record:
+    """Save on the dialect and resume on the local dialect, and the other way round.
+
+    Every rank of a launch builds the local engine too (it holds every stage), so both
+    directions run as one collective checkpoint on the same ranks.
+    """
+    local = get_dialect(_REFERENCE_DIALECT)
+    saved_at = case.steps - 1
+    split = saved_at * case.gas
+    first = _Built(dialect, case, options, multi)
+    batches = train_stream(case, first.replica)
+    losses, params = first.train(batches[:split], saved_at)
+    out = Path(out_dir)
+    checkpoint.save(first.engine, out / f"portable-{case.id}-from-dialect", tag="suite")
+    more_losses, more_params = first.train(batches[split:], 1)
+    # The local dialect, on other weights (seed 7), resumes from the dialect's checkpoint.
+    on_local = _Built(local, case, EngineOptions(), False, seed=7)
+    checkpoint.load(on_local.engine, out / f"portable-{case.id}-from-dialect", tag="suite")
+    resumed_losses, resumed_params = on_local.train(batches[split:], 1)
+    # And the other way: the local dialect trains and saves, the dialect resumes.
+    saver = _Built(local, case, EngineOptions(), False)
+    saver.train(train_stream(case, 0)[:split], saved_at)
+    checkpoint.save(saver.engine, out / f"portable-{case.id}-from-local", tag="suite")
+    resumed = _Built(dialect, case, options, multi, seed=7)
+    checkpoint.load(resumed.engine, out / f"portable-{case.id}-from-local", tag="suite")
+    imported_losses, imported_params = resumed.train(batches[split:], 1)
+    return {
+        "stages": first.local,
+        "replica": first.replica,
+        "losses": losses + more_losses,
+        "params": params + more_params,
+        "resumed_losses": resumed_losses,
+        "resumed_params": resumed_params,
+        "imported_losses": imported_losses,
+        "imported_params": imported_params,
+    }
+
+
+def _run_trace(
+    dialect: Dialect,
+    case: Case,
+    options: EngineOptions,
+    out_dir: str,
+    multi: bool,
+    partial: Record,
+) -> Record:
+    """Train and evaluate inside :func:`pipedialect.trace`; keep what it recorded."""
+    built = _Built(dialect, case, options, multi)
+    batches = train_stream(case, built.replica)
+    with trace(built.engine, png=False) as recorded:
+        losses, params = built.train(batches, case.steps)
+        eval_loss = _loss_value(
+            built.engine.eval_batch(iter(eval_stream(case, built.replica))),
+            "eval_batch()",
+            built.local,
+        )
+    timeline = recorded.timeline
+    if timeline is None:  # pragma: no cover - trace() sets it on a clean exit
+        raise ContractError("trace() recorded no timeline")
+    return {
+        "stages": built.local,
+        "replica": built.replica,
+        "losses": losses,
+        "params": params,
+        "eval_loss": eval_loss,
+        "traced_stages": timeline.num_stages,
+        "spans": [
+            (s.kind, s.rank, s.stage, s.step, s.micro_batch, s.start_ns, s.end_ns)
+            for s in timeline.spans
+        ],
+    }
+
+
 def _run_build_error(
     dialect: Dialect,
     case: Case,
@@ -521,6 +608,8 @@ def _run_run_error(
 _RUNNERS: dict[str, Callable[[Dialect, Case, EngineOptions, str, bool, Record], Record]] = {
     "train": _run_train,
     "checkpoint": _run_checkpoint,
+    "portable-checkpoint": _run_portable_checkpoint,
+    "trace": _run_trace,
     "build-error": _run_build_error,
     "run-error": _run_run_error,
 }

@@ -8,14 +8,16 @@ module (SQLAlchemy's dialect suite and fsspec's abstract tests work the same way
 
 and run ``pytest --dialect NAME``. Each class covers one contract area:
 
-==========================  ================================================================
-:class:`TestRegistration`   entry point, declared capabilities, components, topology
-:class:`TestCodec`          lossless round trips through the dialect's codec (Hypothesis)
-:class:`TestStages`         stage wrappers chained in one process equal the unsplit forward
-:class:`TestTies`           tie analysis; tied weights trained like the unsplit model
-:class:`TestTraining`       ``pipe_engine`` + ``runtime_engine`` equal the unsplit model
-:class:`TestErrors`         mistakes get a named :class:`~pipedialect.PipeDialectError`
-==========================  ================================================================
+==================================  ==============================================================
+:class:`TestRegistration`           entry point, declared capabilities, components, topology
+:class:`TestCodec`                  lossless round trips through the dialect's codec (Hypothesis)
+:class:`TestStages`                 stage wrappers chained in one process equal the unsplit forward
+:class:`TestTies`                   tie analysis; tied weights trained like the unsplit model
+:class:`TestTraining`               ``pipe_engine`` + ``runtime_engine`` equal the unsplit model
+:class:`TestPortableCheckpoints`    ``pipedialect.checkpoint`` to and from the local dialect
+:class:`TestTracing`                ``pipedialect.trace``: every stage's spans, values unchanged
+:class:`TestErrors`                 mistakes get a named :class:`~pipedialect.PipeDialectError`
+==================================  ==============================================================
 
 Tests of what the dialect does not declare (:class:`~pipedialect.Capability`) are skipped and
 reported as such. Subclass a class to pin the dialect or the engine options with fixtures (see
@@ -29,6 +31,7 @@ from .._options import EngineOptions
 from .._requirements import refuses, requires, runs_dialect
 from .test_codec import TestCodec
 from .test_errors import TestErrors
+from .test_portability import TestPortableCheckpoints, TestTracing
 from .test_registration import TestRegistration
 from .test_stages import TestStages
 from .test_ties import TestTies
@@ -39,9 +42,11 @@ __all__ = [
     "SuiteBase",
     "TestCodec",
     "TestErrors",
+    "TestPortableCheckpoints",
     "TestRegistration",
     "TestStages",
     "TestTies",
+    "TestTracing",
     "TestTraining",
     "refuses",
     "requires",
