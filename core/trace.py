@@ -56,7 +56,6 @@ from .errors import ConfigError
 
 __all__ = [
     "COMPUTE_KINDS",
-    "Instrumented",
     "Recorder",
     "Span",
     "StepBubble",

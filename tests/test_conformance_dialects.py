@@ -12,6 +12,7 @@ put on the checks' PYTHONPATH, so entry points are found exactly as in a user's 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -97,6 +98,35 @@ def test_example_dialect_passes_the_suite(third_party: list[Path], tmp_path: Pat
     assert "dialect 'sendrecv' declares: data-parallel, dynamic-shapes" in text
     assert "1 test(s): dialect 'sendrecv' does not declare checkpoints" in text
     assert "conformance of 'sendrecv': PASSED" in text
+    # Its engine_state and instrument hooks: portable checkpoints to and from the local
+    # dialect, and a trace, all run and pass (none skipped by capability).
+    assert "  portability          3       0                     0" in text
+    assert "  tracing              2       0                     0" in text
+
+
+def test_example_dialect_times_its_sends_and_receives(
+    third_party: list[Path], tmp_path: Path
+) -> None:
+    """The example's ``instrument`` hook: a traced run trains as the untraced one, and each rank
+    records one send and one receive per micro-batch in each direction it talks."""
+    script = (
+        "import json; from pipedialect.launch import launch; import _example_dialect_workers "
+        "as w; print(json.dumps(launch(w.traced_and_untraced, 2, timeout=600)))"
+    )
+    proc = run([sys.executable, "-c", script], tmp_path, [*third_party, ROOT / "tests"])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = sorted(json.loads(proc.stdout.strip().splitlines()[-1]), key=lambda r: r["rank"])
+    every = [0, 1, 2, 3]
+    expected = {
+        0: {("send", "activations"): every, ("recv", "grads"): every},
+        1: {("recv", "activations"): every, ("send", "grads"): every},
+    }
+    for result in results:
+        assert result["traced"] == result["untraced"]  # tracing changes no value
+        found: dict[tuple[str, str], list[int]] = {}
+        for kind, carries, micro in result["spans"]:
+            found.setdefault((kind, carries), []).append(micro)
+        assert found == expected[result["rank"]], result["spans"]
 
 
 def test_example_runs_the_suite_from_its_own_test_file(

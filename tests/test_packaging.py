@@ -177,3 +177,38 @@ def test_check_passes_from_every_kind_of_install(
     proc = _run([str(venv / "bin" / "pipedialect"), "check", "local"], cwd=tmp_path)
     assert "conformance of 'local': PASSED" in proc.stdout, proc.stdout[-3000:]
     assert " failed" not in proc.stdout.splitlines()[-1]
+    # The installed package's suite has the portable-checkpoint and trace cases, and runs them.
+    assert "  portability          3       0" in proc.stdout, proc.stdout[-3000:]
+    assert "  tracing              2       0" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_example_dialect_installed_beside_the_wheel_saves_resumes_and_traces(
+    wheel: Path, venv: Path, installed: list[str], tmp_path: Path
+) -> None:
+    """examples/pipedialect-sendrecv pip-installed into the fresh environment next to the
+    wheel: ``pipedialect check sendrecv`` finds it by its entry point and passes the
+    portable-checkpoint cases (saved on it, resumed on local, and back) and the trace case,
+    through the engine_state and instrument hooks it implements."""
+    _run([*installed, f"{wheel}[testing]"])
+    example = tmp_path / "pipedialect-sendrecv"
+    shutil.copytree(
+        ROOT / "examples" / "pipedialect-sendrecv",
+        example,
+        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
+    )
+    python = str(venv / "bin" / "python")
+    try:
+        _run([*installed, "--no-deps", str(example)])
+        proc = _run(
+            [str(venv / "bin" / "pipedialect"), "check", "sendrecv", "-k", "Portab or Tracing"],
+            cwd=tmp_path,
+        )
+    finally:
+        subprocess.run(
+            [python, "-m", "pip", "uninstall", "--yes", "--quiet", "pipedialect-sendrecv"],
+            capture_output=True,
+            check=False,
+        )
+    assert "conformance of 'sendrecv': PASSED" in proc.stdout, proc.stdout[-3000:]
+    assert "  portability          3       0                     0" in proc.stdout
+    assert "  tracing              2       0                     0" in proc.stdout

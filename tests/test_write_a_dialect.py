@@ -72,6 +72,9 @@ def test_the_page_dialect_passes_pipedialect_check(installed: tuple[Path, dict[s
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
     assert "conformance of 'mine': PASSED" in out
     assert "training             8       0" in out  # every training case it declares ran
+    # engine_state: portable checkpoints to and from the local dialect, and a trace
+    assert "portability          3       0                     0" in out
+    assert "tracing              2       0                     0" in out
 
 
 def test_the_page_test_modules_run_under_pytest(installed: tuple[Path, dict[str, str]]) -> None:

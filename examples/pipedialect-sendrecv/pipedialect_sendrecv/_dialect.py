@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
 from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine
 from pipedialect.config import parse_config
-from pipedialect.contracts import BOUNDARY_CAPABILITIES
+from pipedialect.contracts import (
+    BOUNDARY_CAPABILITIES,
+    EngineState,
+    HeldStage,
+    Instrumented,
+    SpanRecorder,
+)
 from pipedialect.dialect import EngineRequest, NoOptions, PipelineRequest
+from pipedialect.ties import tie_keys
+from pipedialect.trace import patch_attribute
 
 from ._engine import SendRecvEngine, SendRecvPipeline
 
@@ -29,11 +38,14 @@ class SendRecvDialect(Dialect):
     name = "sendrecv"
     version = "0.1.0"
     description = "GPipe over torch.distributed send/recv (example third-party dialect)"
-    #: What the default stage wrapper carries, plus what this engine adds.
+    #: What the default stage wrapper carries, plus what this engine adds: portable
+    #: checkpoints and traces come with the two hooks at the end (engine_state, instrument).
     capabilities = BOUNDARY_CAPABILITIES | {
         Capability.DYNAMIC_SHAPES,
         Capability.MULTI_PROCESS,
         Capability.DATA_PARALLEL,
+        Capability.PORTABLE_CHECKPOINTS,
+        Capability.TRACING,
     }
     #: The pipeline module class built by :meth:`_build_pipeline` (subclasses may swap it).
     pipeline_class: type[SendRecvPipeline] = SendRecvPipeline
@@ -65,3 +77,56 @@ class SendRecvDialect(Dialect):
         if not isinstance(engine, SendRecvEngine):
             raise ConfigError(f"not a sendrecv engine: {type(engine).__name__}")
         return [engine.module.stage_id]
+
+    def engine_state(self, engine: RuntimeEngine) -> EngineState:
+        """What ``pipedialect.checkpoint`` and ``pipedialect.trace`` read: this rank's stage
+        (run by its wrapper; named as the model by the wrapper's ``mod``), the optimizer, the
+        tied weights' keys and the step counter."""
+        if not isinstance(engine, SendRecvEngine):
+            raise ConfigError(f"not a sendrecv engine: {type(engine).__name__}")
+        module = engine.module
+        root = getattr(module.stage, "mod", module.stage)
+        stage = HeldStage(module.stage_id, module.stage, root)
+        return EngineState(
+            stages=(stage,),
+            num_stages=module.num_stages,
+            optimizer=engine.optimizer,
+            tie_keys=tie_keys(module.plan.tie_groups, [(stage.stage_id, root)]),
+            counters=("global_steps",),
+            gradient_accumulation_steps=engine.config.gradient_accumulation_steps,
+            train_batch_size=engine.config.train_batch_size,
+        )
+
+    def instrument(self, engine: RuntimeEngine, recorder: SpanRecorder) -> Instrumented:
+        """Time every send and receive of the schedule while a trace runs (the trace itself
+        times each stage's forward and backward, and the optimizer step)."""
+        if not isinstance(engine, SendRecvEngine):
+            raise ConfigError(f"not a sendrecv engine: {type(engine).__name__}")
+        module = engine.module
+        undo = [
+            patch_attribute(module, "send", _timed(module.send, "send", recorder)),
+            patch_attribute(module, "recv", _timed(module.recv, "recv", recorder)),
+        ]
+
+        def remove() -> None:
+            for step in reversed(undo):
+                step()
+
+        return Instrumented(undo=remove)
+
+
+def _timed(method: Callable[..., Any], kind: str, recorder: SpanRecorder) -> Callable[..., Any]:
+    """``method(*args, carries=...)`` recorded as one span per call (micro-batches in order)."""
+
+    def timed(*args: Any, carries: str) -> Any:
+        if not recorder.recording:
+            return method(*args, carries=carries)
+        micro_batch = recorder.next_index((kind, carries))
+        start = recorder.now()
+        try:
+            return method(*args, carries=carries)
+        finally:
+            end = recorder.now()
+            recorder.add(kind, kind, recorder.home_stage, start, end, micro_batch, carries)
+
+    return timed

@@ -100,6 +100,7 @@ class SendRecvPipeline(nn.Module):
         coord = topology.get_coord(rank)
         self.stage_id = int(coord.pipe)
         self.replica = int(getattr(coord, "data", 0))
+        self.plan = plan
         self.num_stages = plan.num_stages
         self.replicas = max(topology.get_dim("data"), 1)
         self.stage = stages[self.stage_id]
@@ -129,7 +130,15 @@ class SendRecvPipeline(nn.Module):
     def _groups(topology: Topology, axis: str, size: int) -> list[Any]:
         return [dist.new_group(topology.filter_match(**{axis: i})) for i in range(size)]
 
-    # -- what subclasses may change --------------------------------------------------------
+    # -- what subclasses (and a trace) may change ----------------------------------------
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, *, carries: str) -> None:
+        """Send ``tensors`` (``carries``: ``"activations"`` or ``"grads"``) to rank ``dst``."""
+        send_tensors(tensors, dst)
+
+    def recv(self, src: int, *, carries: str) -> list[torch.Tensor]:
+        """Receive what rank ``src`` sent with :meth:`send`."""
+        return recv_tensors(src)
 
     def outgoing(self, wire: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors to send to the next stage, in wire order."""
@@ -168,7 +177,7 @@ class SendRecvPipeline(nn.Module):
                 out = self.stage(*(inputs if isinstance(inputs, tuple | list) else (inputs,)))
             else:
                 assert self.prev is not None
-                wire = recv_tensors(self.prev)
+                wire = self.recv(self.prev, carries="activations")
                 if train:
                     for t in wire:
                         if t.is_floating_point():
@@ -180,7 +189,7 @@ class SendRecvPipeline(nn.Module):
             else:
                 assert self.next is not None
                 outgoing = self.outgoing(out)
-                send_tensors(outgoing, self.next)
+                self.send(outgoing, self.next, carries="activations")
                 sent.append([t for t in outgoing if t.is_floating_point()])
         if train:
             for m in reversed(range(count)):
@@ -188,18 +197,19 @@ class SendRecvPipeline(nn.Module):
                     torch.autograd.backward(losses[m] / count)
                 else:
                     assert self.next is not None
-                    grads = recv_tensors(self.next)  # one per float sent, in order
+                    grads = self.recv(self.next, carries="grads")  # one per float sent, in order
                     pairs = [(t, g) for t, g in zip(sent[m], grads, strict=True) if t.requires_grad]
                     if pairs:
                         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
                 if not first:
                     assert self.prev is not None
-                    send_tensors(
+                    self.send(
                         [
                             t.grad if t.grad is not None else torch.zeros_like(t)
                             for t in received[m]
                         ],
                         self.prev,
+                        carries="grads",
                     )
         mean = torch.stack([loss.detach() for loss in losses]).mean() if last else torch.zeros(())
         total = (mean / self.replicas).reshape(1)
