@@ -1,15 +1,15 @@
-"""Activation memory with and without ``partition(..., checkpoint="blocks.*")``.
+"""Activation memory with and without ``partition(..., recompute="blocks.*")``.
 
 One model whose activations dominate: a long sequence (``--seq`` tokens, batch ``--batch``)
 through ``--depth`` pre-norm MLP blocks of width ``--dim`` (a few hundred thousand
 parameters, hundreds of MiB of activations). Each variant runs in a fresh interpreter: it
-partitions the model into ``--stages`` stages (with or without ``checkpoint="blocks.*"``),
+partitions the model into ``--stages`` stages (with or without ``recompute="blocks.*"``),
 runs forward and backward of one micro-batch through the stage graphs (``plan.graph``, the code
 every dialect runs), and reports
 
 - on a GPU, ``torch.cuda.max_memory_allocated`` above what the model and inputs hold;
 - on a CPU, the peak resident set (``ru_maxrss``) above the resident set before forward;
-- in both, the bytes autograd saves for backward outside checkpointed regions
+- in both, the bytes autograd saves for backward outside recomputed regions
   (``saved_tensors_hooks``, each storage once) and the inputs the checkpoints keep.
 
 The losses of both variants must be equal (the same maths, recomputed), and the ratio is
@@ -109,7 +109,7 @@ def measure(args: argparse.Namespace, checkpoint: bool) -> dict[str, Any]:
     model = LongSequenceNet(args.dim, args.depth).to(device)
     step = args.depth // args.stages
     points = [f"blocks.{step * (k + 1) - 1}" for k in range(args.stages - 1)]
-    plan = partition(model, points, checkpoint="blocks.*" if checkpoint else None)
+    plan = partition(model, points, recompute="blocks.*" if checkpoint else None)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.seq, 16, generator=gen).to(device)
     target = torch.randn(args.batch, args.seq, 16, generator=gen).to(device)
@@ -469,7 +469,7 @@ def main() -> None:
         f"{args.depth}, {args.stages} stages, {args.device}; torch {torch.__version__}"
     )
     print(f"{'variant':<24}{'peak MiB':>12}{'saved MiB':>12}{'loss':>14}")
-    for name, r in (("no checkpoint", plain), ('checkpoint="blocks.*"', ckpt)):
+    for name, r in (("no checkpoint", plain), ('recompute="blocks.*"', ckpt)):
         print(
             f"{name:<24}{r['peak_bytes'] / mib:>12.1f}{r['saved_bytes'] / mib:>12.1f}"
             f"{r['loss']:>14.8f}"

@@ -449,7 +449,7 @@ def main() -> None:
             dialect,
             world,
             latency,
-            checkpoint="blocks.*",
+            recompute="blocks.*",
             action_overhead=per_action,
             step_overhead=per_step,
         )

@@ -30,7 +30,6 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
 __all__ = [
-    "ActivationCheckpointError",
     "BrokenPluginError",
     "Capability",
     "CaptureError",
@@ -60,6 +59,7 @@ __all__ = [
     "PluginError",
     "PluginWarning",
     "RankFailedError",
+    "RecomputeError",
     "RuntimeEngine",
     "SchemaCodec",
     "SplitPointError",

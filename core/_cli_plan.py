@@ -53,7 +53,7 @@ def add_plan_parser(sub: Any) -> None:
         "--measure-time", action="store_true", help="time the model on this machine instead"
     )
     parser.add_argument(
-        "--checkpoint", action="append", metavar="PATTERN", help="recomputation to consider"
+        "--recompute", action="append", metavar="PATTERN", help="recomputation to consider"
     )
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--trace", metavar="PATH", help="write the predicted step (Chrome trace)")
@@ -98,7 +98,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             bandwidth=args.bandwidth,
             latency=args.latency,
             dialect=args.dialect,
-            checkpoint=args.checkpoint,
+            recompute=args.recompute,
             measure_time=args.measure_time,
             flops_per_second=args.flops_per_second,
         )
@@ -133,7 +133,7 @@ def _as_json(plan: Any, top: int) -> dict[str, Any]:
             "tensor_parallel": lay.tensor_parallel,
             "micro_batches": lay.micro_batches,
             "micro_batch_size": lay.micro_batch_size,
-            "checkpoint": lay.checkpoint,
+            "recompute": lay.recompute,
             "split_points": list(lay.split_points),
             "verdict": row.verdict,
         }

@@ -38,10 +38,10 @@ plain tuple, which the code after the split point reads alike by position; a dic
 that arrives so although that code reads it by key or attribute is refused with an
 :class:`UnsupportedValueError` naming the codec, the real cause.
 
-[Note: checkpointed calls]
-``partition(..., checkpoint=["blocks.*"])`` keeps each matched module as one ``call_module``
+[Note: recomputed calls]
+``partition(..., recompute=["blocks.*"])`` keeps each matched module as one ``call_module``
 node during capture (like a split point), and after the cut rewrites that node in its stage
-graph into ``call_function(checkpointed, (get_attr module, *args), kwargs)``: the module is
+graph into ``call_function(recomputed, (get_attr module, *args), kwargs)``: the module is
 still an attribute of the stage under its own path, so parameter names, ties and the stage's
 ``named_parameters`` do not change, and the call runs through non-reentrant
 ``torch.utils.checkpoint`` with the RNG state preserved (dropout draws the same mask when
@@ -107,8 +107,8 @@ from torch.fx.graph_module import reduce_graph_module
 
 from . import _state
 from .contracts import TensorCodec
-from .errors import ActivationCheckpointError, CaptureError, UnsupportedValueError
-from .module_state import checkpoint_with_state
+from .errors import CaptureError, RecomputeError, UnsupportedValueError
+from .module_state import recompute_with_state
 
 __all__: list[str] = []
 
@@ -155,7 +155,7 @@ class SplitTracer(fx.Tracer):
         # Nodes whose value comes from a split point whose structure is unknown.
         self._opaque: dict[fx.Node, SplitOutput] = {}
         self._buffer_names: dict[int, str] | None = None
-        #: For each probed call (a split point, a checkpointed module), the ids of the buffers
+        #: For each probed call (a split point, a recomputed module), the ids of the buffers
         #: its module's traced code writes ([Note: module state] in ``_state``).
         self.buffer_writes: dict[fx.Node, frozenset[int]] = {}
 
@@ -221,7 +221,7 @@ class SplitTracer(fx.Tracer):
             if id(m) in self._split_ids and isinstance(out, fx.Proxy):
                 out = self._split_output(m, path, out, args, kwargs)
             elif id(m) in self._checkpoint_ids and isinstance(out, fx.Proxy):
-                self._check_checkpointed_output(m, path, out, args, kwargs)
+                self._check_recomputed_output(m, path, out, args, kwargs)
             return out
         except Exception:
             if self.failed_in is None:
@@ -249,7 +249,7 @@ class SplitTracer(fx.Tracer):
             return _OpaqueProxy(call.node, self)
         return _build(result, call, ())
 
-    def _check_checkpointed_output(
+    def _check_recomputed_output(
         self,
         m: nn.Module,
         path: str,
@@ -257,11 +257,11 @@ class SplitTracer(fx.Tracer):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
-        """Refuse a checkpointed module whose output is not one traced value.
+        """Refuse a recomputed module whose output is not one traced value.
 
-        A checkpointed module runs as one opaque call, so the code after it would see its output
+        A recomputed module runs as one opaque call, so the code after it would see its output
         as a single Proxy: ``None``, numbers and containers in it would be traced wrongly
-        ([Note: checkpointed calls]). Only a module that returns one tensor is safe.
+        ([Note: recomputed calls]). Only a module that returns one tensor is safe.
         """
         _, spec, reason = _probe(self, m, call.node, args, kwargs)
         if spec == _LEAF:
@@ -271,10 +271,10 @@ class SplitTracer(fx.Tracer):
             if spec is None
             else ("it returns a container or a Python value, not one tensor")
         )
-        raise ActivationCheckpointError(
-            f"checkpointed module {path!r} cannot be recomputed in backward: {what}, and the "
-            "code after an opaque checkpointed call could not see None, numbers or containers "
-            f"in it. Drop {path!r} from checkpoint=, checkpoint the modules inside it that "
+        raise RecomputeError(
+            f"recomputed module {path!r} cannot be recomputed in backward: {what}, and the "
+            "code after an opaque recomputed call could not see None, numbers or containers "
+            f"in it. Drop {path!r} from recompute=, recompute the modules inside it that "
             "return a tensor, or make it a split point."
         )
 
@@ -794,7 +794,7 @@ def capture(
     try:
         with recording_regions():
             graph = tracer.trace(model, dict(concrete_args) if concrete_args else None)
-    except (CaptureError, ActivationCheckpointError):
+    except (CaptureError, RecomputeError):
         remove_attrs(model, _attr_names(model) - before)
         raise
     except Exception as exc:
@@ -1432,15 +1432,15 @@ def _mirror_persistence(model: nn.Module, stage: nn.Module) -> None:
             holder._non_persistent_buffers_set.add(attr)
 
 
-def checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Call ``module`` under non-reentrant activation checkpointing ([Note: checkpointed calls]);
+def recomputed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module`` under non-reentrant activation recomputation ([Note: recomputed calls]);
     its recomputation sees and leaves the module's buffers and attributes as the first run did
     (``module_state`` [Note: recomputation and module state])."""
-    return checkpoint_with_state(module, (module,), *args, **kwargs)
+    return recompute_with_state(module, (module,), *args, **kwargs)
 
 
 def checkpoint_calls(stage: fx.GraphModule, paths: frozenset[str]) -> None:
-    """Route ``stage``'s calls of the modules at ``paths`` through :func:`checkpointed`."""
+    """Route ``stage``'s calls of the modules at ``paths`` through :func:`recomputed`."""
     changed = False
     for graph in stage_graphs(stage):
         for node in list(graph.nodes):
@@ -1448,7 +1448,7 @@ def checkpoint_calls(stage: fx.GraphModule, paths: frozenset[str]) -> None:
                 continue
             with graph.inserting_before(node):
                 module = graph.get_attr(str(node.target))
-                call = graph.call_function(checkpointed, (module, *node.args), dict(node.kwargs))
+                call = graph.call_function(recomputed, (module, *node.args), dict(node.kwargs))
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             graph.erase_node(node)

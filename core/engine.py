@@ -2,7 +2,7 @@
 
 DeepSpeed's ``PipelineEngine`` is the model every engine follows: ``train_batch`` pulls
 ``gradient_accumulation_steps`` ``(inputs, labels)`` micro-batches, steps the optimizer once and
-returns the mean micro-batch loss. :class:`DeepSpeedStyleEngine` holds what that needs besides
+returns the mean micro-batch loss. :class:`EngineBase` holds what that needs besides
 the schedule itself -- the parsed config, the optimizer (with parameter groups), the learning
 rate schedule, the step counter and whole-step data reads -- so a dialect's engine adds only
 how its stages run. The local and torch dialects' engines build on it.
@@ -19,7 +19,7 @@ parameters: one built over the unsplit model (or another stage) would step param
 engine never gives a gradient, and is refused by name. A client ``lr_scheduler`` is built over
 (or must be bound to) that optimizer, and is stepped after every applied optimizer step.
 
-:meth:`DeepSpeedStyleEngine.get_global_grad_norm` is the global gradient norm of the last step,
+:meth:`EngineBase.get_global_grad_norm` is the global gradient norm of the last step,
 computed whether or not ``gradient_clipping`` clips (Hugging Face's ``Trainer`` logs it).
 
 With ``"bf16": {"enabled": true}`` it also holds the bf16 policy (:mod:`pipedialect.precision`
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from .partition import PipelinePlan
 
 __all__ = [
-    "DeepSpeedStyleEngine",
+    "EngineBase",
     "nothing_to_train",
     "read_checkpoint_file",
     "shape_mismatch",
@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 
-class DeepSpeedStyleEngine:
+class EngineBase:
     """What every engine shares with DeepSpeed's ``PipelineEngine``: config, optimizer,
     accessors and the data iterator (the torch dialect's engine builds on it too)."""
 
@@ -323,7 +323,7 @@ class DeepSpeedStyleEngine:
     @staticmethod
     def next_pair(data_iter: Iterator[Any]) -> tuple[Any, Any]:
         """Pull one ``(inputs, labels)`` micro-batch, refusing anything else by name."""
-        return DeepSpeedStyleEngine.check_pair(next(data_iter), 0)
+        return EngineBase.check_pair(next(data_iter), 0)
 
     @staticmethod
     def check_pair(batch: Any, index: int) -> tuple[Any, Any]:

@@ -12,7 +12,7 @@ everything the library raises on purpose. Below it, one branch per concern::
     │   ├── SplitPointError
     │   ├── CaptureError
     │   ├── PlanMismatchError
-    │   ├── ActivationCheckpointError
+    │   ├── RecomputeError
     │   └── PlanDisagreementError (also a TopologyError)
     ├── CodecError
     │   ├── UnsupportedValueError
@@ -42,7 +42,6 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "ActivationCheckpointError",
     "BrokenPluginError",
     "CaptureError",
     "CheckpointError",
@@ -66,6 +65,7 @@ __all__ = [
     "PluginError",
     "PluginWarning",
     "RankFailedError",
+    "RecomputeError",
     "SplitPointError",
     "StructureChangedError",
     "TieError",
@@ -125,8 +125,8 @@ class CaptureError(PartitionError):
     """torch.fx could not capture the model's forward, or a value broke what the capture assumed."""
 
 
-class ActivationCheckpointError(PartitionError, ValueError):
-    """A ``checkpoint=`` pattern matches no module, or names one a stage cannot recompute."""
+class RecomputeError(PartitionError, ValueError):
+    """A ``recompute=`` pattern matches no module, or names one a stage cannot recompute."""
 
 
 class PlanMismatchError(PartitionError):

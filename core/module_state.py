@@ -1,10 +1,10 @@
 """Module state across pipelined forwards and recomputation: what runs must see and leave.
 
 A pipeline runs a stage's forward for several micro-batches before their backwards, and
-activation checkpointing runs a forward a second time during backward; the unsplit model does
+activation recomputation runs a forward a second time during backward; the unsplit model does
 neither. The helpers here keep buffers and plain Python attributes as one forward in the unsplit
 model leaves them. :class:`UpdatedBuffers` serves every :class:`~pipedialect.StageWrapper`,
-:func:`checkpoint_with_state` the ``partition(checkpoint=...)`` calls and DeepSpeed's
+:func:`recompute_with_state` the ``partition(recompute=...)`` calls and DeepSpeed's
 ``activation_checkpoint_interval``, :func:`preserved_state` any run that must leave no trace
 (the torch dialect's schedule set-up).
 
@@ -27,7 +27,7 @@ same copy.
 Activation checkpointing runs a module's forward again during backward. Run as it is, the second
 run updates running statistics, counters and other in-place-updated buffers a second time (a
 BatchNorm would count 8 batches where the model counts 4), and it computes with the values the
-first run left rather than those it saw. :func:`checkpoint_with_state` makes the recomputation
+first run left rather than those it saw. :func:`recompute_with_state` makes the recomputation
 see, and leave, the module state exactly as one forward does: before the first run every buffer
 the forward updates in place is replaced by a copy (the original keeps the value the forward
 started from), and the recomputation runs on a fresh copy of those starting values, with the
@@ -37,7 +37,7 @@ call in each mode (training or evaluation), when every buffer is copied once and
 its copy afterwards: BatchNorm's kernel updates its running statistics without a version bump,
 so version counters alone would miss them. A buffer a later call updates that an earlier
 call did not cannot be recomputed exactly; its recomputation raises
-:class:`~pipedialect.ActivationCheckpointError` instead of computing with another value.
+:class:`~pipedialect.RecomputeError` instead of computing with another value.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .errors import ActivationCheckpointError
+from .errors import RecomputeError
 
-__all__ = ["UpdatedBuffers", "checkpoint_with_state", "preserved_state"]
+__all__ = ["UpdatedBuffers", "preserved_state", "recompute_with_state"]
 
 
 _Slot = tuple[nn.Module, str]
@@ -166,7 +166,7 @@ def preserved_state(modules: Sequence[nn.Module]) -> Iterator[None]:
             setattr(by_id[module_id], name, value)
 
 
-#: Per checkpointed module (the ``key`` of :func:`checkpoint_with_state`) and mode (training or
+#: Per recomputed module (the ``key`` of :func:`recompute_with_state`) and mode (training or
 #: not): the indices of its buffer slots a forward changed so far.
 _LEARNED: weakref.WeakKeyDictionary[nn.Module, dict[bool, set[int]]] = weakref.WeakKeyDictionary()
 
@@ -190,7 +190,7 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 class _Replay:
-    """One checkpointed call: the first run, then recomputations that see and leave the state
+    """One recomputed call: the first run, then recomputations that see and leave the state
     as that run did ([Note: recomputation and module state])."""
 
     def __init__(
@@ -261,11 +261,11 @@ class _Replay:
     def _recompute(self, *args: Any, **kwargs: Any) -> Any:
         if self.unknown:
             owner, name = self.slots[self.unknown[0]]
-            raise ActivationCheckpointError(
+            raise RecomputeError(
                 f"buffer {name!r} of {type(owner).__name__} is updated in place by a "
-                "checkpointed forward that did not update it the first time it ran, so its "
+                "recomputed forward that did not update it the first time it ran, so its "
                 "recomputation cannot start from the value the forward saw. Update it on "
-                "every call, or do not checkpoint this module"
+                "every call, or do not recompute this module"
             )
         slots = [self.slots[i] for i in self.changed]
         current = [_get(slot) for slot in slots]
@@ -288,7 +288,7 @@ class _Replay:
                 setattr(by_id[module_id], name, value)
 
 
-def checkpoint_with_state(
+def recompute_with_state(
     function: Callable[..., Any],
     modules: Sequence[nn.Module],
     *args: Any,

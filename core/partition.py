@@ -56,7 +56,7 @@ from ._module_paths import (
 )
 from .balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, profile_model
 from .contracts import StageSpec
-from .errors import ActivationCheckpointError, ConfigError, PartitionError, SplitPointError
+from .errors import ConfigError, PartitionError, RecomputeError, SplitPointError
 from .liveness import compute_liveness
 from .ties import TieGroup, find_tie_groups
 
@@ -189,8 +189,8 @@ class PipelinePlan:
     concrete_args: Mapping[str, Any] = field(default_factory=dict, compare=False)
     #: Predicted per-stage costs when ``partition`` measured the model (``balance=``), else None.
     costs: PlanCosts | None = field(default=None, compare=False)
-    #: The modules whose activations are recomputed in backward (``checkpoint=``), outermost.
-    checkpointed: tuple[str, ...] = ()
+    #: The modules whose activations are recomputed in backward (``recompute=``), outermost.
+    recomputed: tuple[str, ...] = ()
     #: The model's buffers the stages use, in name order, with the stage that owns each
     #: ([Note: module state] in ``_state``).
     buffers: tuple[BufferInfo, ...] = ()
@@ -310,8 +310,8 @@ class PipelinePlan:
             lines.extend(f"    {buffer.describe()}" for buffer in self.buffers)
         if self.param_dtype is not None:
             lines.append(f"Captured with {self.param_dtype} parameters (torch.export)")
-        if self.checkpointed:
-            lines.append(f"Recomputed in backward: {list(self.checkpointed)}")
+        if self.recomputed:
+            lines.append(f"Recomputed in backward: {list(self.recomputed)}")
         if self.costs is not None:
             lines.extend(self.costs.describe_lines())
         return "\n".join(lines)
@@ -344,7 +344,7 @@ class PipelinePlan:
             "liveness": self.liveness,
             "ties": [(g.key, g.members) for g in self.tie_groups],
             "split_points": self.split_points,
-            "checkpointed": self.checkpointed,
+            "recomputed": self.recomputed,
             "buffers": [(b.name, b.owner, b.readers, b.persistent, b.value) for b in self.buffers],
             "param_dtype": None if self.param_dtype is None else str(self.param_dtype),
             "defaults": {k: repr(v) for k, v in self.input_defaults.items()},
@@ -372,7 +372,7 @@ def partition(
     balance_inputs: Mapping[str, Any] | None = None,
     candidates: Sequence[str] | None = None,
     bandwidth: float | None = DEFAULT_BANDWIDTH,
-    checkpoint: Sequence[str] | str | None = None,
+    recompute: Sequence[str] | str | None = None,
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     example_inputs: Mapping[str, Any] | Sequence[Any] | None = None,
@@ -408,11 +408,11 @@ def partition(
         bandwidth: with ``num_stages``, the bytes per second between stages that price the
             bytes each cut sends for ``"flops"`` and ``"time"`` (default
             :data:`pipedialect.balance.DEFAULT_BANDWIDTH`); None: boundaries are free.
-        checkpoint: module paths or glob patterns (``"blocks.*"``) whose activations are
+        recompute: module paths or glob patterns (``"blocks.*"``) whose activations are
             recomputed in backward (non-reentrant ``torch.utils.checkpoint``, dropout masks
             replayed) instead of kept: the stage graphs call them through the checkpoint, so
             it works alike on every dialect. Nested matches count once, at the outermost
-            module; each matched module runs as one call ([Note: checkpointed calls] in
+            module; each matched module runs as one call ([Note: recomputed calls] in
             ``_fx``). Only with the torch.fx capture (not with ``example_inputs``).
         concrete_args: values fixed at capture time for forward parameters that steer control
             flow (``{"use_cache": False}``); they are not plan inputs.
@@ -448,8 +448,8 @@ def partition(
             ``num_stages`` is given.
         ConfigError: ``balance`` or ``micro_batches`` without ``num_stages``, an unknown
             method, or one that needs inputs it was not given.
-        ActivationCheckpointError: a ``checkpoint`` pattern matches no module, a checkpointed
-            module contains a split point, or ``checkpoint`` with ``example_inputs``.
+        RecomputeError: a ``recompute`` pattern matches no module, a recomputed
+            module contains a split point, or ``recompute`` with ``example_inputs``.
         CaptureError: torch.fx or torch.export cannot capture the forward (the message says
             what to try); forward changes a Python attribute while it is traced; a grad-mode
             or autocast region contains a split point; the two modes send different values
@@ -475,12 +475,12 @@ def partition(
         )
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    ckpt_paths = _resolve_checkpoint(model, checkpoint)
+    ckpt_paths = _resolve_recompute(model, recompute)
     if ckpt_paths and named_inputs is not None:
-        raise ActivationCheckpointError(
-            "checkpoint= rewrites module calls of the torch.fx capture; with example_inputs the "
+        raise RecomputeError(
+            "recompute= rewrites module calls of the torch.fx capture; with example_inputs the "
             "forward is captured with torch.export, whose graph has no module calls. Drop "
-            "example_inputs (call plan.verify(...) on them afterwards) or drop checkpoint="
+            "example_inputs (call plan.verify(...) on them afterwards) or drop recompute="
         )
     capture_dtype = dtype if named_inputs is not None else None
     snapshot = _state.StateSnapshot(model)
@@ -648,7 +648,7 @@ def _partition(
         model=model,
         concrete_args=dict(concrete_args or {}),
         costs=costs,
-        checkpointed=tuple(ckpt_paths),
+        recomputed=tuple(ckpt_paths),
         buffers=buffers,
         param_dtype=None if named_inputs is None else (capture_dtype or _param_dtype(model)),
         input_defaults=_input_defaults(model, cut.input_names),
@@ -918,23 +918,23 @@ def _balanced(
     return points, costs
 
 
-def _resolve_checkpoint(model: nn.Module, checkpoint: Sequence[str] | str | None) -> list[str]:
-    """The outermost modules the ``checkpoint`` patterns match, in ``named_modules`` order."""
-    if checkpoint is None:
+def _resolve_recompute(model: nn.Module, recompute: Sequence[str] | str | None) -> list[str]:
+    """The outermost modules the ``recompute`` patterns match, in ``named_modules`` order."""
+    if recompute is None:
         return []
-    patterns = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
+    patterns = [recompute] if isinstance(recompute, str) else list(recompute)
     names = [name for name, _ in model.named_modules() if name]
     matched: set[str] = set()
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
-            raise ActivationCheckpointError(
-                f"checkpoint entry {pattern!r} is not a module path or glob pattern (a "
+            raise RecomputeError(
+                f"recompute entry {pattern!r} is not a module path or glob pattern (a "
                 "non-empty str)"
             )
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            raise ActivationCheckpointError(
-                f"checkpoint pattern {pattern!r} matches no module of {type(model).__name__}"
+            raise RecomputeError(
+                f"recompute pattern {pattern!r} matches no module of {type(model).__name__}"
                 + close_matches(pattern, names)
             )
         matched.update(hits)
@@ -952,9 +952,9 @@ def _check_checkpoint_nesting(
     for path, target in zip(points, targets, strict=True):
         for outer in ckpt_paths:
             if target.startswith(outer + "."):
-                raise ActivationCheckpointError(
-                    f"split point {path!r} is inside checkpointed module {outer!r}, which runs "
-                    "(and is recomputed) as one call; checkpoint the modules inside it instead, "
+                raise RecomputeError(
+                    f"split point {path!r} is inside recomputed module {outer!r}, which runs "
+                    "(and is recomputed) as one call; recompute the modules inside it instead, "
                     "or choose a split point outside it"
                 )
 
@@ -965,8 +965,8 @@ def _check_checkpoint_called(
     called = {str(n.target) for n in graph.nodes if n.op == "call_module"}
     for path in ckpt_paths:
         if path not in called:
-            raise ActivationCheckpointError(
-                f"checkpointed module {path!r}: "
+            raise RecomputeError(
+                f"recomputed module {path!r}: "
                 + _never_called(model, path, path, [], [], leaf_paths).replace(
                     f"split point {path!r} ", "it ", 1
                 )

@@ -25,7 +25,7 @@ that runs each stage (its :class:`~pipedialect.StageWrapper`) times its forward;
 micro-batch ``k`` starts when the gradient of one of that forward's outputs arrives (a tensor
 hook) and ends with the last gradient the stage computes for it (hooks on that forward's inputs,
 and on the stage's parameters while its backward is open). A forward run again inside a backward
-(activation checkpointing) is part of that backward, not a new micro-batch. Every hook returns
+(activation recomputation) is part of that backward, not a new micro-batch. Every hook returns
 None and every wrapper passes its call through, so tracing changes no value. The stages come
 from the engine's dialect (``Dialect.engine_state``: each stage's id and the module that runs
 it), which must declare ``tracing`` (``pipedialect.dialect`` [Note: features through the

@@ -498,7 +498,7 @@ def shape_change_without_reset() -> None:
     engine.train_batch(iter(token_batches(2, 8, 4)))
 
 
-# -- activation checkpointing ------------------------------------------------------------------
+# -- activation recomputation ------------------------------------------------------------------
 
 
 class DropNet(nn.Module):
@@ -612,14 +612,14 @@ def checkpointing_run(steps: int = 3, gas: int = 2) -> list[dict[str, Any]]:
                 "params": local_params(plan, stage),
             }
         )
-    from pipedialect.dialects.deepspeed._module import checkpoint_stage
+    from pipedialect.dialects.deepspeed._module import recompute_stage
 
     refused = "no error"
     try:
         engine.module.activation_checkpoint_func = torch.utils.checkpoint.checkpoint
     except pipedialect.ConfigError as exc:
         refused = str(exc)
-    still = engine.module.activation_checkpoint_func is checkpoint_stage
+    still = engine.module.activation_checkpoint_func is recompute_stage
     # A plain PipelineModule of stage wrappers would use DeepSpeed's checkpoint: refused.
     from deepspeed.pipe import PipelineModule
 
@@ -648,9 +648,9 @@ def checkpointing_run(steps: int = 3, gas: int = 2) -> list[dict[str, Any]]:
     return results
 
 
-#: ``partition(checkpoint=...)`` on DropNet: the split point itself, both dropouts (by glob)
+#: ``partition(recompute=...)`` on DropNet: the split point itself, both dropouts (by glob)
 #: and the head are recomputed in backward.
-MODULE_CHECKPOINT = ["block0", "drop*", "head"]
+MODULE_RECOMPUTE = ["block0", "drop*", "head"]
 
 
 def _count_module_calls(stage: nn.Module, path: str) -> list[int]:
@@ -664,11 +664,11 @@ def _count_module_calls(stage: nn.Module, path: str) -> list[int]:
 
 
 def module_checkpoint_run(steps: int = 3, gas: int = 2) -> dict[str, Any]:
-    """Train DropNet partitioned with ``checkpoint=MODULE_CHECKPOINT`` on 2 DeepSpeed stages;
-    record losses, gradients, parameters and how often the checkpointed modules ran."""
+    """Train DropNet partitioned with ``recompute=MODULE_RECOMPUTE`` on 2 DeepSpeed stages;
+    record losses, gradients, parameters and how often the recomputed modules ran."""
     dialect = pipedialect.get_dialect("deepspeed")
     dialect.init_distributed()
-    plan = partition(DROPNET.build(0), DROPNET.split_points_for(2), checkpoint=MODULE_CHECKPOINT)
+    plan = partition(DROPNET.build(0), DROPNET.split_points_for(2), recompute=MODULE_RECOMPUTE)
     config = ds_config("sgd", gas=gas, micro=2, dp=1)
     module = dialect.pipe_engine(
         plan, config=config, loss_fn=DROPNET.loss_fn, topology=dialect.make_topology(2, 1)

@@ -9,7 +9,7 @@ later); what it does with them, as real Python in ``forward`` (arithmetic with b
 between blocks; split points; capture path (torch.fx, or torch.export with example inputs);
 optimizer, gradient accumulation, dynamic shapes and the train/eval schedule; and the later
 features, drawn last so older seeds keep their models: ``num_stages`` with a balance method,
-checkpointed blocks and dropout, a meta-device model filled per stage, calls inside ``trace``;
+recomputed blocks and dropout, a meta-device model filled per stage, calls inside ``trace``;
 and bf16 (``"bf16": {"enabled": true}``) for one local spec in five (by its weight seed, so no
 draw changes), compared with DeepSpeed's bf16 recipe written out on the unsplit model
 (:func:`reference_run`: bf16 parameters, fp32 master weights, bf16 gradient accumulation).
@@ -317,8 +317,8 @@ class FuzzSpec:
     #: ``partition(num_stages=..., balance=...)`` instead of ``split_points`` (local only).
     num_stages: int | None = None
     balance: str | None = None
-    #: Blocks recomputed in backward (``checkpoint=``, fx only) and blocks with dropout.
-    checkpoint: tuple[str, ...] = ()
+    #: Blocks recomputed in backward (``recompute=``, fx only) and blocks with dropout.
+    recompute: tuple[str, ...] = ()
     dropout: tuple[int, ...] = ()
     #: Build under ``torch.device("meta")`` and fill the stages from the reference's state.
     meta: bool = False
@@ -378,7 +378,7 @@ class FuzzSpec:
             f"gas={self.gas} schedule={list(self.schedule)} split={list(self.split_points)}"
             + (f" pipe={self.pipe_schedule}" if self.pipe_schedule != "1f1b" else "")
             + (f" num_stages={self.num_stages} balance={self.balance}" if self.num_stages else "")
-            + (f" checkpoint={list(self.checkpoint)}" if self.checkpoint else "")
+            + (f" checkpoint={list(self.recompute)}" if self.recompute else "")
             + (f" dropout={list(self.dropout)}" if self.dropout else "")
             + (" meta" if self.meta else "")
             + (" bf16" if self.bf16 else "")
@@ -661,10 +661,10 @@ def generate(
     return restrict(_draw_state(src, _draw_features(src, spec, dialect, candidates), dialect), dims)
 
 
-#: Whether a checkpointed block may return a structure (containers, None, Python numbers). The
-#: code after an opaque checkpointed call could not see those (a silent wrong loss this fuzzer
-#: found), so the capture refuses such a block with ActivationCheckpointError; with this True
-#: most checkpoint cases would be refusals, so checkpointed blocks return one tensor and
+#: Whether a recomputed block may return a structure (containers, None, Python numbers). The
+#: code after an opaque recomputed call could not see those (a silent wrong loss this fuzzer
+#: found), so the capture refuses such a block with RecomputeError; with this True
+#: most checkpoint cases would be refusals, so recomputed blocks return one tensor and
 #: ``test_fuzz.py`` checks the refusal on seed 15's model.
 CHECKPOINT_STRUCTURES = False
 
@@ -681,7 +681,7 @@ def _draw_features(
     if dialect == "local" and src.chance(25):
         num_stages = src.integer(2, min(4, len(candidates) + 1))
         balance = src.choice(("parameters", "flops", "memory"))
-    checkpoint: tuple[str, ...] = ()
+    recompute: tuple[str, ...] = ()
     dropout: tuple[int, ...] = ()
     if spec.capture == "fx" and src.chance(40):
         free = [
@@ -691,7 +691,7 @@ def _draw_features(
             and f"blocks.{i}.lin" not in spec.split_points
             and (CHECKPOINT_STRUCTURES or isinstance(spec.blocks[i].out, Leaf))
         ]
-        checkpoint = tuple(f"blocks.{i}" for i in free if src.chance(70))
+        recompute = tuple(f"blocks.{i}" for i in free if src.chance(70))
         # Dropout masks must match the unsplit model's, drawn in the same order: one process,
         # so local only (recomputation must replay them).
         if dialect == "local" and src.chance(60):
@@ -705,7 +705,7 @@ def _draw_features(
         num_stages=num_stages,
         balance=balance,
         split_points=() if num_stages else spec.split_points,
-        checkpoint=checkpoint,
+        recompute=recompute,
         dropout=dropout,
         meta=meta,
         trace_from=trace_from,
@@ -1348,8 +1348,8 @@ def partition_spec(model: nn.Module, spec: FuzzSpec, batches: Sequence[Batch]) -
         kwargs.update(num_stages=spec.num_stages, balance=spec.balance)
         if spec.balance != "parameters":
             kwargs["balance_inputs"] = {"x": x, "ids": ids}
-    if spec.checkpoint:
-        kwargs["checkpoint"] = list(spec.checkpoint)
+    if spec.recompute:
+        kwargs["recompute"] = list(spec.recompute)
     points = list(spec.split_points) if spec.split_points else None
     if spec.capture == "export":
         return partition(model, points, example_inputs={"x": x, "ids": ids}, **kwargs)

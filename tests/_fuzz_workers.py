@@ -4,7 +4,7 @@ Every rank joins one process group, then trains several generated models one aft
 (a launch costs seconds on two shared cores; a model a fraction of one). For each seed it draws
 the spec, builds the whole model (identical weights on every rank: per-module seeded init; or
 on the meta device, each rank then filling the stages it runs from the state of a normally built
-model), partitions it (split points, checkpointed blocks) and runs the spec's train/eval
+model), partitions it (split points, recomputed blocks) and runs the spec's train/eval
 schedule on the dialect; it returns the losses, and the parameters and buffers of the stages it
 ran, by their original names, and what ``partition()`` changed on the model (it must change
 nothing). :func:`compare` runs the unsplit reference in the test process and compares. A named

@@ -243,8 +243,8 @@ def build(case: dict[str, Any]) -> tuple[nn.Module, Any]:
     if spec.freeze is not None:
         spec.freeze(model)
     kwargs = dict(spec.partition_kwargs)
-    if case.get("checkpoint"):
-        kwargs["checkpoint"] = case["checkpoint"]
+    if case.get("recompute"):
+        kwargs["recompute"] = case["recompute"]
     plan = partition(model, spec.split_points[case.get("stages", 2)], **kwargs)
     return model, plan
 

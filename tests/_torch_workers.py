@@ -243,15 +243,15 @@ def check_schedules(schedules: list[str], select: str) -> int:
 
 
 def module_checkpoint_run(steps: int = 3, gas: int = 2) -> dict[str, Any]:
-    """DropNet partitioned with ``checkpoint=`` on 2 torch-dialect stages (1F1B); losses,
-    parameters and how often the checkpointed module of this rank's stage ran."""
+    """DropNet partitioned with ``recompute=`` on 2 torch-dialect stages (1F1B); losses,
+    parameters and how often the recomputed module of this rank's stage ran."""
     import _ds_workers
 
     spec = _ds_workers.DROPNET
     dialect = pipedialect.get_dialect("torch")
     dialect.init_distributed()
     plan = partition(
-        spec.build(0), spec.split_points_for(2), checkpoint=_ds_workers.MODULE_CHECKPOINT
+        spec.build(0), spec.split_points_for(2), recompute=_ds_workers.MODULE_RECOMPUTE
     )
     config = ds_config("sgd", gas=gas, micro=2)
     module = dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn, schedule="1F1B")

@@ -67,7 +67,7 @@ def _run(dialect_name: str, traced: bool, path: Path | None, **pipe_kwargs: Any)
 
 
 def traced_and_untraced(dialect_name: str, out_dir: str) -> dict[str, Any]:
-    """Untraced, then traced (and, on DeepSpeed, traced with activation checkpointing)."""
+    """Untraced, then traced (and, on DeepSpeed, traced with activation recomputation)."""
     dialect = pipedialect.get_dialect(dialect_name)
     dialect.init_distributed()
     torch.set_num_threads(1)
@@ -77,10 +77,10 @@ def traced_and_untraced(dialect_name: str, out_dir: str) -> dict[str, Any]:
         "traced": _run(dialect_name, True, Path(out_dir) / "timeline.json", **extra),
     }
     if dialect_name == "deepspeed":
-        runs["checkpointed"] = _run(
+        runs["recomputed"] = _run(
             dialect_name,
             True,
-            Path(out_dir) / "checkpointed.json",
+            Path(out_dir) / "recomputed.json",
             activation_checkpoint_interval=1,
         )
     else:

@@ -323,10 +323,10 @@ def test_activation_checkpoint_interval_trains_exactly_like_the_unsplit_model() 
                     assert_tensor_close(g, theirs[n], f"{name}: stage {r['stage']} step {step} {n}")
             for n, value in r["params"].items():
                 assert_tensor_close(value, ref["params"][n].detach(), f"{name}: {n}")
-            checkpointed = max(
+            recomputed = max(
                 (pipeline or {}).get("activation_checkpoint_interval", 0), interval or 0
             )
-            assert r["interval"] == checkpointed
-            assert r["forward_calls"] == (2 if checkpointed else 1) * 3 * 2, name
+            assert r["interval"] == recomputed
+            assert r["forward_calls"] == (2 if recomputed else 1) * 3 * 2, name
             seen.add((name, r["stage"]))
     assert seen == {(c, s) for c in cases for s in (0, 1)}

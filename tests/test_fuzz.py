@@ -5,7 +5,7 @@ Hand-picked models miss silent wrong results, so hypothesis generates models
 bools, int and bool tensors, float tensors with and without a gradient), skip connections over
 several stages, ties between random blocks, values used only stages later, Python control flow
 on boundary values, random split points or ``num_stages`` with a random balance method, fx and
-export capture, checkpointed blocks (some with dropout), meta-device models filled per stage,
+export capture, recomputed blocks (some with dropout), meta-device models filled per stage,
 calls inside ``pipedialect.trace``, SGD and Adam, with and without dynamic shapes, training and
 evaluation interleaved, bf16 on the local dialect (one spec in five, against DeepSpeed's bf16
 recipe written out on the unsplit model). Then module state (issue #24, ``fm.DIMENSIONS``):
@@ -102,15 +102,15 @@ def _assert_dimensions_ran(outcomes: list[fm.Outcome]) -> None:
     )
 
 
-def _checkpointed(spec: fm.FuzzSpec) -> fm.FuzzSpec:
-    """``spec`` with its single-tensor blocks checkpointed (every other one with dropout), when
+def _recomputed(spec: fm.FuzzSpec) -> fm.FuzzSpec:
+    """``spec`` with its single-tensor blocks recomputed (every other one with dropout), when
     it is captured with torch.fx; otherwise ``spec`` itself."""
     leaves = [i for i, block in enumerate(spec.blocks) if isinstance(block.out, fm.Leaf)]
     if spec.capture != "fx" or not leaves:
         return spec
     return replace(
         spec,
-        checkpoint=tuple(f"blocks.{i}" for i in leaves[:2]),
+        recompute=tuple(f"blocks.{i}" for i in leaves[:2]),
         dropout=tuple(leaves[:1]) if spec.seed % 2 else (),
     )
 
@@ -141,17 +141,17 @@ def test_local_dialect_matches_the_unsplit_model_on_random_models() -> None:
     assert sum(bool(s.ties) or s.tie_head for s in ran) >= 20, _summary(outcomes)
     assert sum(len(s.split_points) >= 3 for s in ran) >= 10, _summary(outcomes)
     assert sum(s.bf16 for s in ran) >= 20, _summary(outcomes)
-    # The features of 8ed2218 and d6ce582: balanced partitions, checkpointed blocks (some with
+    # The features of 8ed2218 and d6ce582: balanced partitions, recomputed blocks (some with
     # dropout, whose masks recomputation must replay), meta-device models, traced calls. They
     # are counted over the hypothesis run plus a fixed sweep of seeded models (random.Random,
     # independent of hypothesis): inside the full suite the hypothesis run once drew far fewer
-    # checkpointed models than alone, for a reason not yet found.
-    swept = [fm.run_local(_checkpointed(fm.spec_from_seed(seed))) for seed in range(1000, 1060)]
+    # recomputed models than alone, for a reason not yet found.
+    swept = [fm.run_local(_recomputed(fm.spec_from_seed(seed))) for seed in range(1000, 1060)]
     ran += [o.spec for o in swept if o.ran]
     outcomes += swept
     assert sum(s.num_stages is not None for s in ran) >= 20, _summary(outcomes)
-    assert sum(bool(s.checkpoint) for s in ran) >= 20, _summary(outcomes)
-    replayed = [s for s in ran if {f"blocks.{i}" for i in s.dropout} & set(s.checkpoint)]
+    assert sum(bool(s.recompute) for s in ran) >= 20, _summary(outcomes)
+    replayed = [s for s in ran if {f"blocks.{i}" for i in s.dropout} & set(s.recompute)]
     assert len(replayed) >= 3, _summary(outcomes)
     assert sum(s.meta for s in ran) >= 10, _summary(outcomes)
     assert sum(s.trace_from is not None for s in ran) >= 8, _summary(outcomes)
@@ -182,13 +182,13 @@ def test_models_that_found_bugs_now_train_like_the_unsplit_model(seed: int) -> N
 def test_a_checkpointed_block_returning_none_and_a_bool_is_refused_by_name() -> None:
     """Seed 15's model: ``blocks.0`` returns ``False`` and ``None`` that later code branches on.
 
-    A checkpointed module runs as one opaque call, so the code after it would see those values
+    A recomputed module runs as one opaque call, so the code after it would see those values
     as a traced tensor and take other branches (a silent wrong loss, found by this fuzzer); the
     capture refuses such a module by name instead.
     """
     spec = replace(
         fm.spec_from_seed(15, dims=()),
-        checkpoint=("blocks.0",),
+        recompute=("blocks.0",),
         dropout=(),
         meta=False,
         trace_from=None,
@@ -196,7 +196,7 @@ def test_a_checkpointed_block_returning_none_and_a_bool_is_refused_by_name() -> 
     outcome = fm.run_local(spec)
     assert not outcome.ran
     assert outcome.refused is not None
-    assert outcome.refused.startswith("ActivationCheckpointError: checkpointed module 'blocks.0'")
+    assert outcome.refused.startswith("RecomputeError: recomputed module 'blocks.0'")
 
 
 #: ``describe()`` of seeds 0-199 per dialect at 445325a (before issue #24's dimensions): a
@@ -243,7 +243,7 @@ def _one_block_state(seed: int, **state: Any) -> fm.FuzzSpec:
     spec = fm.spec_from_seed(seed, dims=())
     states = [fm.BlockState()] * len(spec.blocks)
     states[0] = fm.BlockState(**state)
-    return replace(spec, state=tuple(states), meta=False, checkpoint=(), dropout=(), bf16=False)
+    return replace(spec, state=tuple(states), meta=False, recompute=(), dropout=(), bf16=False)
 
 
 def test_the_reference_is_the_model_run_by_a_plain_loop_with_its_own_semantics() -> None:
@@ -362,7 +362,7 @@ def test_a_refusal_counts_only_when_it_is_a_named_error(monkeypatch: pytest.Monk
 #: torch seeds that found the zero-bubble schedules' split-backward bugs on f5064c4 (94: a
 #: stage output needing a gradient from no input that needs one lost its weight gradient;
 #: 91, 93, 138, 185, 186: a stage output also used inside its stage was detached in place).
-#: Then seeds drawing checkpointed blocks and meta-device models (8ed2218): 26 and 54 both, 14
+#: Then seeds drawing recomputed blocks and meta-device models (8ed2218): 26 and 54 both, 14
 #: and 17 checkpoint, 16 and 18 meta (DeepSpeed); 14 and 128 both, 27 checkpoint, 11 meta (torch).
 #: These are drawn without issue #24's dimensions (the models they were chosen for).
 DEEPSPEED_SEEDS = (*range(8), 94, 126, 14, 16, 17, 18, 26, 54)

@@ -35,12 +35,12 @@ def _plan(**kwargs: Any) -> LayoutPlan:
 
 
 def test_the_plan_is_arguments_partition_and_pipe_engine_accept() -> None:
-    plan = _plan(checkpoint="blocks.*")
+    plan = _plan(recompute="blocks.*")
     layout = plan.layout
     built = pipedialect.partition(TinyGPT(), **plan.partition_kwargs())
     assert built.num_stages == layout.num_stages
-    if layout.checkpoint:
-        assert built.checkpointed == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    if layout.recompute:
+        assert built.recomputed == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
     dialect = pipedialect.get_dialect("torch")
     options = dialect.parse_options(plan.pipe_engine_kwargs())
     assert options.schedule == layout.schedule

@@ -84,7 +84,7 @@ def _chains(draw: st.DrawFn) -> dict[str, Chain]:
             Atom(
                 forward=forward,
                 backward=backward,
-                saved={("checkpoint", a): saved[a] // 4},
+                saved={("recompute", a): saved[a] // 4},
                 recompute=forward,
                 **common,
             )
@@ -157,7 +157,7 @@ def _brute_force(
                                 tensor_parallel=t,
                                 micro_batches=m,
                                 micro_batch_size=batch // (d * m),
-                                checkpoint=label or None,
+                                recompute=label or None,
                             )
                             cuts: tuple[int, ...] = ()
                             if n > 1:
@@ -195,7 +195,7 @@ _FIELDS = (
     "tensor_parallel",
     "micro_batches",
     "micro_batch_size",
-    "checkpoint",
+    "recompute",
 )
 
 
@@ -290,7 +290,7 @@ def _layout(**kw: Any) -> Layout:
         "tensor_parallel": 1,
         "micro_batches": 1,
         "micro_batch_size": 1,
-        "checkpoint": None,
+        "recompute": None,
     }
     return Layout(**{**base, **kw})
 
@@ -336,7 +336,7 @@ def test_tensor_parallelism_divides_the_sharded_part_and_adds_its_all_reduce() -
 
 
 def test_recomputation_runs_the_forward_again_and_keeps_less() -> None:
-    atom = Atom(forward=1.0, backward=2.0, saved={("checkpoint", "x"): 2}, recompute=1.0)
+    atom = Atom(forward=1.0, backward=2.0, saved={("recompute", "x"): 2}, recompute=1.0)
     plain = Atom(forward=1.0, backward=2.0, saved={0: 10})
     cluster = Cluster(world_size=1, memory_per_rank=1e9, bandwidth=1.0)
     program = build_program("gpipe", 1, 4, 1)

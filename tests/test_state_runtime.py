@@ -76,11 +76,11 @@ CASES: dict[str, dict[str, list[dict[str, Any]]]] = {
     "test_recomputation_never_changes_state_on_deepspeed_and_torch": {
         "deepspeed": [
             {"model": "bn", "interval": 1},
-            {"model": "bn", "checkpoint": "blocks.*"},
+            {"model": "bn", "recompute": "blocks.*"},
             {"model": "scale", "interval": 1},
         ],
-        "torch": _torch("bn", [("1f1b", 2)], checkpoint="blocks.*")
-        + _torch("scale", [("interleaved_1f1b", 4)], checkpoint="blocks.*"),
+        "torch": _torch("bn", [("1f1b", 2)], recompute="blocks.*")
+        + _torch("scale", [("interleaved_1f1b", 4)], recompute="blocks.*"),
     },
     # Item 5: the torch dialect's set-up run leaves every buffer as it was.
     "test_torch_setup_leaves_module_state_as_it_was": {
@@ -156,10 +156,10 @@ def _check_distributed(request: pytest.FixtureRequest, test: str) -> None:
 
 @pytest.mark.parametrize("model", ["bn", "scale"])
 def test_local_recomputation_counts_each_batch_once(model: str) -> None:
-    """``partition(checkpoint=...)`` on BatchNorm blocks and on a block that updates a buffer in
+    """``partition(recompute=...)`` on BatchNorm blocks and on a block that updates a buffer in
     place and divides by it: the buffers after training (``num_batches_tracked`` 12, not 24),
     the evaluation and the weights are the unsplit model's."""
-    case = {"model": model, "checkpoint": "blocks.*"}
+    case = {"model": model, "recompute": "blocks.*"}
     result = workers.run_case("local", case)
     ref = workers.reference(case)
     assert set(result["params"]) == set(ref["params"])
@@ -170,17 +170,17 @@ def test_local_recomputation_counts_each_batch_once(model: str) -> None:
 
 
 def test_recomputation_starts_from_the_state_the_forward_saw() -> None:
-    """A checkpointed module that updates a buffer in place and divides by it: its gradients
+    """A recomputed module that updates a buffer in place and divides by it: its gradients
     use the value the forward used (not the one the forward left), and the buffer is updated
     once per call."""
-    from pipedialect._fx import checkpointed  # what the stage graphs call
+    from pipedialect._fx import recomputed  # what the stage graphs call
 
     block = workers.ScaleBlock(4)
     seeded = copy.deepcopy(block)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         x = torch.randn(2, 4, generator=gen)
-        checkpointed(block, x).sum().backward()
+        recomputed(block, x).sum().backward()
         seeded(x).sum().backward()
     assert torch.equal(block.scale.scale, seeded.scale.scale)
     assert torch.allclose(block.scale.scale, torch.full((4,), 0.9**3))
@@ -192,7 +192,7 @@ def test_recomputation_starts_from_the_state_the_forward_saw() -> None:
 def test_recomputation_never_changes_state_on_deepspeed_and_torch(
     request: pytest.FixtureRequest,
 ) -> None:
-    """DeepSpeed's ``activation_checkpoint_interval`` and ``partition(checkpoint=...)`` on
+    """DeepSpeed's ``activation_checkpoint_interval`` and ``partition(recompute=...)`` on
     DeepSpeed and torch (1F1B, interleaved 1F1B): the unsplit model's buffers."""
     _check_distributed(request, "test_recomputation_never_changes_state_on_deepspeed_and_torch")
 

@@ -259,7 +259,7 @@ def _directions(spans: list[Span]) -> set[tuple[str, str]]:
 @pytest.mark.distributed
 def test_deepspeed_two_ranks_traced_like_untraced(tmp_path: Path) -> None:
     results = launch(workers.traced_and_untraced, 2, "deepspeed", str(tmp_path), timeout=600)
-    _check_launch(results, tmp_path, "checkpointed")
+    _check_launch(results, tmp_path, "recomputed")
 
 
 @pytest.mark.distributed

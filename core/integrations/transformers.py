@@ -21,7 +21,7 @@ the optimizer and the LR schedule run inside it) and returns the step's loss the
 the others, so Trainer's running sum grows by exactly the step's loss. Trainer's optimizer and
 scheduler are proxies whose ``step()`` does nothing (the engine has stepped); the learning rate
 Trainer logs is the one recorded before the engine's step, and ``grad_norm`` is the engine's
-global gradient norm (:meth:`~pipedialect.engine.DeepSpeedStyleEngine.get_global_grad_norm`).
+global gradient norm (:meth:`~pipedialect.engine.EngineBase.get_global_grad_norm`).
 
 [Note: the step's loss]
 Trainer's logged loss of a step is token-weighted over the whole step: the model's loss
@@ -125,7 +125,7 @@ REFUSED_TRAINING_ARGUMENTS: dict[str, str] = {
     "fp16_full_eval": "it casts the model for evaluation, and the stages hold its parameters",
     "torch_compile": "the stages are captured graphs; compiling them is not implemented",
     "gradient_checkpointing": "it toggles the eager modules after capture, so the stages would "
-    "silently not recompute; partition with checkpoint=['model.layers.*'] instead",
+    "silently not recompute; partition with recompute=['model.layers.*'] instead",
     "activation_checkpointing": "as gradient_checkpointing",
     "label_smoothing_factor": "the label smoother is not wired to the last stage's logits",
     "compute_loss_func": "the loss runs on the last stage, as the model's own loss_function",

@@ -64,7 +64,7 @@ def plan_layout(
     bandwidth: float | str,
     dialect: Any = "torch",
     latency: float = 0.0,
-    checkpoint: str | Sequence[str] | None = None,
+    recompute: str | Sequence[str] | None = None,
     tensor_parallel: Mapping[str, str] | None = None,
     measure_time: bool = False,
     repeats: int = 3,
@@ -100,8 +100,8 @@ def plan_layout(
         dialect: the dialect (a name or a :class:`~pipedialect.Dialect`); only layouts it runs
             are proposed.
         latency: seconds per message and per collective step.
-        checkpoint: recomputation to consider besides none: module paths or glob patterns, as
-            ``partition(..., checkpoint=)`` takes them.
+        recompute: recomputation to consider besides none: module paths or glob patterns, as
+            ``partition(..., recompute=)`` takes them.
         tensor_parallel: ``{module glob: "colwise" | "rowwise"}``: the modules tensor
             parallelism would shard (considered when the dialect offers it).
         measure_time: time the model on this machine; else ``flops_per_second`` turns counted
@@ -146,12 +146,12 @@ def plan_layout(
         step_overhead=step_overhead,
     )
     options: list[Sequence[str] | None] = [None]
-    if checkpoint is not None:
-        options.append([checkpoint] if isinstance(checkpoint, str) else list(checkpoint))
+    if recompute is not None:
+        options.append([recompute] if isinstance(recompute, str) else list(recompute))
     chains = model_chains(
         model,
         example_inputs,
-        checkpoints=options,
+        recompute_options=options,
         tensor_parallel=tensor_parallel if offer.tensor_parallel else None,
         measure_time=measure_time,
         repeats=repeats,
@@ -176,7 +176,7 @@ def plan_layout(
         micro_batches=micro_batches,
         tensor_plan=tensor_parallel,
         max_stages_per_rank=max_stages_per_rank,
-        checkpoints=patterns,
+        recompute_options=patterns,
         exhaustive=exhaustive,
         refine=refine,
         notes=notes,

@@ -41,7 +41,7 @@ class Atom:
     state: Mapping[str, int] = field(default_factory=dict)
     #: Bytes the forward keeps for the backward, by storage.
     saved: Mapping[Hashable, int] = field(default_factory=dict)
-    #: Forward seconds run again in the backward (the atom is recomputed, ``checkpoint=``): its
+    #: Forward seconds run again in the backward (the atom is recomputed, ``recompute=``): its
     #: backward then costs ``backward + recompute``, and ``saved`` holds what the checkpoint
     #: keeps rather than what the forward would.
     recompute: float = 0.0

@@ -8,7 +8,7 @@ stages its split points make, every stage gets:
 - time: the chain's seconds scaled by ``b / batch`` (costs proportional to the micro-batch);
   the tensor-parallel part divided by ``t``, plus a ring all-reduce over the tensor axis of the
   row-wise outputs (forward) and the column-wise input gradients (backward); recomputation runs
-  the checkpointed forward again at the start of the backward; the backward splits into an input
+  the recomputed forward again at the start of the backward; the backward splits into an input
   pass and a weight pass in the chain's ``weight_fraction``; every computation also costs
   ``action_overhead`` seconds;
 - communication: a message across a boundary takes ``latency + bytes / bandwidth`` (activations
@@ -98,16 +98,16 @@ class Layout:
     micro_batches: int
     #: Samples per micro-batch.
     micro_batch_size: int
-    #: The recomputation option's label (the ``checkpoint=`` pattern), or None.
-    checkpoint: str | None
+    #: The recomputation option's label (the ``recompute=`` pattern), or None.
+    recompute: str | None
     #: The split points: what ``partition(model, split_points)`` takes.
     split_points: tuple[str, ...] = ()
     #: Cut indices into the chain (for the planner's own use).
     cuts: tuple[int, ...] = field(default=(), compare=False, repr=False)
     #: The dialect's own ``pipe_engine`` options this layout needs.
     engine_options: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
-    #: What ``partition``'s ``checkpoint=`` gets for this option.
-    checkpoint_patterns: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    #: What ``partition``'s ``recompute=`` gets for this option.
+    recompute_patterns: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_stages(self) -> int:
@@ -134,7 +134,7 @@ class Layout:
             self.data_parallel_mode,
             self.tensor_parallel,
             self.micro_batches,
-            self.checkpoint or "",
+            self.recompute or "",
             self.split_points,
         )
 
@@ -148,15 +148,15 @@ class Layout:
         if self.tensor_parallel > 1:
             parts.append(f"t={self.tensor_parallel}")
         parts.append(f"m={self.micro_batches}x{self.micro_batch_size}")
-        if self.checkpoint:
-            parts.append(f"recompute {self.checkpoint}")
+        if self.recompute:
+            parts.append(f"recompute {self.recompute}")
         return " ".join(parts)
 
     def partition_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`pipedialect.partition` (besides the model)."""
         kwargs: dict[str, Any] = {"split_points": list(self.split_points)}
-        if self.checkpoint_patterns:
-            kwargs["checkpoint"] = list(self.checkpoint_patterns)
+        if self.recompute_patterns:
+            kwargs["recompute"] = list(self.recompute_patterns)
         return kwargs
 
     def config(self) -> dict[str, Any]:

@@ -8,11 +8,11 @@ on fake tensors of the example inputs, and with ``measure_time`` a timed run on 
 for the backward and the bytes a cut would carry. Folding the gaps onto the candidate split
 points gives the chain's atoms ([Note: the chain]).
 
-Recomputation (``checkpoint=``, resolved as :func:`pipedialect.partition` resolves it: glob
-patterns over module paths, the outermost match counting) changes the atoms of a checkpointed
+Recomputation (``recompute=``, resolved as :func:`pipedialect.partition` resolves it: glob
+patterns over module paths, the outermost match counting) changes the atoms of a recomputed
 module: what its forward saved is dropped and the tensors live at its entry are kept instead
 (what the checkpoint keeps, counted generously), and its forward seconds are run again in the
-backward. No split point may fall inside a checkpointed module, so candidates inside are left
+backward. No split point may fall inside a recomputed module, so candidates inside are left
 out.
 
 Tensor parallelism (``tensor_parallel={"glob": "colwise" | "rowwise"}``, the torch dialect's
@@ -35,7 +35,7 @@ from torch import nn
 
 from .. import _balance_profile as _profile
 from ..balance import ModelProfile, profile_model
-from ..errors import ActivationCheckpointError, ConfigError, SplitPointError
+from ..errors import ConfigError, RecomputeError, SplitPointError
 from ._chain import Atom, Chain
 
 __all__ = ["checkpoint_label", "model_chains"]
@@ -50,7 +50,7 @@ def checkpoint_label(patterns: Sequence[str] | None) -> str:
 
 def _resolve(model: nn.Module, patterns: Sequence[str], what: str) -> list[str]:
     """The outermost modules the glob ``patterns`` match, in ``named_modules`` order (as
-    ``partition(..., checkpoint=)`` resolves them)."""
+    ``partition(..., recompute=)`` resolves them)."""
     names = [n for n, _ in model.named_modules() if n]
     matched: list[str] = []
     for pattern in patterns:
@@ -58,7 +58,7 @@ def _resolve(model: nn.Module, patterns: Sequence[str], what: str) -> list[str]:
             raise ConfigError(f"{what} entry {pattern!r} is not a module path or glob (a str)")
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            error = ActivationCheckpointError if what == "checkpoint" else ConfigError
+            error = RecomputeError if what == "recompute" else ConfigError
             raise error(f"{what} pattern {pattern!r} matches no module of {type(model).__name__}")
         matched += [h for h in hits if h not in matched]
     return [n for n in names if n in matched and not any(n.startswith(o + ".") for o in matched)]
@@ -122,7 +122,7 @@ def model_chains(
     model: nn.Module,
     example_inputs: Mapping[str, Any],
     *,
-    checkpoints: Sequence[Sequence[str] | None] = (None,),
+    recompute_options: Sequence[Sequence[str] | None] = (None,),
     tensor_parallel: Mapping[str, str] | None = None,
     measure_time: bool = False,
     repeats: int = 3,
@@ -140,8 +140,8 @@ def model_chains(
     Args:
         model: the model (on the meta device, unless ``measure_time``).
         example_inputs: ``{parameter name: tensor}``, one micro-batch.
-        checkpoints: recomputation options: None (no recomputation) or a list of module paths
-            or glob patterns, as ``partition(..., checkpoint=)`` takes them.
+        recompute_options: recomputation options: None (no recomputation) or a list of module paths
+            or glob patterns, as ``partition(..., recompute=)`` takes them.
         tensor_parallel: ``{module glob: "colwise" | "rowwise"}``, the modules tensor
             parallelism would shard.
         measure_time: time forward and backward on this machine (real tensors).
@@ -157,7 +157,7 @@ def model_chains(
 
     Raises:
         ConfigError: no way to turn work into seconds, or a bad ``tensor_parallel`` plan.
-        ActivationCheckpointError: a ``checkpoint`` pattern matches no module.
+        RecomputeError: a ``recompute`` pattern matches no module.
     """
     if (
         not measure_time
@@ -201,15 +201,15 @@ def model_chains(
         pool = [p for p in pool if p in set(resolved)]
     tensor = _tensor_modules(model, tensor_parallel, trace, example_inputs, concrete_args or {})
     chains: dict[str, Chain] = {}
-    for option in checkpoints:
+    for option in recompute_options:
         patterns = list(option) if option else []
         if isinstance(option, str):
             patterns = [option]
-        ckpt = _resolve(model, patterns, "checkpoint") if patterns else []
+        ckpt = _resolve(model, patterns, "recompute") if patterns else []
         for path in ckpt:
             if path not in trace.modules:
-                raise ActivationCheckpointError(
-                    f"checkpointed module {path!r} is never called by forward in the measured run"
+                raise RecomputeError(
+                    f"recomputed module {path!r} is never called by forward in the measured run"
                 )
         label = checkpoint_label(patterns)
         chains[label] = _chain(
@@ -250,7 +250,7 @@ def _tensor_modules(
 def _chain(
     trace: _profile.Trace,
     pool: Sequence[str],
-    checkpointed: Sequence[str],
+    recomputed: Sequence[str],
     tensor: Mapping[str, tuple[str, int, int]],
     forward: Sequence[float],
     backward: Sequence[float],
@@ -260,7 +260,7 @@ def _chain(
 ) -> Chain:
     modules = trace.modules
     ordered = sorted(
-        (p for p in pool if not any(p.startswith(c + ".") for c in checkpointed)),
+        (p for p in pool if not any(p.startswith(c + ".") for c in recomputed)),
         key=lambda p: modules[p].exit,
     )
     xs = [modules[p].exit for p in ordered]
@@ -269,7 +269,7 @@ def _chain(
     last_op = max((g for g, n in enumerate(trace.ops) if n), default=0)
     atoms_of = _profile.fold(trace, xs)
     ckpt_gaps: dict[int, str] = {}
-    for path in checkpointed:
+    for path in recomputed:
         rec = modules[path]
         for g in range(rec.enter + 1, rec.exit + 1):
             ckpt_gaps[g] = path
@@ -291,9 +291,9 @@ def _chain(
                 saved[key] = nbytes
                 if g in tp_gaps:
                     tp_saved.add(key)
-        for path in checkpointed:
+        for path in recomputed:
             if modules[path].enter + 1 in gaps:
-                saved[("checkpoint", path)] = crossing[modules[path].enter]
+                saved[("recompute", path)] = crossing[modules[path].enter]
         names = atoms_of.state[a]
         params = {
             n: trace.state[n].nbytes

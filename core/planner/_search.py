@@ -133,7 +133,7 @@ class LayoutPlan:
         for row in self.rows:
             if row.layout == layout and row.prediction is not None:
                 return row.prediction
-        chain = self.chains[layout.checkpoint or ""]
+        chain = self.chains[layout.recompute or ""]
         return predict(
             chain,
             layout,
@@ -288,7 +288,7 @@ def enumerate_layouts(
     micro_batches: Sequence[int] | None = None,
     tensor_plan: Mapping[str, str] | None = None,
     max_stages_per_rank: int = 4,
-    checkpoints: Mapping[str, tuple[str, ...] | None] | None = None,
+    recompute_options: Mapping[str, tuple[str, ...] | None] | None = None,
 ) -> Iterator[Layout | Row]:
     """Every layout of the search space ([Note: layout search]), or a :class:`Row` saying why
     a combination cannot run."""
@@ -325,11 +325,11 @@ def enumerate_layouts(
                                     tensor_parallel=t,
                                     micro_batches=m,
                                     micro_batch_size=per_replica // m,
-                                    checkpoint=label or None,
+                                    recompute=label or None,
                                     engine_options=offer.engine_options(
                                         schedule, v, mode, t, tensor_plan
                                     ),
-                                    checkpoint_patterns=(checkpoints or {}).get(label),
+                                    recompute_patterns=(recompute_options or {}).get(label),
                                 )
                                 cuts = _cuts(chain, n, base, cluster, solver_cache)
                                 if cuts is None:
@@ -354,7 +354,7 @@ def search(
     micro_batches: Sequence[int] | None = None,
     tensor_plan: Mapping[str, str] | None = None,
     max_stages_per_rank: int = 4,
-    checkpoints: Mapping[str, tuple[str, ...] | None] | None = None,
+    recompute_options: Mapping[str, tuple[str, ...] | None] | None = None,
     exhaustive: bool = False,
     refine: int = 3,
     notes: Sequence[str] = (),
@@ -382,12 +382,12 @@ def search(
         micro_batches=micro_batches,
         tensor_plan=tensor_plan,
         max_stages_per_rank=max_stages_per_rank,
-        checkpoints=checkpoints,
+        recompute_options=recompute_options,
     ):
         if isinstance(item, Row):
             rows.append(item)
             continue
-        chain = chains[item.checkpoint or ""]
+        chain = chains[item.recompute or ""]
         bound, memory = lower_bounds(
             chain,
             item,
@@ -439,7 +439,7 @@ def search(
             rows.append(Row(c.layout, None, f"refused: {refused[key]}"))
             continue
         pred = predict(
-            chains[c.layout.checkpoint or ""],
+            chains[c.layout.recompute or ""],
             c.layout,
             cluster,
             programs[key],
@@ -460,13 +460,13 @@ def search(
         hint = f"; the closest, {name}, {need}"
         raise ConfigError(
             f"no layout of the {offer.dialect} dialect fits {_bytes(cluster.memory_per_rank)} "
-            f"per rank{hint}. Add ranks or memory, try recomputation (checkpoint=), or a "
+            f"per rank{hint}. Add ranks or memory, try recomputation (recompute=), or a "
             "dialect that shards (FSDP)"
         )
     fitting = sorted((p for p in predicted if p.fits), key=_rank_key)
     if refine:
         refined = [
-            _refine(p, chains[p.layout.checkpoint or ""], cluster, programs, offer)
+            _refine(p, chains[p.layout.recompute or ""], cluster, programs, offer)
             for p in fitting[:refine]
         ]
         fitting = sorted(refined + fitting[refine:], key=_rank_key)
@@ -585,7 +585,7 @@ def _verdict(
     if reason == "work":
         reason = (
             "recomputation"
-            if pred.layout.checkpoint and not best.layout.checkpoint
+            if pred.layout.recompute and not best.layout.recompute
             else "more work per rank"
         )
     return f"{head}: {reason}"
@@ -600,7 +600,7 @@ def _terms(
 ) -> dict[str, float]:
     layout = pred.layout
     free = predict(
-        chains[layout.checkpoint or ""],
+        chains[layout.recompute or ""],
         layout,
         cluster,
         programs[(layout.schedule, layout.pipeline, layout.micro_batches, layout.stages_per_rank)],

@@ -45,7 +45,7 @@ def build_pipeline_module(
     if refused:
         raise ConfigError(
             f"{', '.join(refused)} cannot be passed: each stage is one DeepSpeed layer and is "
-            "checkpointed whole with torch's non-reentrant checkpoint; pass only "
+            "recomputed whole with torch's non-reentrant checkpoint; pass only "
             "activation_checkpoint_interval (any value >= 1 means the same)"
         )
     config = request.config
@@ -111,7 +111,7 @@ def checkpoint_interval_of(config: Any, kwargs: Mapping[str, Any]) -> int:
 def _check_interval(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(
-            f"{name} must be an int >= 0 (0: no activation checkpointing; any positive value "
+            f"{name} must be an int >= 0 (0: no activation recomputation; any positive value "
             f"checkpoints each whole stage, which is one DeepSpeed layer), got {value!r}"
         )
 

@@ -6,7 +6,7 @@ tied weight once in gradient norms) is driven by ``tied_comms``, ``tied_modules`
 ``tied_weight_attrs``. This subclass fills those from the plan's tie groups instead
 (``_index_tied_modules``), so no fork is needed.
 
-[Note: stage checkpointing]
+[Note: stage recomputation]
 DeepSpeed checkpoints activations every ``activation_checkpoint_interval`` layers, and each layer
 here is one whole stage (one per rank), so every positive interval means the same: each stage's
 forward runs under torch's non-reentrant ``torch.utils.checkpoint`` and is run again during its
@@ -46,12 +46,12 @@ from torch import nn
 from pipedialect import ConfigError, Topology
 from pipedialect.agreement import check_frozen_ties
 from pipedialect.errors import CheckpointError
-from pipedialect.module_state import checkpoint_with_state
+from pipedialect.module_state import recompute_with_state
 
-__all__ = ["PipeDialectPipelineModule", "TieSpec", "checkpoint_stage"]
+__all__ = ["PipeDialectPipelineModule", "TieSpec", "recompute_stage"]
 
 
-#: The pipeline module whose stage :func:`checkpoint_stage` is running, and its layers: set by
+#: The pipeline module whose stage :func:`recompute_stage` is running, and its layers: set by
 #: :meth:`PipeDialectPipelineModule.forward`, since DeepSpeed calls the checkpoint function with
 #: a closure over its layers only.
 _RUNNING: contextvars.ContextVar[tuple[nn.Module, tuple[nn.Module, ...]] | None] = (
@@ -59,10 +59,10 @@ _RUNNING: contextvars.ContextVar[tuple[nn.Module, tuple[nn.Module, ...]] | None]
 )
 
 
-def checkpoint_stage(function: Callable[..., Any], *args: Any) -> Any:
+def recompute_stage(function: Callable[..., Any], *args: Any) -> Any:
     """Run ``function(*args)`` (one whole stage) under torch's non-reentrant checkpoint.
 
-    See [Note: stage checkpointing]; the RNG state is preserved for the recomputation, and so
+    See [Note: stage recomputation]; the RNG state is preserved for the recomputation, and so
     is the stage's module state (``pipedialect.module_state`` [Note: recomputation and module
     state]).
     """
@@ -70,14 +70,14 @@ def checkpoint_stage(function: Callable[..., Any], *args: Any) -> Any:
     if running is None:
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
     key, layers = running
-    return checkpoint_with_state(function, layers, *args, key=key)
+    return recompute_with_state(function, layers, *args, key=key)
 
 
-#: The checkpoint functions DeepSpeed itself assigns; each stands for :func:`checkpoint_stage`.
+#: The checkpoint functions DeepSpeed itself assigns; each stands for :func:`recompute_stage`.
 _DEEPSPEED_CHECKPOINT_FUNCS = (
     ds_checkpointing.checkpoint,
     ds_checkpointing.non_reentrant_checkpoint,
-    checkpoint_stage,
+    recompute_stage,
 )
 
 
@@ -124,12 +124,12 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
         specs: tuple[TieSpec, ...] = self._pipedialect_ties
         return specs
 
-    # -- activation checkpointing ([Note: stage checkpointing]) -----------------------------
+    # -- activation recomputation ([Note: stage recomputation]) -----------------------------
 
     @property
     def activation_checkpoint_func(self) -> Callable[..., Any]:
-        """Always :func:`checkpoint_stage`, whatever DeepSpeed assigned."""
-        return checkpoint_stage
+        """Always :func:`recompute_stage`, whatever DeepSpeed assigned."""
+        return recompute_stage
 
     @activation_checkpoint_func.setter
     def activation_checkpoint_func(self, func: Callable[..., Any]) -> None:
@@ -138,7 +138,7 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
                 f"activation_checkpoint_func={getattr(func, '__qualname__', func)!r} is not "
                 "supported: the DeepSpeed dialect checkpoints each whole stage with torch's "
                 "non-reentrant checkpoint (pipedialect.dialects.deepspeed._module."
-                "checkpoint_stage). Set only activation_checkpoint_interval, or checkpoint "
+                "recompute_stage). Set only activation_checkpoint_interval, or checkpoint "
                 "inside your blocks."
             )
 
@@ -148,7 +148,7 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
         return True
 
     def forward(self, forward_input: Any) -> Any:
-        """Run the local stage, checkpointed when ``activation_checkpoint_interval > 0``."""
+        """Run the local stage, recomputed when ``activation_checkpoint_interval > 0``."""
         interval = self.activation_checkpoint_interval
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
             raise ConfigError(

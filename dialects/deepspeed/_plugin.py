@@ -46,10 +46,10 @@ class DeepSpeedOptions:
         metadata={"doc": "any value >= 1 checkpoints each whole stage (one DeepSpeed layer)"},
     )
     activation_checkpoint_func: Any = field(
-        default=None, metadata={"doc": "refused: stages are checkpointed whole, non-reentrant"}
+        default=None, metadata={"doc": "refused: stages are recomputed whole, non-reentrant"}
     )
     checkpointable_layers: Any = field(
-        default=None, metadata={"doc": "refused: stages are checkpointed whole, non-reentrant"}
+        default=None, metadata={"doc": "refused: stages are recomputed whole, non-reentrant"}
     )
 
 

@@ -737,7 +737,7 @@ def _check_checkpointing(model: PipelineModule) -> None:
     """Refuse DeepSpeed's own checkpointing of stage wrappers outside our PipelineModule.
 
     Its reentrant function gives no gradient to a stage fed integer token ids; ours checkpoints
-    each whole stage exactly (``_module`` [Note: stage checkpointing]).
+    each whole stage exactly (``_module`` [Note: stage recomputation]).
     """
     from ._module import PipeDialectPipelineModule
 

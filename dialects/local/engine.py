@@ -35,7 +35,7 @@ from pipedialect.agreement import (
 )
 from pipedialect.config import clip_gradients, parse_config
 from pipedialect.engine import (
-    DeepSpeedStyleEngine,
+    EngineBase,
     read_checkpoint_file,
     shape_mismatch,
     stage_param_name,
@@ -81,7 +81,7 @@ class LocalPipeline(nn.Module):
         return value
 
 
-class LocalEngine(DeepSpeedStyleEngine):
+class LocalEngine(EngineBase):
     """Trains a :class:`LocalPipeline` with DeepSpeed ``PipelineEngine`` semantics."""
 
     module: LocalPipeline

@@ -50,7 +50,7 @@ from pipedialect.agreement import (
     root_nonfinite,
 )
 from pipedialect.config import TrainingConfig, parse_config
-from pipedialect.engine import DeepSpeedStyleEngine, read_checkpoint_file, shape_mismatch
+from pipedialect.engine import EngineBase, read_checkpoint_file, shape_mismatch
 from pipedialect.param_groups import ParamGroupsFn
 from pipedialect.partition import PipelinePlan
 
@@ -257,7 +257,7 @@ class TorchPipeline(nn.Module):
 class _Accumulate:
     """A stage's ``after_backward``: move its bf16 gradients into the engine's buffers."""
 
-    def __init__(self, engine: DeepSpeedStyleEngine, params: list[nn.Parameter]) -> None:
+    def __init__(self, engine: EngineBase, params: list[nn.Parameter]) -> None:
         self.engine = engine
         self.params = params
 
@@ -284,7 +284,7 @@ def _pipedialect_cause(exc: BaseException) -> PipeDialectError | None:
     return None
 
 
-class TorchEngine(DeepSpeedStyleEngine):
+class TorchEngine(EngineBase):
     """Trains a :class:`TorchPipeline` with DeepSpeed ``PipelineEngine`` semantics."""
 
     module: TorchPipeline

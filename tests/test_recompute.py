@@ -1,8 +1,8 @@
-"""``partition(..., checkpoint=...)``: modules recomputed in backward, inside the stage graphs.
+"""``partition(..., recompute=...)``: modules recomputed in backward, inside the stage graphs.
 
 References: the unsplit model run by hand from the same RNG state (dropout included), and the
-same plan built without ``checkpoint=``. Recomputation is observed, not assumed: a forward
-hook on each checkpointed module counts two calls per training micro-batch.
+same plan built without ``recompute=``. Recomputation is observed, not assumed: a forward
+hook on each recomputed module counts two calls per training micro-batch.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from test_deepspeed import _checkpoint_reference
 from torch import nn
 
 import pipedialect
-from pipedialect import ActivationCheckpointError, partition
+from pipedialect import RecomputeError, partition
 from pipedialect.launch import launch
 from pipedialect.models import TinyGPT, cross_entropy_loss, seeded_init
 
@@ -71,11 +71,11 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def test_checkpointed_plan_equals_the_unsplit_model_with_dropout_and_recomputes() -> None:
     """Outputs and gradients equal the unsplit model's from the same RNG state (the dropout
-    masks replayed in recomputation); each checkpointed block ran twice, the rest once."""
+    masks replayed in recomputation); each recomputed block ran twice, the rest once."""
     model = DropStack()
     reference = copy.deepcopy(model)
-    plan = partition(model, ["blocks.1"], checkpoint="blocks.*")
-    assert plan.checkpointed == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    plan = partition(model, ["blocks.1"], recompute="blocks.*")
+    assert plan.recomputed == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
     assert dict(plan.stages[0].named_parameters()).keys() == {
         n
         for n, _ in reference.named_parameters()
@@ -126,7 +126,7 @@ def test_local_training_with_checkpoint_equals_training_without() -> None:
     ]
     plain_model, ckpt_model = DropStack(), DropStack()
     plain = partition(plain_model, ["blocks.0", "blocks.2"])
-    ckpt = partition(ckpt_model, ["blocks.0", "blocks.2"], checkpoint=["blocks.*", "out"])
+    ckpt = partition(ckpt_model, ["blocks.0", "blocks.2"], recompute=["blocks.*", "out"])
     assert ckpt.fingerprint() != plain.fingerprint()
     assert ckpt.tie_groups == plain.tie_groups
     counts = _counters(ckpt.stages[2], ["blocks.3"])
@@ -142,8 +142,8 @@ def test_checkpoint_keeps_ties_names_and_a_deterministic_fingerprint() -> None:
     partitions of the same model give the same fingerprint."""
     model = TinyGPT()
     plain = partition(model, ["blocks.1"])
-    first = partition(model, ["blocks.1"], checkpoint=["blocks.*", "lm_head"])
-    second = partition(model, ["blocks.1"], checkpoint=["blocks.*", "lm_head"])
+    first = partition(model, ["blocks.1"], recompute=["blocks.*", "lm_head"])
+    second = partition(model, ["blocks.1"], recompute=["blocks.*", "lm_head"])
     assert first.fingerprint() == second.fingerprint()
     assert first.tie_groups == plain.tie_groups and first.tie_groups
     for a, b in zip(first.stages, plain.stages, strict=True):
@@ -152,8 +152,8 @@ def test_checkpoint_keeps_ties_names_and_a_deterministic_fingerprint() -> None:
 
 
 def test_checkpoint_composes_with_balance() -> None:
-    """num_stages + balance="memory" with checkpointed blocks: no split point is chosen inside
-    a checkpointed block, and the plan trains like the unsplit model on the local dialect."""
+    """num_stages + balance="memory" with recomputed blocks: no split point is chosen inside
+    a recomputed block, and the plan trains like the unsplit model on the local dialect."""
     model = TinyGPT()
     reference = copy.deepcopy(model)
     ids = torch.zeros(2, 8, dtype=torch.long)
@@ -162,11 +162,11 @@ def test_checkpoint_composes_with_balance() -> None:
         num_stages=3,
         balance="memory",
         balance_inputs={"input_ids": ids},
-        checkpoint="blocks.*",
+        recompute="blocks.*",
         micro_batches=4,
     )
     for point in plan.split_points:
-        assert not any(point.startswith(c + ".") for c in plan.checkpointed), point
+        assert not any(point.startswith(c + ".") for c in plan.recomputed), point
     gen = torch.Generator().manual_seed(5)
     batches = [
         (torch.randint(0, 32, (2, 8), generator=gen), torch.randint(0, 32, (2, 8), generator=gen))
@@ -201,31 +201,29 @@ def test_checkpoint_composes_with_balance() -> None:
 
 def test_bad_checkpoint_requests_are_refused_by_name() -> None:
     model = TinyGPT()
-    with pytest.raises(ActivationCheckpointError, match=r"'blokcs\.\*' matches no module.*blocks"):
-        partition(model, ["blocks.1"], checkpoint="blokcs.*")
-    with pytest.raises(
-        ActivationCheckpointError, match=r"'blocks\.1\.attn' is inside .*'blocks\.1'"
-    ):
-        partition(model, ["blocks.1.attn"], checkpoint="blocks.1")
-    with pytest.raises(ActivationCheckpointError, match=r"torch\.export"):
+    with pytest.raises(RecomputeError, match=r"'blokcs\.\*' matches no module.*blocks"):
+        partition(model, ["blocks.1"], recompute="blokcs.*")
+    with pytest.raises(RecomputeError, match=r"'blocks\.1\.attn' is inside .*'blocks\.1'"):
+        partition(model, ["blocks.1.attn"], recompute="blocks.1")
+    with pytest.raises(RecomputeError, match=r"torch\.export"):
         partition(
             model,
             ["blocks.1"],
-            checkpoint="blocks.*",
+            recompute="blocks.*",
             example_inputs={"input_ids": torch.zeros(2, 8, dtype=torch.long)},
         )
     encoder = nn.Sequential(nn.Linear(4, 4), nn.TransformerEncoderLayer(4, 1, 8))
-    with pytest.raises(ActivationCheckpointError, match=r"'1\.linear1'.*inside '1'"):
-        partition(encoder, ["0"], checkpoint="1.linear1")
-    with pytest.raises(ActivationCheckpointError, match="not a module path"):
-        partition(model, ["blocks.1"], checkpoint=[""])
+    with pytest.raises(RecomputeError, match=r"'1\.linear1'.*inside '1'"):
+        partition(encoder, ["0"], recompute="1.linear1")
+    with pytest.raises(RecomputeError, match="not a module path"):
+        partition(model, ["blocks.1"], recompute=[""])
 
 
 @pytest.mark.distributed
 def test_deepspeed_and_torch_checkpoint_train_like_the_unsplit_model() -> None:
-    """DropNet on 2 ranks with ``checkpoint=["block0", "drop*", "head"]``, on DeepSpeed's
+    """DropNet on 2 ranks with ``recompute=["block0", "drop*", "head"]``, on DeepSpeed's
     PipelineEngine and on torch.distributed.pipelining: the losses, gradients (DeepSpeed) and
-    weights of the unsplit model drawing the same dropout masks, and each checkpointed module
+    weights of the unsplit model drawing the same dropout masks, and each recomputed module
     ran twice per training micro-batch."""
     ref = _checkpoint_reference("dropnet")
     runs = {
@@ -248,4 +246,4 @@ def test_deepspeed_and_torch_checkpoint_train_like_the_unsplit_model() -> None:
             for step, grads in enumerate(r.get("grads", [])):
                 for n, g in grads.items():
                     assert_tensor_close(g, ref["grads"][step][n], f"{where} step {step}: {n}")
-    assert "checkpointed" in runs["deepspeed"][0]["code"]
+    assert "recomputed" in runs["deepspeed"][0]["code"]
