@@ -15,6 +15,7 @@ import _torch_workers as torch_workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import steps_from, train_unsplit
 from test_deepspeed import _checkpoint_reference
 from torch import nn
 
@@ -186,16 +187,8 @@ def test_checkpoint_composes_with_balance() -> None:
     data = iter(batches)
     losses = [float(engine.train_batch(data)) for _ in range(3)]
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = []
-    for step in range(3):
-        total = 0.0
-        for ids_, labels in batches[step * 4 : (step + 1) * 4]:
-            loss = cross_entropy_loss(reference(ids_), labels)
-            (loss / 4).backward()
-            total += float(loss.detach()) / 4
-        opt.step()
-        opt.zero_grad()
-        expected.append(total)
+    steps = steps_from([iter(batches)], 3, 4)
+    expected = train_unsplit(reference, opt, steps, cross_entropy_loss).losses
     assert_tensor_close(torch.tensor(losses), torch.tensor(expected), "losses")
 
 

@@ -18,6 +18,7 @@ import _ds_workers as workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import call_model, steps_from, train_unsplit
 
 from pipedialect import LaunchError
 from pipedialect.launch import free_port, launch
@@ -39,27 +40,12 @@ def reference(
     else:  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     streams = [workers.data_stream(spec, steps * gas, micro, r) for r in range(dp)]
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for stream in streams:
-            for _ in range(gas):
-                inputs, labels = next(stream)
-                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-                loss = spec.loss_fn(out, labels)
-                (loss / (gas * dp)).backward()
-                total += loss.item() / (gas * dp)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
-        losses.append(total)
+    losses = train_unsplit(model, opt, steps_from(streams, steps, gas), spec.loss_fn, clip=clip)[0]
     with torch.no_grad():
         evals = []
         for r in range(dp):
             for inputs, labels in workers.data_stream(spec, gas, micro, r):
-                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-                evals.append(spec.loss_fn(out, labels).item())
+                evals.append(spec.loss_fn(call_model(model, inputs), labels).item())
     named = dict(model.named_parameters(remove_duplicate=False))
     return losses, named, sum(evals) / len(evals)
 
@@ -279,22 +265,25 @@ def _checkpoint_reference(model_name: str, steps: int = 3, gas: int = 2) -> dict
         rng[stage] = torch.get_rng_state()
         return out
 
-    data = workers.data_stream(spec, steps * gas, 2, 0)
-    losses, grads = [], []
-    for _ in range(steps):
-        total = 0.0
-        for inputs, labels in (next(data) for _ in range(gas)):
-            if model_name == "dropnet":
-                out = on_stream(1, model.stage1, on_stream(0, model.stage0, inputs))
-            else:
-                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            loss = spec.loss_fn(out, labels)
-            (loss / gas).backward()
-            total += loss.item() / gas
-        losses.append(total)
+    def forward(model: Any, inputs: Any) -> Any:
+        if model_name == "dropnet":
+            return on_stream(1, model.stage1, on_stream(0, model.stage0, inputs))
+        return call_model(model, inputs)
+
+    grads: list[dict[str, torch.Tensor]] = []
+
+    def keep_grads() -> None:
         grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
-        opt.step()
-        opt.zero_grad()
+
+    data = workers.data_stream(spec, steps * gas, 2, 0)
+    losses = train_unsplit(
+        model,
+        opt,
+        steps_from([data], steps, gas),
+        spec.loss_fn,
+        forward=forward,
+        before_step=keep_grads,
+    ).losses
     torch.set_rng_state(saved)
     params = dict(model.named_parameters(remove_duplicate=False))
     return {"losses": losses, "grads": grads, "params": params}

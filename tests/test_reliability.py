@@ -16,6 +16,7 @@ import _reliability_workers as workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import train_unsplit
 
 import pipedialect
 from pipedialect import (
@@ -36,16 +37,7 @@ def reference(steps: list[list[Any]]) -> tuple[list[float], dict[str, torch.Tens
     """The unsplit model trained on ``steps`` (lists of micro-batches): losses and parameters."""
     model = workers.get_model("skip").factory(seed=0, dim=16)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for batches in steps:
-        opt.zero_grad()
-        total = 0.0
-        for x, y in batches:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            (loss / len(batches)).backward()
-            total += loss.item() / len(batches)
-        opt.step()
-        losses.append(total)
+    losses = train_unsplit(model, opt, steps, torch.nn.functional.mse_loss).losses
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

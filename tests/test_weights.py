@@ -18,6 +18,7 @@ import safetensors.torch
 import torch
 import transformers
 from _compare import assert_tensor_close
+from _reference import steps_from, train_unsplit
 from torch import nn
 
 import pipedialect
@@ -231,17 +232,12 @@ def test_a_pretrained_checkpoint_loaded_per_stage_trains_like_from_pretrained(
     data = iter(copy.deepcopy(batches))
     losses = [float(engine.train_batch(data)) for _ in range(3)]
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = []
-    for step in range(3):
-        total = 0.0
-        for args, labels in batches[step * 4 : (step + 1) * 4]:
-            out = reference(**dict(zip(inputs, args, strict=True)), **fixed)
-            loss = hf.token_loss(out, labels)
-            (loss / 4).backward()
-            total += float(loss.detach()) / 4
-        opt.step()
-        opt.zero_grad()
-        expected.append(total)
+
+    def forward(model: Any, args: Any) -> Any:
+        return model(**dict(zip(inputs, args, strict=True)), **fixed)
+
+    steps = steps_from([iter(batches)], 3, 4)
+    expected = train_unsplit(reference, opt, steps, hf.token_loss, forward=forward).losses
     assert_tensor_close(torch.tensor(losses), torch.tensor(expected), "losses")
     theirs = dict(reference.named_parameters(remove_duplicate=False))
     for k, stage in enumerate(plan.stages):
