@@ -20,6 +20,7 @@ import _meta_workers as meta_workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import steps_from, train_unsplit
 from test_deepspeed import _checkpoint_reference
 from test_weights import _llama
 
@@ -97,6 +98,7 @@ def test_meta_plans_are_refused_by_name_without_complete_weights() -> None:
         )
 
 
+@pytest.mark.distributed
 def test_deepspeed_and_torch_meta_plans_train_like_the_real_model() -> None:
     """Two ranks on DeepSpeed's PipelineEngine and on torch.distributed.pipelining: each rank
     materialises only its stage (the other stays on meta), the tied embedding and head are
@@ -118,23 +120,17 @@ def _from_pretrained_reference(name: str, directory: Path) -> dict[str, Any]:
     reference = model_cls.from_pretrained(directory, attn_implementation="eager").train()
     batches = copy.deepcopy(meta_workers.pretrained_batches())
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    losses = []
-    for step in range(meta_workers.STEPS):
-        total = 0.0
-        for args, labels in batches[step * 4 : (step + 1) * 4]:
-            out = reference(
-                **dict(zip(("input_ids", "attention_mask"), args, strict=True)),
-                **meta_workers.PRETRAINED_FIXED,
-            )
-            loss = hf.token_loss(out, labels)
-            (loss / 4).backward()
-            total += float(loss.detach()) / 4
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+
+    def forward(model: Any, args: Any) -> Any:
+        names = ("input_ids", "attention_mask")
+        return model(**dict(zip(names, args, strict=True)), **meta_workers.PRETRAINED_FIXED)
+
+    steps = steps_from([iter(batches)], meta_workers.STEPS, 4)
+    losses = train_unsplit(reference, opt, steps, hf.token_loss, forward=forward).losses
     return {"losses": losses, "params": dict(reference.named_parameters(remove_duplicate=False))}
 
 
+@pytest.mark.distributed
 def test_deepspeed_loads_pretrained_gpt2_and_llama_per_stage_like_from_pretrained(
     tmp_path: Path,
 ) -> None:
@@ -168,6 +164,7 @@ def test_deepspeed_loads_pretrained_gpt2_and_llama_per_stage_like_from_pretraine
         assert names == set(ref["params"]), (name, sorted(set(ref["params"]) ^ names))
 
 
+@pytest.mark.distributed
 def test_demo_with_meta_builds_on_meta_and_matches_its_reference(tmp_path: Path) -> None:
     """``pipedialect demo --meta`` on the local dialect: the same losses as the unsplit model
     trained in the demo's own process."""
