@@ -46,14 +46,21 @@ lint:
 typecheck:
 	$(BIN)/mypy --strict -p pipedialect
 
+# The whole suite, in two runs: the tests that stay in one process (one intra-op thread each) on
+# both cores, then the ones that start processes (their ranks already use both), one at a time.
+# Files are not split between the two workers (--dist loadfile): module fixtures run once.
+QUICK := -m "not distributed and not packaging"
+# Both runs always run; unit fails if either failed.
 unit:
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile $(QUICK); one=$$?; \
+	$(BIN)/pytest -m "distributed or packaging"; two=$$?; \
+	test $$one -eq 0 -a $$two -eq 0
 
 # The quick loop (a few minutes): ruff and the tests that start no process and run no pip (the
 # `distributed` and `packaging` markers; tests/conftest.py fails a test that starts a process
 # without one). `make test` still runs everything.
 quick: develop lint
-	$(BIN)/pytest -q -m "not distributed and not packaging"
+	$(BIN)/pytest -q -n 2 --dist loadfile $(QUICK)
 
 docs:
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html

@@ -10,13 +10,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import _ds_workers
 import _ds_workers as ds_workers
 import _torch_workers as torch_workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
 from _reference import steps_from, train_unsplit
-from test_deepspeed import _checkpoint_reference
 from torch import nn
 
 import pipedialect
@@ -220,7 +220,7 @@ def test_deepspeed_and_torch_checkpoint_train_like_the_unsplit_model() -> None:
     PipelineEngine and on torch.distributed.pipelining: the losses, gradients (DeepSpeed) and
     weights of the unsplit model drawing the same dropout masks, and each checkpointed module
     ran twice per training micro-batch."""
-    ref = _checkpoint_reference("dropnet")
+    ref = _ds_workers.checkpoint_reference("dropnet")
     runs = {
         "deepspeed": launch(ds_workers.module_checkpoint_run, 2, timeout=300),
         "torch": launch(torch_workers.module_checkpoint_run, 2, timeout=300),

@@ -2,8 +2,8 @@
 device trains exactly like the model built normally.
 
 References: the unsplit model built on the CPU from the same seed and trained by hand in this
-process (``_checkpoint_reference``), and, for GPT-2 and Llama, the unsplit ``from_pretrained``
-model of the directory ``save_pretrained`` wrote, trained by hand.
+process (``_ds_workers.checkpoint_reference``), and, for GPT-2 and Llama, the unsplit
+``from_pretrained`` model of the directory ``save_pretrained`` wrote, trained by hand.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import _ds_workers
 import _hf_workers as hf
 import _meta_workers as meta_workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
 from _reference import steps_from, train_unsplit
-from test_deepspeed import _checkpoint_reference
-from test_weights import _llama
 
 import pipedialect
 from pipedialect import WeightsError, partition
@@ -73,7 +72,9 @@ def test_local_meta_plan_with_init_weights_trains_like_the_real_model() -> None:
         for stage in plan.stages
         for n, p in stage.named_parameters(remove_duplicate=False)
     }
-    _check_run({"losses": losses, "params": params}, _checkpoint_reference(SPEC_NAME), "local")
+    _check_run(
+        {"losses": losses, "params": params}, _ds_workers.checkpoint_reference(SPEC_NAME), "local"
+    )
 
 
 def test_meta_plans_are_refused_by_name_without_complete_weights() -> None:
@@ -103,7 +104,7 @@ def test_deepspeed_and_torch_meta_plans_train_like_the_real_model() -> None:
     """Two ranks on DeepSpeed's PipelineEngine and on torch.distributed.pipelining: each rank
     materialises only its stage (the other stays on meta), the tied embedding and head are
     synchronised across the ranks, and losses and parameters equal the unsplit model's."""
-    ref = _checkpoint_reference(SPEC_NAME)
+    ref = _ds_workers.checkpoint_reference(SPEC_NAME)
     for dialect in ("deepspeed", "torch"):
         results = launch(meta_workers.tinygpt_meta_run, 2, dialect, timeout=300)
         assert sorted(s for r in results for s in r["stages"]) == [0, 1], dialect
@@ -142,7 +143,7 @@ def test_deepspeed_loads_pretrained_gpt2_and_llama_per_stage_like_from_pretraine
     torch.manual_seed(0)
     hf.CASES["gpt2"].factory().save_pretrained(directories["gpt2"], max_shard_size="20KB")
     torch.manual_seed(0)
-    _llama().save_pretrained(directories["llama"], max_shard_size="20KB")
+    hf.tiny_llama().save_pretrained(directories["llama"], max_shard_size="20KB")
     for directory in directories.values():
         assert (directory / "model.safetensors.index.json").is_file()  # sharded
     runs = launch(

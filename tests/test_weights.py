@@ -16,7 +16,6 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-import transformers
 from _compare import assert_tensor_close
 from _reference import steps_from, train_unsplit
 from torch import nn
@@ -161,22 +160,6 @@ def test_safetensors_shards_are_read_per_stage(tmp_path: Path, monkeypatch: Any)
 # -- a Hugging Face checkpoint, loaded per stage, trains like from_pretrained -------------------
 
 
-def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        vocab_size=hf.VOCAB,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        use_cache=False,
-        attn_implementation="eager",
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
 def _rotary_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The non-persistent rotary tables, computed on the CPU by a fresh rotary module."""
     rotary = type(model.model.rotary_emb)(model.config)
@@ -195,7 +178,7 @@ def test_a_pretrained_checkpoint_loaded_per_stage_trains_like_from_pretrained(
         factory, fixed = case.factory, case.fixed
         inputs = ("input_ids", "attention_mask")
     else:
-        factory, fixed = _llama, {"return_dict": False, "use_cache": False}
+        factory, fixed = hf.tiny_llama, {"return_dict": False, "use_cache": False}
         inputs = ("input_ids", "attention_mask")
     torch.manual_seed(0)
     factory().save_pretrained(tmp_path, max_shard_size="20KB")
