@@ -2,6 +2,7 @@
 #   make demo   set up everything from nothing (.venv, torch CPU, deepspeed, pipedialect), then
 #               run the main job
 #   make test   lint, type-check, the whole test suite and the docs build
+# and, for the edit-test loop, `make quick`: lint and every test that stays in the test process.
 #
 # torch is installed first and pinned: anything that lets pip pick torch itself downloads a
 # multi-GB CUDA build. deepspeed's setup.py imports torch, hence --no-build-isolation.
@@ -17,7 +18,7 @@ STRICT := --config-settings editable_mode=strict
 # with the first ninja on PATH, and a different ninja than the tests' rebuilds the cached ops.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: demo setup develop test lint typecheck unit docs clean
+.PHONY: demo setup develop test quick lint typecheck unit docs clean
 
 demo: setup
 	$(BIN)/pipedialect demo
@@ -45,8 +46,21 @@ lint:
 typecheck:
 	$(BIN)/mypy --strict -p pipedialect
 
+# The whole suite, in two runs: the tests that stay in one process (one intra-op thread each) on
+# both cores, then the ones that start processes (their ranks already use both), one at a time.
+# Files are not split between the two workers (--dist loadfile): module fixtures run once.
+QUICK := -m "not distributed and not packaging"
+# Both runs always run; unit fails if either failed.
 unit:
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile $(QUICK); one=$$?; \
+	$(BIN)/pytest -m "distributed or packaging"; two=$$?; \
+	test $$one -eq 0 -a $$two -eq 0
+
+# The quick loop (a few minutes): ruff and the tests that start no process and run no pip (the
+# `distributed` and `packaging` markers; tests/conftest.py fails a test that starts a process
+# without one). `make test` still runs everything.
+quick: develop lint
+	$(BIN)/pytest -q -n 2 --dist loadfile $(QUICK)
 
 docs:
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html

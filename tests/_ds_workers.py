@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from _reference import call_model, steps_from, train_unsplit
 from torch import nn
 
 import pipedialect
@@ -708,3 +709,77 @@ def fp16_train(name: str, num_stages: int, steps: int) -> dict[str, Any]:
         "dtype": str(next(plan.stages[stage].parameters()).dtype),
         "skipped": int(getattr(engine, "skipped_steps", 0)),
     }
+
+
+# -- the unsplit references of the DeepSpeed tests (run in the test process) -------------------
+
+
+def unsplit_reference(
+    name: str, dp: int, optimizer: str, steps: int, gas: int = 4, micro: int = 2, clip: float = 0.0
+) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """Train the unsplit model ``name`` on ``dp`` replicas' streams (tests/_reference.py) in
+    this process; return losses, parameters and an eval loss."""
+    spec = spec_for(name)
+    model = spec.build(0)
+    params = list(model.parameters())
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1)
+    elif optimizer == "adam":
+        opt = torch.optim.Adam(params, lr=1e-2)
+    else:  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    streams = [data_stream(spec, steps * gas, micro, r) for r in range(dp)]
+    losses = train_unsplit(model, opt, steps_from(streams, steps, gas), spec.loss_fn, clip=clip)[0]
+    with torch.no_grad():
+        evals = []
+        for r in range(dp):
+            for inputs, labels in data_stream(spec, gas, micro, r):
+                evals.append(spec.loss_fn(call_model(model, inputs), labels).item())
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return losses, named, sum(evals) / len(evals)
+
+
+def checkpoint_reference(model_name: str, steps: int = 3, gas: int = 2) -> dict[str, Any]:
+    """The unsplit model on the cases' micro-batches: losses and the gradients of each step.
+
+    On ``dropnet`` each stage's part of the model draws its dropout masks from its own RNG
+    stream, seeded as each rank seeds its own, in micro-batch order (the order every rank runs
+    its forwards in): then the unsplit model sees the masks the pipeline drew.
+    """
+    spec = DROPNET if model_name == "dropnet" else spec_for(model_name)
+    model = spec.build(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rng = []
+    for stage in range(2):
+        torch.manual_seed(DROPOUT_SEED + stage)
+        rng.append(torch.get_rng_state())
+    saved = torch.get_rng_state()
+
+    def on_stream(stage: int, fn: Any, *args: Any) -> Any:
+        torch.set_rng_state(rng[stage])
+        out = fn(*args)
+        rng[stage] = torch.get_rng_state()
+        return out
+
+    def forward(model: Any, inputs: Any) -> Any:
+        if model_name == "dropnet":
+            return on_stream(1, model.stage1, on_stream(0, model.stage0, inputs))
+        return call_model(model, inputs)
+
+    grads: list[dict[str, torch.Tensor]] = []
+
+    def keep_grads() -> None:
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
+
+    data = data_stream(spec, steps * gas, 2, 0)
+    losses = train_unsplit(
+        model,
+        opt,
+        steps_from([data], steps, gas),
+        spec.loss_fn,
+        forward=forward,
+        before_step=keep_grads,
+    ).losses
+    torch.set_rng_state(saved)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {"losses": losses, "grads": grads, "params": params}

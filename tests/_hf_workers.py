@@ -569,3 +569,20 @@ def pretrained_roundtrip(
             },
         }
     return results
+
+
+def tiny_llama() -> nn.Module:
+    """A 4-layer Llama with tied embeddings and grouped-query attention, eager."""
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    return transformers.LlamaForCausalLM(config)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _reference import train_unsplit
 
 import pipedialect
 from pipedialect.models import get_model
@@ -165,3 +166,11 @@ def run(dialect_name: str, ckpt_dir: str) -> dict[str, Any]:
     plan, engine = run.build(["blocks.1"], dim=24)
     out["resized"] = _attempt(lambda: engine.load_checkpoint(ckpt_dir, tag="small"))
     return out
+
+
+def reference(steps: list[list[Any]]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unsplit model trained on ``steps`` (lists of micro-batches): losses and parameters."""
+    model = get_model("skip").factory(seed=0, dim=16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = train_unsplit(model, opt, steps, torch.nn.functional.mse_loss).losses
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -20,6 +20,7 @@ import _balance_workers as workers
 import pytest
 import torch
 from _compare import assert_tensor_close
+from _reference import steps_from, train_unsplit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -461,18 +462,8 @@ STEPS = 3
 
 def _train_reference(spec: ModelSpec, model: nn.Module, batches: Sequence[Any]) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for inputs, labels in batches[step * GAS : (step + 1) * GAS]:
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-            loss = spec.loss_fn(model(*args), labels)
-            (loss / GAS).backward()
-            total += float(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total / GAS)
-    return losses
+    steps = steps_from([iter(batches)], STEPS, GAS)
+    return train_unsplit(model, optimizer, steps, spec.loss_fn).losses
 
 
 @pytest.mark.parametrize(

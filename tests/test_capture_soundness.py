@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _reference import steps_from, train_unsplit
 from torch import fx, nn
 
 import pipedialect
@@ -129,16 +130,8 @@ def test_dict_none_float_boundary_trains_like_the_model() -> None:
     losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
 
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
-    expected = []
-    for step in range(STEPS):
-        total = 0.0
-        for ids, labels in batches[step * GAS : (step + 1) * GAS]:
-            loss = _loss(reference(ids), labels)
-            (loss / GAS).backward()
-            total += float(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
-        expected.append(total / GAS)
+    steps = steps_from([iter(batches)], STEPS, GAS)
+    expected = train_unsplit(reference, optimizer, steps, _loss).losses
     assert losses == pytest.approx(expected, rel=1e-6)
     assert losses[-1] < losses[0]  # it trained
     for name, param in reference.named_parameters():

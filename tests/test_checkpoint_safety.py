@@ -18,8 +18,7 @@ import _ckpt_workers as workers
 import pytest
 import torch
 from _compare import assert_tensor_close
-from _reliability_workers import step_batches
-from test_reliability import reference
+from _reliability_workers import reference, step_batches
 
 import pipedialect
 from pipedialect import CheckpointError, LaunchError

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,7 @@ def test_capability_requirements_give_reasons_the_summary_recognises() -> None:
 # -- the plugin, in fresh pytest processes -------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_suite_is_inert_without_a_dialect(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_imports_suite.py").write_text(
@@ -193,6 +195,7 @@ def test_suite_is_inert_without_a_dialect(tmp_path: Path) -> None:
     assert "conformance summary" not in proc.stdout
 
 
+@pytest.mark.distributed
 def test_a_subclass_pins_its_dialect_with_a_fixture(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_pinned.py").write_text(
@@ -216,6 +219,7 @@ def test_a_subclass_pins_its_dialect_with_a_fixture(tmp_path: Path) -> None:
     assert "registration         5       0" in proc.stdout
 
 
+@pytest.mark.distributed
 def test_the_suite_catches_a_codec_that_loses_dict_keys(tmp_path: Path) -> None:
     """A single-process dialect with a broken codec fails the codec area, naming the keys."""
     (tmp_path / "conftest.py").write_text(CONFTEST)
@@ -257,6 +261,7 @@ def test_the_suite_catches_a_codec_that_loses_dict_keys(tmp_path: Path) -> None:
     assert "dict keys" in proc.stdout
 
 
+@pytest.mark.distributed
 def test_the_suite_trains_through_the_codec_the_dialect_declares(tmp_path: Path) -> None:
     """A dialect's ``codec`` is the one its engine uses: a lossy one fails the training area.
 
@@ -334,6 +339,7 @@ def test_check_refuses_an_unknown_dialect_and_a_malformed_option(
     assert "KEY=VALUE" in capsys.readouterr().err
 
 
+@pytest.mark.distributed
 def test_local_passes_the_suite(tmp_path: Path) -> None:
     proc = run([sys.executable, "-c", CHECK, "check", "local"], tmp_path)
     out = proc.stdout
@@ -351,15 +357,12 @@ HANG_SELECT = "test_matches_unsplit and plain-2"
 
 
 @pytest.fixture(scope="module")
-def hang_plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hang_plugin(install_plugin: Callable[[Path], Path]) -> Path:
     """tests/plugins/hang, pip-installed: dialects whose ``train_batch`` never returns."""
-    target = tmp_path_factory.mktemp("hang-plugin")
-    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
-    source = Path(__file__).parent / "plugins" / "hang"
-    subprocess.run([*pip, "--target", str(target), str(source)], check=True, capture_output=True)
-    return target
+    return install_plugin(Path(__file__).parent / "plugins" / "hang")
 
 
+@pytest.mark.distributed
 def test_check_stops_a_single_process_case_that_makes_no_progress(
     hang_plugin: Path, tmp_path: Path
 ) -> None:
@@ -386,6 +389,7 @@ def test_check_stops_a_single_process_case_that_makes_no_progress(
     assert out.count("in train_batch\n    time.sleep(") == 2
 
 
+@pytest.mark.distributed
 def test_check_ends_the_process_when_a_case_cannot_be_interrupted(
     hang_plugin: Path, tmp_path: Path
 ) -> None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,37 +28,13 @@ CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:
 
 
 @pytest.fixture(scope="session")
-def third_party(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+def third_party(install_plugin: Callable[[Path], Path]) -> list[Path]:
     """Install the example dialect and its broken variants; return their target directories."""
-    root = tmp_path_factory.mktemp("third-party")
-    targets = []
-    for name, source in (
-        ("sendrecv", ROOT / "examples" / "pipedialect-sendrecv"),
-        ("sendrecv_broken", ROOT / "tests" / "plugins" / "sendrecv_broken"),
-    ):
-        # Build from a copy: pip writes build/ and *.egg-info next to the sources.
-        copy = root / f"{name}-src"
-        shutil.copytree(source, copy, ignore=shutil.ignore_patterns("build", "*.egg-info"))
-        target = root / name
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--no-deps",
-                "--no-build-isolation",
-                "--target",
-                str(target),
-                str(copy),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        targets.append(target)
-    return targets
+    sources = (
+        ROOT / "examples" / "pipedialect-sendrecv",
+        ROOT / "tests" / "plugins" / "sendrecv_broken",
+    )
+    return [install_plugin(source) for source in sources]
 
 
 def run(

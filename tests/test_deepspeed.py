@@ -25,45 +25,6 @@ from pipedialect.launch import free_port, launch
 pytestmark = pytest.mark.distributed
 
 
-def reference(
-    name: str, dp: int, optimizer: str, steps: int, gas: int = 4, micro: int = 2, clip: float = 0.0
-) -> tuple[list[float], dict[str, torch.Tensor], float]:
-    """Train the unsplit model in this process; return losses, parameters and an eval loss."""
-    spec = workers.spec_for(name)
-    model = spec.build(0)
-    params = list(model.parameters())
-    if optimizer == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1)
-    elif optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=1e-2)
-    else:  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
-        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    streams = [workers.data_stream(spec, steps * gas, micro, r) for r in range(dp)]
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for stream in streams:
-            for _ in range(gas):
-                inputs, labels = next(stream)
-                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-                loss = spec.loss_fn(out, labels)
-                (loss / (gas * dp)).backward()
-                total += loss.item() / (gas * dp)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
-        losses.append(total)
-    with torch.no_grad():
-        evals = []
-        for r in range(dp):
-            for inputs, labels in workers.data_stream(spec, gas, micro, r):
-                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-                evals.append(spec.loss_fn(out, labels).item())
-    named = dict(model.named_parameters(remove_duplicate=False))
-    return losses, named, sum(evals) / len(evals)
-
-
 def assert_matches_reference(
     results: list[dict[str, Any]], ref: Any, num_stages: int, model: str
 ) -> None:
@@ -86,7 +47,7 @@ def test_pp2_gpt_with_tied_embedding_adam() -> None:
     # The tied weight starts different on rank 1: the engine must make it equal first.
     results = launch(workers.train, 2, "gpt", 2, 1, "adam", 4, perturb_ties=True, timeout=600)
     assert all(r["engine_holds_only_local_stage"] for r in results)
-    assert_matches_reference(results, reference("gpt", 1, "adam", 4), 2, "gpt")
+    assert_matches_reference(results, workers.unsplit_reference("gpt", 1, "adam", 4), 2, "gpt")
     # The tied LM head on stage 1 is DeepSpeed's replicated copy; stage 0 owns the weight.
     by_stage = {r["stage"]: r for r in results}
     assert by_stage[0]["replicated"] == []
@@ -95,56 +56,66 @@ def test_pp2_gpt_with_tied_embedding_adam() -> None:
 
 def test_single_stage_pipeline() -> None:
     results = launch(workers.train, 1, "skip", 1, 1, "adam", 3, timeout=600)
-    assert_matches_reference(results, reference("skip", 1, "adam", 3), 1, "skip")
+    assert_matches_reference(results, workers.unsplit_reference("skip", 1, "adam", 3), 1, "skip")
 
 
 def test_pp2_sgd_and_deepspeed_adamw_semantics() -> None:
     results = launch(workers.train, 2, "gpt", 2, 1, "sgd", 3, timeout=600)
-    assert_matches_reference(results, reference("gpt", 1, "sgd", 3), 2, "gpt")
+    assert_matches_reference(results, workers.unsplit_reference("gpt", 1, "sgd", 3), 2, "gpt")
     results = launch(workers.train, 2, "skip", 2, 1, "adamw", 3, timeout=600)
-    assert_matches_reference(results, reference("skip", 1, "adamw", 3), 2, "skip")
+    assert_matches_reference(results, workers.unsplit_reference("skip", 1, "adamw", 3), 2, "skip")
 
 
 def test_pp2_dp2_four_processes() -> None:
     results = launch(workers.train, 4, "gpt", 2, 2, "adam", 3, timeout=600)
     assert sorted((r["stage"], r["dp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert_matches_reference(results, reference("gpt", 2, "adam", 3), 2, "gpt")
+    assert_matches_reference(results, workers.unsplit_reference("gpt", 2, "adam", 3), 2, "gpt")
 
 
 def test_pp4_skip_connection_and_tie_between_first_and_last_stage() -> None:
     results = launch(workers.train, 4, "skiptied", 4, 1, "adam", 3, timeout=600)
-    assert_matches_reference(results, reference("skiptied", 1, "adam", 3), 4, "skiptied")
+    assert_matches_reference(
+        results, workers.unsplit_reference("skiptied", 1, "adam", 3), 4, "skiptied"
+    )
 
 
 def test_mixed_boundary_dict_none_bool_int_nograd_float_number() -> None:
     results = launch(workers.train, 2, "mixed", 2, 1, "adam", 3, timeout=600)
-    assert_matches_reference(results, reference("mixed", 1, "adam", 3), 2, "mixed")
+    assert_matches_reference(results, workers.unsplit_reference("mixed", 1, "adam", 3), 2, "mixed")
 
 
 def test_pp4_encoder_decoder_several_gradient_tensors_per_boundary() -> None:
     results = launch(workers.train, 4, "encdec", 4, 1, "adam", 3, timeout=600)
-    assert_matches_reference(results, reference("encdec", 1, "adam", 3), 4, "encdec")
+    assert_matches_reference(
+        results, workers.unsplit_reference("encdec", 1, "adam", 3), 4, "encdec"
+    )
 
 
 def test_middle_stage_receiving_a_big_mask_and_sending_two_floats() -> None:
     results = launch(workers.train, 3, "pooltrap", 3, 1, "adam", 3, timeout=600)
-    assert_matches_reference(results, reference("pooltrap", 1, "adam", 3), 3, "pooltrap")
+    assert_matches_reference(
+        results, workers.unsplit_reference("pooltrap", 1, "adam", 3), 3, "pooltrap"
+    )
 
 
 def test_received_value_used_without_gradient_path_gets_a_zero_gradient() -> None:
     results = launch(workers.train, 2, "argmax", 2, 1, "sgd", 3, timeout=600)
-    assert_matches_reference(results, reference("argmax", 1, "sgd", 3), 2, "argmax")
+    assert_matches_reference(results, workers.unsplit_reference("argmax", 1, "sgd", 3), 2, "argmax")
 
 
 def test_dynamic_shapes_let_sequence_lengths_change_between_micro_batches() -> None:
     results = launch(workers.train, 2, "gptvarlen", 2, 1, "adam", 3, timeout=600)
-    assert_matches_reference(results, reference("gptvarlen", 1, "adam", 3), 2, "gptvarlen")
+    assert_matches_reference(
+        results, workers.unsplit_reference("gptvarlen", 1, "adam", 3), 2, "gptvarlen"
+    )
 
 
 def test_gradient_clipping_uses_the_global_norm() -> None:
     clip = 0.05  # small enough that every step clips
     results = launch(workers.train, 2, "gpt", 2, 1, "sgd", 3, 4, 2, clip, timeout=600)
-    assert_matches_reference(results, reference("gpt", 1, "sgd", 3, clip=clip), 2, "gpt")
+    assert_matches_reference(
+        results, workers.unsplit_reference("gpt", 1, "sgd", 3, clip=clip), 2, "gpt"
+    )
 
 
 def test_checkpoint_resume_continues_with_the_uninterrupted_losses(tmp_path: Path) -> None:
@@ -257,49 +228,6 @@ def test_a_new_shape_without_reset_activation_shape_is_the_named_error() -> None
     assert "reset_activation_shape()" in message
 
 
-def _checkpoint_reference(model_name: str, steps: int = 3, gas: int = 2) -> dict[str, Any]:
-    """The unsplit model on the cases' micro-batches: losses and the gradients of each step.
-
-    On ``dropnet`` each stage's part of the model draws its dropout masks from its own RNG
-    stream, seeded as each rank seeds its own, in micro-batch order (the order every rank runs
-    its forwards in): then the unsplit model sees the masks the pipeline drew.
-    """
-    spec = workers.DROPNET if model_name == "dropnet" else workers.spec_for(model_name)
-    model = spec.build(0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rng = []
-    for stage in range(2):
-        torch.manual_seed(workers.DROPOUT_SEED + stage)
-        rng.append(torch.get_rng_state())
-    saved = torch.get_rng_state()
-
-    def on_stream(stage: int, fn: Any, *args: Any) -> Any:
-        torch.set_rng_state(rng[stage])
-        out = fn(*args)
-        rng[stage] = torch.get_rng_state()
-        return out
-
-    data = workers.data_stream(spec, steps * gas, 2, 0)
-    losses, grads = [], []
-    for _ in range(steps):
-        total = 0.0
-        for inputs, labels in (next(data) for _ in range(gas)):
-            if model_name == "dropnet":
-                out = on_stream(1, model.stage1, on_stream(0, model.stage0, inputs))
-            else:
-                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            loss = spec.loss_fn(out, labels)
-            (loss / gas).backward()
-            total += loss.item() / gas
-        losses.append(total)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
-        opt.step()
-        opt.zero_grad()
-    torch.set_rng_state(saved)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    return {"losses": losses, "grads": grads, "params": params}
-
-
 def test_activation_checkpoint_interval_trains_exactly_like_the_unsplit_model() -> None:
     """Every way to set it (the config, with either use_reentrant, or pipe_engine's argument)
     checkpoints each whole stage: the same losses and gradients, and each stage really ran
@@ -314,7 +242,7 @@ def test_activation_checkpoint_interval_trains_exactly_like_the_unsplit_model() 
         assert "plain deepspeed.pipe.PipelineModule" in refusals["plain_refused"], refusals
         for r in trained:
             name, model_name, pipeline, interval = cases[r["case"]]
-            ref = _checkpoint_reference(model_name)
+            ref = workers.checkpoint_reference(model_name)
             assert r["losses"] == pytest.approx(ref["losses"], rel=RTOL, abs=ATOL), name
             assert len(r["grads"]) == len(ref["grads"]) == 3
             for step, (ours, theirs) in enumerate(zip(r["grads"], ref["grads"], strict=True)):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import _ds_workers as workers
 import pytest
 import torch
-from test_deepspeed import reference
 
 from pipedialect.launch import launch
 
@@ -20,7 +19,7 @@ GPU_RTOL = 1e-5
 
 
 def _check(results: list[dict], name: str, stages: int, optimizer: str, steps: int) -> None:
-    ref_losses, ref_params, _ = reference(name, 1, optimizer, steps)
+    ref_losses, ref_params, _ = workers.unsplit_reference(name, 1, optimizer, steps)
     for r in results:
         assert r["device"] == f"cuda:{r['stage']}", r["device"]
         assert r["losses"] == pytest.approx(ref_losses, rel=GPU_RTOL)
@@ -53,7 +52,7 @@ def test_fp16_with_dynamic_loss_scaling_follows_the_fp32_model() -> None:
     within FP16_BAND of the fp32 unsplit model trained the same steps."""
     steps = 6
     results = launch(workers.fp16_train, 2, "gpt", 2, steps, timeout=600)
-    ref_losses, _, _ = reference("gpt", 1, "adam", steps)
+    ref_losses, _, _ = workers.unsplit_reference("gpt", 1, "adam", steps)
     assert {r["stage"] for r in results} == {0, 1}
     for r in results:
         assert r["dtype"] == "torch.float16", r["dtype"]

@@ -24,6 +24,7 @@ import _recipe_workers as workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import steps_from, train_unsplit
 from torch import nn
 
 import pipedialect
@@ -74,21 +75,10 @@ def reference(
     if batches is None:
         batches = [list(_ds_workers.data_stream(spec, steps * GAS, MICRO, r)) for r in range(dp)]
     streams = [iter(b) for b in batches]
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for stream in streams:
-            for _ in range(GAS):
-                inputs, labels = next(stream)
-                loss = spec.loss_fn(model(inputs), labels)
-                (loss / (GAS * dp)).backward()
-                total += loss.item() / (GAS * dp)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for _, p in named], clip)
-        opt.step()
-        losses.append(total)
-    return losses, dict(model.named_parameters(remove_duplicate=False))
+    tied_once = [p for _, p in named]
+    steps_ = steps_from(streams, steps, GAS)
+    trained = train_unsplit(model, opt, steps_, spec.loss_fn, clip=clip, clip_params=tied_once)
+    return trained.losses, dict(model.named_parameters(remove_duplicate=False))
 
 
 def assert_matches(results: list[dict[str, Any]], ref: Any) -> None:

@@ -45,6 +45,7 @@ def test_demo_data_is_a_learnable_counting_language() -> None:
     assert losses[-1] < losses[0] - 0.3
 
 
+@pytest.mark.distributed
 def test_local_demo_matches_its_reference(tmp_path: Path) -> None:
     out = run_cli("--dialect", "local", "--stages", "4", "--steps", "3", "--no-plot", cwd=tmp_path)
     assert "step   3/3" in out
@@ -65,6 +66,7 @@ def test_run_demo_prints_to_stdout_as_it_is_when_the_demo_runs() -> None:
     assert out.getvalue().startswith("pipedialect demo: TinyGPT")
 
 
+@pytest.mark.distributed
 def test_trace_writes_the_timeline_and_changes_no_loss(tmp_path: Path) -> None:
     out = run_cli(
         "--dialect", "local", "--steps", "2", "--trace", "run.json", "--output", "p.png",
@@ -204,6 +206,7 @@ def test_ranks_leave_when_the_demo_is_killed_outright(tmp_path: Path) -> None:
     assert not alive, alive
 
 
+@pytest.mark.distributed
 def test_data_parallel_on_a_one_process_dialect_is_a_usage_error(tmp_path: Path) -> None:
     proc = subprocess.run(
         [*CLI, "demo", "--dp", "2", "--dialect", "local"],

@@ -48,8 +48,8 @@ def _params() -> list[object]:
     for example in FOUND.examples:
         if (example.mode, example.nproc, example.code) in RUN_ELSEWHERE:
             continue
-        marks = [pytest.mark.distributed] if example.mode == "torchrun" else []
-        params.append(pytest.param(example, id=example.id, marks=marks))
+        # Every example runs in a process of its own (a torchrun example in several).
+        params.append(pytest.param(example, id=example.id, marks=[pytest.mark.distributed]))
     return params
 
 

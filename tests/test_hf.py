@@ -15,6 +15,7 @@ import _hf_workers as hf
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import steps_from, train_unsplit
 from torch import nn
 
 import pipedialect
@@ -36,17 +37,10 @@ def reference_run(
     """Train the unsplit model by hand: per-step mean losses, and the eval loss afterwards."""
     optimizer = hf.OPTIMIZERS[optimizer_name][1](model.parameters())
     data = case.micro_batches(steps * gas, batch_size=micro)
-    losses = []
-    for _ in range(steps):
-        total = 0.0
-        for _ in range(gas):
-            inputs, labels = next(data)
-            loss = case.loss_fn(case.reference_forward(model, inputs), labels)
-            (loss / gas).backward()
-            total += loss.item() / gas
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
+    steps_ = steps_from([data], steps, gas)
+    losses = train_unsplit(
+        model, optimizer, steps_, case.loss_fn, forward=case.reference_forward
+    ).losses
     with torch.no_grad():
         evals = [
             case.loss_fn(case.reference_forward(model, inputs), labels).item()

@@ -25,6 +25,7 @@ import _hf_workers as hf
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import steps_from, train_unsplit
 from safetensors.torch import load_file
 
 import pipedialect
@@ -42,18 +43,8 @@ def _hand_trained(family: hf.Family, directory: Path) -> tuple[Any, list[float]]
     """The unsplit ``from_pretrained`` model trained by hand with Adam; its per-step losses."""
     model = family.model_cls.from_pretrained(directory).train()
     optimizer = hf.OPTIMIZERS["adam"][1](model.parameters())
-    data = family.micro_batches(STEPS * GAS, batch_size=MICRO)
-    losses = []
-    for _ in range(STEPS):
-        total = 0.0
-        for _ in range(GAS):
-            inputs, labels = next(data)
-            loss = hf.token_loss(family.forward(model, inputs), labels)
-            (loss / GAS).backward()
-            total += loss.item() / GAS
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
+    steps = steps_from([family.micro_batches(STEPS * GAS, batch_size=MICRO)], STEPS, GAS)
+    losses = train_unsplit(model, optimizer, steps, hf.token_loss, forward=family.forward).losses
     return model, losses
 
 
@@ -139,18 +130,8 @@ def _sgd_reference(family: hf.Family, directory: Path) -> tuple[Any, list[float]
     """The unsplit ``from_pretrained`` model trained by hand with the multi-process SGD."""
     model = family.model_cls.from_pretrained(directory).train()
     optimizer = hf.OPTIMIZERS["sgd"][1](model.parameters())
-    data = family.micro_batches(STEPS * GAS, batch_size=MICRO)
-    losses = []
-    for _ in range(STEPS):
-        total = 0.0
-        for _ in range(GAS):
-            inputs, labels = next(data)
-            loss = hf.token_loss(family.forward(model, inputs), labels)
-            (loss / GAS).backward()
-            total += loss.item() / GAS
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
+    steps = steps_from([family.micro_batches(STEPS * GAS, batch_size=MICRO)], STEPS, GAS)
+    losses = train_unsplit(model, optimizer, steps, hf.token_loss, forward=family.forward).losses
     return model, losses
 
 

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"pipedialect": ROOT / "core", "pipedialect.dialects": ROOT / "dialects"}
 
@@ -149,6 +151,7 @@ def test_no_dialect_imports_another_dialect_or_a_private_core_module() -> None:
     assert problems == []
 
 
+@pytest.mark.distributed
 def test_partition_and_trace_stay_functions_in_every_import_order() -> None:
     """``pipedialect.partition`` is a function even after its submodule is imported."""
     code = (

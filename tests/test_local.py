@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from _reference import steps_from, train_unsplit
 from torch import nn
 
 import pipedialect
@@ -62,20 +63,9 @@ def _reference_run(
 ) -> tuple[list[float], list[float]]:
     """Train the unsplit model by hand; return per-step mean losses and pre-clip norms."""
     optimizer = make_opt(list(model.parameters()))
-    losses: list[float] = []
-    norms: list[float] = []
-    for step in range(STEPS):
-        step_losses = []
-        for inputs, labels in batches[step * GAS : (step + 1) * GAS]:
-            loss = spec.loss_fn(model(*_args(inputs)), labels)
-            (loss / GAS).backward()
-            step_losses.append(loss.detach())
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(sum(step_losses) / GAS))
-    return losses, norms
+    steps = steps_from([iter(batches)], STEPS, GAS)
+    trained = train_unsplit(model, optimizer, steps, spec.loss_fn, clip=clip or 0.0)
+    return trained.losses, trained.norms
 
 
 def _train_local(
@@ -270,16 +260,8 @@ def test_dynamic_shapes() -> None:
     data = iter(varied)
     losses = [float(engine.train_batch(data)) for _ in range(2)]
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = []
-    for step in range(2):
-        total = 0.0
-        for ids, labels in varied[step * GAS : (step + 1) * GAS]:
-            loss = spec.loss_fn(reference(ids), labels)
-            (loss / GAS).backward()
-            total += float(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
-        expected.append(total / GAS)
+    steps = steps_from([iter(varied)], 2, GAS)
+    expected = train_unsplit(reference, optimizer, steps, spec.loss_fn).losses
     assert losses == pytest.approx(expected, rel=RTOL)
     _assert_same_parameters(model, reference)
 

@@ -16,6 +16,7 @@ import _lr_workers
 import pytest
 import torch
 from _compare import ATOL, RTOL
+from _reference import steps_from, train_unsplit
 
 import pipedialect
 from pipedialect import ConfigError, partition
@@ -138,21 +139,15 @@ def reference(section: dict[str, Any] | None, steps: int, client: Any = None) ->
         assert section is not None
         schedule = getattr(ds_lr, section["type"])(optimizer, **section["params"])
     data = _ds_workers.data_stream(spec, steps * _lr_workers.GAS, _lr_workers.MICRO, 0)
-    lrs, losses = [], []
-    for _ in range(steps):
-        lrs.append([g["lr"] for g in optimizer.param_groups])
-        total = 0.0
-        for _ in range(_lr_workers.GAS):
-            inputs, labels = next(data)
-            loss = spec.loss_fn(model(inputs), labels)
-            (loss / _lr_workers.GAS).backward()
-            total += loss.item() / _lr_workers.GAS
-        optimizer.step()
-        optimizer.zero_grad()
+    lrs = [[g["lr"] for g in optimizer.param_groups]]
+
+    def step_schedule() -> None:
         schedule.step()
-        losses.append(total)
-    lrs.append([g["lr"] for g in optimizer.param_groups])
-    return {"lrs": lrs, "losses": losses}
+        lrs.append([g["lr"] for g in optimizer.param_groups])
+
+    batches = steps_from([data], steps, _lr_workers.GAS)
+    trained = train_unsplit(model, optimizer, batches, spec.loss_fn, after_step=step_schedule)
+    return {"lrs": lrs, "losses": trained.losses}
 
 
 def _local_run(config: dict[str, Any], steps: int, **kwargs: Any) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 device trains exactly like the model built normally.
 
 References: the unsplit model built on the CPU from the same seed and trained by hand in this
-process (``_checkpoint_reference``), and, for GPT-2 and Llama, the unsplit ``from_pretrained``
-model of the directory ``save_pretrained`` wrote, trained by hand.
+process (``_ds_workers.checkpoint_reference``), and, for GPT-2 and Llama, the unsplit
+``from_pretrained`` model of the directory ``save_pretrained`` wrote, trained by hand.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import _ds_workers
 import _hf_workers as hf
 import _meta_workers as meta_workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
-from test_deepspeed import _checkpoint_reference
-from test_weights import _llama
+from _reference import steps_from, train_unsplit
 
 import pipedialect
 from pipedialect import WeightsError, partition
@@ -72,7 +72,9 @@ def test_local_meta_plan_with_init_weights_trains_like_the_real_model() -> None:
         for stage in plan.stages
         for n, p in stage.named_parameters(remove_duplicate=False)
     }
-    _check_run({"losses": losses, "params": params}, _checkpoint_reference(SPEC_NAME), "local")
+    _check_run(
+        {"losses": losses, "params": params}, _ds_workers.checkpoint_reference(SPEC_NAME), "local"
+    )
 
 
 def test_meta_plans_are_refused_by_name_without_complete_weights() -> None:
@@ -97,11 +99,12 @@ def test_meta_plans_are_refused_by_name_without_complete_weights() -> None:
         )
 
 
+@pytest.mark.distributed
 def test_deepspeed_and_torch_meta_plans_train_like_the_real_model() -> None:
     """Two ranks on DeepSpeed's PipelineEngine and on torch.distributed.pipelining: each rank
     materialises only its stage (the other stays on meta), the tied embedding and head are
     synchronised across the ranks, and losses and parameters equal the unsplit model's."""
-    ref = _checkpoint_reference(SPEC_NAME)
+    ref = _ds_workers.checkpoint_reference(SPEC_NAME)
     for dialect in ("deepspeed", "torch"):
         results = launch(meta_workers.tinygpt_meta_run, 2, dialect, timeout=300)
         assert sorted(s for r in results for s in r["stages"]) == [0, 1], dialect
@@ -118,23 +121,17 @@ def _from_pretrained_reference(name: str, directory: Path) -> dict[str, Any]:
     reference = model_cls.from_pretrained(directory, attn_implementation="eager").train()
     batches = copy.deepcopy(meta_workers.pretrained_batches())
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    losses = []
-    for step in range(meta_workers.STEPS):
-        total = 0.0
-        for args, labels in batches[step * 4 : (step + 1) * 4]:
-            out = reference(
-                **dict(zip(("input_ids", "attention_mask"), args, strict=True)),
-                **meta_workers.PRETRAINED_FIXED,
-            )
-            loss = hf.token_loss(out, labels)
-            (loss / 4).backward()
-            total += float(loss.detach()) / 4
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+
+    def forward(model: Any, args: Any) -> Any:
+        names = ("input_ids", "attention_mask")
+        return model(**dict(zip(names, args, strict=True)), **meta_workers.PRETRAINED_FIXED)
+
+    steps = steps_from([iter(batches)], meta_workers.STEPS, 4)
+    losses = train_unsplit(reference, opt, steps, hf.token_loss, forward=forward).losses
     return {"losses": losses, "params": dict(reference.named_parameters(remove_duplicate=False))}
 
 
+@pytest.mark.distributed
 def test_deepspeed_loads_pretrained_gpt2_and_llama_per_stage_like_from_pretrained(
     tmp_path: Path,
 ) -> None:
@@ -146,7 +143,7 @@ def test_deepspeed_loads_pretrained_gpt2_and_llama_per_stage_like_from_pretraine
     torch.manual_seed(0)
     hf.CASES["gpt2"].factory().save_pretrained(directories["gpt2"], max_shard_size="20KB")
     torch.manual_seed(0)
-    _llama().save_pretrained(directories["llama"], max_shard_size="20KB")
+    hf.tiny_llama().save_pretrained(directories["llama"], max_shard_size="20KB")
     for directory in directories.values():
         assert (directory / "model.safetensors.index.json").is_file()  # sharded
     runs = launch(
@@ -168,6 +165,7 @@ def test_deepspeed_loads_pretrained_gpt2_and_llama_per_stage_like_from_pretraine
         assert names == set(ref["params"]), (name, sorted(set(ref["params"]) ^ names))
 
 
+@pytest.mark.distributed
 def test_demo_with_meta_builds_on_meta_and_matches_its_reference(tmp_path: Path) -> None:
     """``pipedialect demo --meta`` on the local dialect: the same losses as the unsplit model
     trained in the demo's own process."""

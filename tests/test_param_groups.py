@@ -12,6 +12,7 @@ import _ds_workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import steps_from, train_unsplit
 
 import pipedialect
 from pipedialect import ConfigError, partition
@@ -42,17 +43,7 @@ def _reference(groups: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
         params = [p for _, p in named]
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     data = _ds_workers.data_stream(spec, STEPS * GAS, MICRO, 0)
-    losses = []
-    for _ in range(STEPS):
-        total = 0.0
-        for _ in range(GAS):
-            inputs, labels = next(data)
-            loss = spec.loss_fn(model(inputs), labels)
-            (loss / GAS).backward()
-            total += loss.item() / GAS
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
+    losses = train_unsplit(model, optimizer, steps_from([data], STEPS, GAS), spec.loss_fn).losses
     return losses, dict(model.named_parameters(remove_duplicate=False))
 
 

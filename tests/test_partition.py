@@ -481,6 +481,7 @@ def test_plan_helpers_use_the_seed_formats() -> None:
         plan.stages = ()  # type: ignore[misc]
 
 
+@pytest.mark.distributed
 def test_plan_is_deterministic_across_builds_and_hash_seeds() -> None:
     spec: ModelSpec = MODELS["encdec"]
     points = spec.split_points_for(4)

@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "planning.rst"
 
 
@@ -30,6 +32,7 @@ def _blocks(language: str) -> list[str]:
     return found
 
 
+@pytest.mark.distributed
 def test_the_worked_example_prints_the_table_on_the_page(tmp_path: Path) -> None:
     program = tmp_path / "example.py"
     program.write_text(_blocks("python")[0])

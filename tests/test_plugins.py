@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,31 +26,10 @@ PLUGIN_SOURCES = HERE / "plugins"
 
 
 @pytest.fixture(scope="session")
-def installed_plugins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """pip-install each test plugin distribution into its own target directory."""
-    root = tmp_path_factory.mktemp("plugins")
-    targets = {}
-    for name in ("toy", "toy_fork", "broken", "exits", "badinit", "hang"):
-        target = root / name
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--no-deps",
-                "--no-build-isolation",
-                "--target",
-                str(target),
-                str(PLUGIN_SOURCES / name),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        targets[name] = target
-    return targets
+def installed_plugins(install_plugin: Callable[[Path], Path]) -> dict[str, Path]:
+    """Each test plugin distribution, pip-installed into its own target directory."""
+    names = ("toy", "toy_fork", "broken", "exits", "badinit")
+    return {name: install_plugin(PLUGIN_SOURCES / name) for name in names}
 
 
 def run_python(
@@ -93,6 +73,7 @@ def test_builtin_dialects_register_through_entry_points() -> None:
     assert pipedialect.get_dialect("local").name == "local"
 
 
+@pytest.mark.distributed
 def test_importing_never_imports_deepspeed() -> None:
     proc = run_python(
         """
@@ -108,6 +89,7 @@ def test_importing_never_imports_deepspeed() -> None:
     assert proc.stdout.split() == ["deepspeed", "False"]
 
 
+@pytest.mark.distributed
 def test_third_party_plugin_is_found_and_listed(installed_plugins: dict[str, Path]) -> None:
     proc = run_python(
         """
@@ -136,6 +118,7 @@ def test_third_party_plugin_is_found_and_listed(installed_plugins: dict[str, Pat
     assert {"deepspeed", "local", "toy"} <= set(listed)
 
 
+@pytest.mark.distributed
 def test_broken_plugin_is_listed_and_does_not_break_others(
     installed_plugins: dict[str, Path],
 ) -> None:
@@ -167,6 +150,7 @@ def test_broken_plugin_is_listed_and_does_not_break_others(
     assert "broken" in table and "libfancycomm.so" in table
 
 
+@pytest.mark.distributed
 def test_two_dialects_with_one_name_name_both_distributions(
     installed_plugins: dict[str, Path],
 ) -> None:
@@ -199,6 +183,7 @@ def test_unknown_name_lists_installed_dialects() -> None:
     assert isinstance(info.value, pipedialect.PipeDialectError)
 
 
+@pytest.mark.distributed
 def test_env_var_limits_which_plugins_load(installed_plugins: dict[str, Path]) -> None:
     dirs = [installed_plugins["toy"], installed_plugins["broken"]]
     names = {d["name"] for d in cli_list_json(dirs, {"PIPEDIALECT_PLUGINS": "toy, local"})}
@@ -267,6 +252,7 @@ def test_registering_a_non_dialect_is_refused() -> None:
     assert "bad-plugin" not in {i.plugin for i in pipedialect.list_dialects()}
 
 
+@pytest.mark.distributed
 def test_a_plugin_raising_system_exit_is_broken_and_the_others_load(
     installed_plugins: dict[str, Path],
 ) -> None:
@@ -303,6 +289,7 @@ def test_a_plugin_raising_system_exit_is_broken_and_the_others_load(
     assert "no dialect named 'midway'" in missing and "exits, exits_midway" in missing
 
 
+@pytest.mark.distributed
 def test_a_dialect_whose_constructor_raises_is_listed_broken(
     installed_plugins: dict[str, Path],
 ) -> None:

@@ -143,6 +143,7 @@ def test_consolidate_after_a_pipeline_run_equals_the_unsplit_model(
 # -- one process (local dialect, no process group) ------------------------------------------
 
 
+@pytest.mark.distributed
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_latest(tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
     # A new tag "b", killed with its files written: "a" and latest are untouched.

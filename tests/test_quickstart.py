@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _reference import steps_from, train_unsplit
 
 from pipedialect.demo import demo_batches
 from pipedialect.launch import free_port
@@ -39,20 +40,8 @@ def unsplit_losses() -> list[float]:
     model = TinyGPT(vocab=48, dim=32, max_len=16, num_blocks=8)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
-    data = iter(demo_batches(STEPS * GAS, replica=0))
-    losses = []
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        total = 0.0
-        for _ in range(GAS):
-            ids, labels = next(data)
-            loss = cross_entropy_loss(model(ids), labels)
-            (loss / GAS).backward()
-            total += loss.item() / GAS
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        losses.append(total)
-    return losses
+    steps = steps_from([iter(demo_batches(STEPS * GAS, replica=0))], STEPS, GAS)
+    return train_unsplit(model, optimizer, steps, cross_entropy_loss, clip=1.0).losses
 
 
 def printed_losses(stdout: str) -> list[float]:
@@ -112,6 +101,7 @@ def test_example_trains_under_torchrun() -> None:
     assert_unsplit_losses(proc.stdout, ranks=2)
 
 
+@pytest.mark.distributed
 def test_the_local_swap_runs_under_plain_python(tmp_path: Path) -> None:
     """Before init_distributed() did nothing on 'local', this stopped: RANK not set.
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import _ds_workers
 import _ds_workers as ds_workers
 import _torch_workers as torch_workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
-from test_deepspeed import _checkpoint_reference
+from _reference import steps_from, train_unsplit
 from torch import nn
 
 import pipedialect
@@ -186,16 +187,8 @@ def test_checkpoint_composes_with_balance() -> None:
     data = iter(batches)
     losses = [float(engine.train_batch(data)) for _ in range(3)]
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = []
-    for step in range(3):
-        total = 0.0
-        for ids_, labels in batches[step * 4 : (step + 1) * 4]:
-            loss = cross_entropy_loss(reference(ids_), labels)
-            (loss / 4).backward()
-            total += float(loss.detach()) / 4
-        opt.step()
-        opt.zero_grad()
-        expected.append(total)
+    steps = steps_from([iter(batches)], 3, 4)
+    expected = train_unsplit(reference, opt, steps, cross_entropy_loss).losses
     assert_tensor_close(torch.tensor(losses), torch.tensor(expected), "losses")
 
 
@@ -225,7 +218,7 @@ def test_deepspeed_and_torch_checkpoint_train_like_the_unsplit_model() -> None:
     PipelineEngine and on torch.distributed.pipelining: the losses, gradients (DeepSpeed) and
     weights of the unsplit model drawing the same dropout masks, and each recomputed module
     ran twice per training micro-batch."""
-    ref = _checkpoint_reference("dropnet")
+    ref = _ds_workers.checkpoint_reference("dropnet")
     runs = {
         "deepspeed": launch(ds_workers.module_checkpoint_run, 2, timeout=300),
         "torch": launch(torch_workers.module_checkpoint_run, 2, timeout=300),

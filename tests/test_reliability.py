@@ -32,23 +32,6 @@ LAUNCH_TIMEOUT = 600.0  # two cores shared with other test runs; a hang ends her
 SECONDS = 60.0
 
 
-def reference(steps: list[list[Any]]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The unsplit model trained on ``steps`` (lists of micro-batches): losses and parameters."""
-    model = workers.get_model("skip").factory(seed=0, dim=16)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for batches in steps:
-        opt.zero_grad()
-        total = 0.0
-        for x, y in batches:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            (loss / len(batches)).backward()
-            total += loss.item() / len(batches)
-        opt.step()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def assert_trains_like(run: dict[str, Any], losses: list[float], params: dict[str, Any]) -> None:
     for got, want in zip(run["losses"], losses[-len(run["losses"]) :], strict=True):
         assert got == pytest.approx(want, rel=RTOL, abs=ATOL)
@@ -84,7 +67,7 @@ def test_local_short_iterator_leaves_no_gradient_and_a_retry_trains_like_the_uns
     assert "ran out after 2" in str(info.value)
     assert all(p.grad is None for p in engine.module.parameters())
     losses = [float(engine.train_batch(iter(workers.step_batches(s)))) for s in range(2)]
-    want, params = reference([workers.step_batches(0), workers.step_batches(1)])
+    want, params = workers.reference([workers.step_batches(0), workers.step_batches(1)])
     assert_trains_like({"losses": losses, "params": local_params(plan)}, want, params)
     with pytest.raises(DataExhaustedError, match="eval_batch needs 4"):
         engine.eval_batch(iter(workers.step_batches(0)[:3]))
@@ -124,7 +107,7 @@ def test_local_check_finite_names_step_micro_batch_and_parameter_and_keeps_no_tr
     assert str(error).startswith("[Stage 1] step 2, micro-batch 1: the loss is NaN")
     assert all(p.grad is None for p in engine.module.parameters())
     loss = float(engine.train_batch(iter(workers.step_batches(1))))
-    want, params = reference([workers.step_batches(0), workers.step_batches(1)])
+    want, params = workers.reference([workers.step_batches(0), workers.step_batches(1)])
     assert_trains_like({"losses": [loss], "params": local_params(plan)}, want, params)
 
     plan, engine = local_engine(check_finite=True)
@@ -204,7 +187,7 @@ def test_two_ranks_fail_together_by_name_and_retries_train_like_the_unsplit_mode
             assert attrs["parameter"] == "stem.weight"
         else:
             assert r["resized"]["error"] == "CheckpointError", r["resized"]
-    want, params = reference([workers.step_batches(0), workers.step_batches(1)])
+    want, params = workers.reference([workers.step_batches(0), workers.step_batches(1)])
     for r in ranks:
         assert_trains_like(r["retry"], want, params)
         assert_trains_like(r["nan_retry"], want, params)

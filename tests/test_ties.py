@@ -17,6 +17,7 @@ import _torch_workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import steps_from, train_unsplit
 from torch import nn
 
 import pipedialect
@@ -309,16 +310,8 @@ def unsplit_run(
     with SGD (lr 0.1), ``GAS`` micro-batches a step."""
     model = spec.build(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for ids, labels in batches[step * GAS : (step + 1) * GAS]:
-            loss = spec.loss_fn(model(ids), labels)
-            (loss / GAS).backward()
-            total += float(loss.detach()) / GAS
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
+    steps = steps_from([iter(batches)], STEPS, GAS)
+    losses = train_unsplit(model, optimizer, steps, spec.loss_fn).losses
     return losses, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
 
 

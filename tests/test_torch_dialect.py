@@ -15,6 +15,7 @@ import _torch_workers as workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import call_model, steps_from, train_unsplit
 
 from pipedialect import LaunchError
 from pipedialect.launch import launch
@@ -42,27 +43,14 @@ def reference(
     else:  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     stream = workers.data_stream(spec, steps * gas, micro)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for _ in range(gas):
-            inputs, labels = next(stream)
-            out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            loss = spec.loss_fn(out, labels)
-            (loss / gas).backward()
-            total += loss.item() / gas
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
-        losses.append(total)
+    trained = train_unsplit(model, opt, steps_from([stream], steps, gas), spec.loss_fn, clip=clip)
     with torch.no_grad():
-        evals = []
-        for inputs, labels in workers.data_stream(spec, gas, micro):
-            out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            evals.append(spec.loss_fn(out, labels).item())
+        evals = [
+            spec.loss_fn(call_model(model, inputs), labels).item()
+            for inputs, labels in workers.data_stream(spec, gas, micro)
+        ]
     named = dict(model.named_parameters(remove_duplicate=False))
-    return losses, named, sum(evals) / len(evals), evals
+    return trained.losses, named, sum(evals) / len(evals), evals
 
 
 _REFERENCES: dict[tuple[Any, ...], Any] = {}

@@ -18,6 +18,7 @@ import _torch_dp_workers as workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import call_model, steps_from, train_unsplit
 
 from pipedialect.launch import launch
 
@@ -47,28 +48,13 @@ def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor
     opt = torch.optim.Adam(params, lr=1e-2)
     gas, micro, steps = case["gas"], case["micro"], case["steps"]
     streams = [_ds_workers.data_stream(spec, steps * gas, micro, d) for d in range(DP)]
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for stream in streams:
-            for _ in range(gas):
-                inputs, labels = next(stream)
-                loss = spec.loss_fn(
-                    model(*inputs) if isinstance(inputs, tuple) else model(inputs), labels
-                )
-                (loss / (gas * DP)).backward()
-                total += loss.item()
-        if case["clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(params, case["clip"])
-        opt.step()
-        losses.append(total / (gas * DP))
+    batches = steps_from(streams, steps, gas)
+    losses = train_unsplit(model, opt, batches, spec.loss_fn, clip=case["clip"]).losses
     evals = []
     with torch.no_grad():
         for d in range(DP):
             for inputs, labels in _ds_workers.data_stream(spec, gas, micro, DP + d):
-                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-                evals.append(spec.loss_fn(out, labels).item())
+                evals.append(spec.loss_fn(call_model(model, inputs), labels).item())
     return losses, dict(model.named_parameters(remove_duplicate=False)), sum(evals) / len(evals)
 
 

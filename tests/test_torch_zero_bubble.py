@@ -11,6 +11,7 @@ import _zero_bubble_workers as workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import steps_from, train_unsplit
 
 from pipedialect.launch import launch
 
@@ -24,17 +25,8 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The unsplit model's mean loss per step and its parameters after ``STEPS`` SGD steps."""
     model = workers.build(name)
     opt = torch.optim.SGD(model.parameters(), lr=workers.LR)
-    data = workers.batches()
-    losses = []
-    for k in range(workers.STEPS):
-        total = 0.0
-        for (x, ids), y in data[k * workers.GAS : (k + 1) * workers.GAS]:
-            loss = workers.loss_fn(model(x, ids), y)
-            (loss / workers.GAS).backward()
-            total += loss.item() / workers.GAS
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+    steps = steps_from([iter(workers.batches())], workers.STEPS, workers.GAS)
+    losses = train_unsplit(model, opt, steps, workers.loss_fn).losses
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 

@@ -18,6 +18,7 @@ import _trainer_workers as workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _reference import steps_from, train_unsplit
 
 import pipedialect
 from pipedialect import ConfigError, partition
@@ -32,25 +33,25 @@ def reference(clip: float) -> dict[str, Any]:
     optimizer = workers.make_optimizer(no_weight_decay()(named))
     schedule = workers.make_schedule(optimizer)
     data = _ds_workers.data_stream(spec, workers.STEPS * workers.GAS, workers.MICRO, 0)
-    params = [p for _, p in named]
-    losses, lrs, norms = [], [], []
-    for _ in range(workers.STEPS):
-        lrs.append([g["lr"] for g in optimizer.param_groups])
-        total = 0.0
-        for _ in range(workers.GAS):
-            inputs, labels = next(data)
-            loss = spec.loss_fn(model(inputs), labels)
-            (loss / workers.GAS).backward()
-            total += loss.item() / workers.GAS
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)))
-        optimizer.step()
-        optimizer.zero_grad()
+    lrs = [[g["lr"] for g in optimizer.param_groups]]
+
+    def step_schedule() -> None:
         schedule.step()
-        losses.append(total)
+        lrs.append([g["lr"] for g in optimizer.param_groups])
+
+    trained = train_unsplit(
+        model,
+        optimizer,
+        steps_from([data], workers.STEPS, workers.GAS),
+        spec.loss_fn,
+        clip=clip if clip > 0 else math.inf,  # the norm of every step, clipped or not
+        clip_params=[p for _, p in named],
+        after_step=step_schedule,
+    )
     return {
-        "losses": losses,
-        "lrs": lrs,
-        "norms": norms,
+        "losses": trained.losses,
+        "lrs": lrs[:-1],  # the rate before each step
+        "norms": trained.norms,
         "params": dict(model.named_parameters(remove_duplicate=False)),
     }
 

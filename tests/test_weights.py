@@ -16,8 +16,8 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-import transformers
 from _compare import assert_tensor_close
+from _reference import steps_from, train_unsplit
 from torch import nn
 
 import pipedialect
@@ -160,22 +160,6 @@ def test_safetensors_shards_are_read_per_stage(tmp_path: Path, monkeypatch: Any)
 # -- a Hugging Face checkpoint, loaded per stage, trains like from_pretrained -------------------
 
 
-def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        vocab_size=hf.VOCAB,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        use_cache=False,
-        attn_implementation="eager",
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
 def _rotary_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The non-persistent rotary tables, computed on the CPU by a fresh rotary module."""
     rotary = type(model.model.rotary_emb)(model.config)
@@ -194,7 +178,7 @@ def test_a_pretrained_checkpoint_loaded_per_stage_trains_like_from_pretrained(
         factory, fixed = case.factory, case.fixed
         inputs = ("input_ids", "attention_mask")
     else:
-        factory, fixed = _llama, {"return_dict": False, "use_cache": False}
+        factory, fixed = hf.tiny_llama, {"return_dict": False, "use_cache": False}
         inputs = ("input_ids", "attention_mask")
     torch.manual_seed(0)
     factory().save_pretrained(tmp_path, max_shard_size="20KB")
@@ -231,17 +215,12 @@ def test_a_pretrained_checkpoint_loaded_per_stage_trains_like_from_pretrained(
     data = iter(copy.deepcopy(batches))
     losses = [float(engine.train_batch(data)) for _ in range(3)]
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = []
-    for step in range(3):
-        total = 0.0
-        for args, labels in batches[step * 4 : (step + 1) * 4]:
-            out = reference(**dict(zip(inputs, args, strict=True)), **fixed)
-            loss = hf.token_loss(out, labels)
-            (loss / 4).backward()
-            total += float(loss.detach()) / 4
-        opt.step()
-        opt.zero_grad()
-        expected.append(total)
+
+    def forward(model: Any, args: Any) -> Any:
+        return model(**dict(zip(inputs, args, strict=True)), **fixed)
+
+    steps = steps_from([iter(batches)], 3, 4)
+    expected = train_unsplit(reference, opt, steps, hf.token_loss, forward=forward).losses
     assert_tensor_close(torch.tensor(losses), torch.tensor(expected), "losses")
     theirs = dict(reference.named_parameters(remove_duplicate=False))
     for k, stage in enumerate(plan.stages):

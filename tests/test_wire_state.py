@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from _ds_workers import NoGradFloatFirst, float_batches, gpt16, token_batches
+from _reference import train_unsplit
 from torch import nn
 
 import pipedialect
@@ -57,14 +58,7 @@ class Reference:
 
     def train(self, batches: list[Batch]) -> float:
         self.model.train()
-        total = 0.0
-        for x, y in batches:
-            loss = self.loss_fn(self.model(x), y)
-            (loss / len(batches)).backward()
-            total += float(loss.detach())
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        return total / len(batches)
+        return train_unsplit(self.model, self.optimizer, [batches], self.loss_fn).losses[0]
 
     def eval(self, batches: list[Batch]) -> float:
         self.model.eval()

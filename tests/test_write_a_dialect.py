@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import _doc_examples as docs
@@ -21,7 +22,9 @@ BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+def installed(
+    tmp_path_factory: pytest.TempPathFactory, install_plugin: Callable[[Path], Path]
+) -> tuple[Path, dict[str, str]]:
     """The page's distribution, written out and installed apart: (its directory, the env)."""
     base = tmp_path_factory.mktemp("write-a-dialect")
     source = base / "pipedialect-mine"
@@ -30,23 +33,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     for path, code in files.items():
         (source / path).parent.mkdir(parents=True, exist_ok=True)
         (source / path).write_text(code)
-    site = base / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",  # pipedialect and torch are this environment's
-            "--no-build-isolation",
-            "--target",
-            str(site),
-            str(source),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    site = install_plugin(source)  # pipedialect and torch are this environment's
     env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -57,6 +44,7 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Complete
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.distributed
 def test_the_page_dialect_is_listed(installed: tuple[Path, dict[str, str]]) -> None:
     source, env = installed
     proc = _run(["pipedialect", "list"], source, env)
@@ -65,6 +53,7 @@ def test_the_page_dialect_is_listed(installed: tuple[Path, dict[str, str]]) -> N
     assert "pipedialect-mine" in row and "ok" in row and "tied-weights" in row, proc.stdout
 
 
+@pytest.mark.distributed
 def test_the_page_dialect_passes_pipedialect_check(installed: tuple[Path, dict[str, str]]) -> None:
     source, env = installed
     proc = _run(["pipedialect", "check", "mine"], source, env)
@@ -77,6 +66,7 @@ def test_the_page_dialect_passes_pipedialect_check(installed: tuple[Path, dict[s
     assert "tracing              2       0                     0" in out
 
 
+@pytest.mark.distributed
 def test_the_page_test_modules_run_under_pytest(installed: tuple[Path, dict[str, str]]) -> None:
     source, env = installed
     pytest_argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
@@ -149,6 +139,7 @@ class TestStageClip(TestTraining):
 '''
 
 
+@pytest.mark.distributed
 def test_a_broken_training_rule_is_named(
     installed: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
