@@ -6,8 +6,8 @@ know without a word (``"gradient_accumulation_step": 4`` trains with accumulatio
 table. core never imports deepspeed: the names are facts of DeepSpeed's interface, read from its
 ``runtime/constants.py`` (and the other ``constants`` modules), the functions of
 ``runtime/config.py`` that read the dict, and the pydantic models of its sections (their fields
-and aliases). ``tests/test_config_keys.py`` derives the same table from the installed deepspeed
-and checks this one against it, so that no key DeepSpeed reads is refused.
+and aliases). ``tests/engine/test_config_keys.py`` derives the same table from the installed
+deepspeed and checks this one against it, so that no key DeepSpeed reads is refused.
 
 A section maps each key it knows to ``None`` (a value, or a dict whose keys depend on something
 else and are not checked: the optimizer's and the scheduler's ``params`` depend on their

@@ -84,7 +84,8 @@ class DemoSettings:
 #: The largest relative gap between the bf16 and the fp32 loss curve that ``demo --bf16``
 #: reports as agreement. Measured on the local dialect over the 30 default steps: 0.59%; a bf16
 #: loss is itself rounded to 8 significant bits (0.4-0.8% at these losses), and the pipelined
-#: dialects add their own bf16 rounding of the tied weight's gradient (``tests/test_bf16.py``).
+#: dialects add their own bf16 rounding of the tied weight's gradient
+#: (``tests/engine/test_bf16.py``).
 BF16_BAND = 0.05
 
 

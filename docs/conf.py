@@ -23,7 +23,7 @@ napoleon_numpy_docstring = False
 
 exclude_patterns = ["_build"]
 # Literal blocks ("::") are text: code is shown with an explicit ``code-block`` and a
-# ``pipedialect-example`` marker, which tests/test_docs_examples.py runs.
+# ``pipedialect-example`` marker, which tests/project/test_docs_examples.py runs.
 highlight_language = "text"
 html_theme = "alabaster"
 html_theme_options = {

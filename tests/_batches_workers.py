@@ -1,5 +1,5 @@
 """A two-input model trained on micro-batches by position and by name (module-level, so spawned
-ranks can import it): see tests/test_batches.py."""
+ranks can import it): see tests/plan/test_batches.py."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ may separate it from the block). SPEC is one of:
     a console block: every ``$`` command runs in ``bash`` from the repository root, with the
     virtual environment's ``bin`` first on ``PATH``.
 ``file PATH``
-    the file ``PATH`` of the package the page builds (``tests/test_write_a_dialect.py`` builds
+    the file ``PATH`` of the package the page builds (``tests/contract/test_write_a_dialect.py``
+    builds
     it, installs it apart and runs the conformance suite on it).
 ``skip: REASON``
     not run; the page's own text must say ``REASON``, so a reader sees why.

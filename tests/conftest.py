@@ -3,7 +3,7 @@
 - One intra-op thread: the machine has two cores shared with every spawned rank, and tiny ops on
   many threads are slower (thread contention) than on one.
 - This environment's ``bin`` first on ``PATH``, for the test process and every process it starts,
-  as for a user with the environment activated (and as tests/test_docs_examples.py runs the
+  as for a user with the environment activated (and as tests/project/test_docs_examples.py runs the
   pages' examples). DeepSpeed builds its C++ ops with the first ``ninja`` on ``PATH``, and two
   ninjas (this environment's 1.13, the system's 1.11) hash the build commands differently: every
   switch between them rebuilt the cached ops (1-2 min on two cores), twice per run of the suite.

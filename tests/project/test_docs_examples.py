@@ -108,7 +108,8 @@ def test_example_runs_as_written(example: docs.Example, tmp_path: Path) -> None:
 
 
 def test_programs_run_elsewhere_are_run_there() -> None:
-    """tests/test_quickstart.py runs examples/quickstart.py under torchrun, as the pages say."""
+    """tests/project/test_quickstart.py runs examples/quickstart.py under torchrun, as the pages
+    say."""
     import test_quickstart
 
     assert test_quickstart.EXAMPLE == QUICKSTART
@@ -118,10 +119,11 @@ def test_programs_run_elsewhere_are_run_there() -> None:
 
 
 def test_package_files_are_valid_python_and_toml() -> None:
-    """The ``file PATH`` blocks parse; tests/test_write_a_dialect.py installs and checks them."""
+    """The ``file PATH`` blocks parse; tests/contract/test_write_a_dialect.py installs and checks
+    them."""
     assert set(FOUND.files) == {docs.ROOT / "docs" / "write-a-dialect.rst"}, (
         "a page with 'file PATH' blocks needs a test that builds its package, as "
-        "tests/test_write_a_dialect.py does for write-a-dialect.rst"
+        "tests/contract/test_write_a_dialect.py does for write-a-dialect.rst"
     )
     for files in FOUND.files.values():
         for path, code in files.items():

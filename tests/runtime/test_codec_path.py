@@ -37,7 +37,7 @@ from pipedialect.dialects.deepspeed.pipeline import (
 from pipedialect.wire import WireDecoder, WireEncoder
 
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-HELPER = Path(__file__).resolve().parents[1] / "benchmarks" / "_slapo.py"
+HELPER = Path(__file__).resolve().parents[2] / "benchmarks" / "_slapo.py"
 CPU = torch.device("cpu")
 
 

@@ -22,7 +22,7 @@ from pipedialect.demo import demo_batches
 from pipedialect.launch import free_port
 from pipedialect.models import TinyGPT, cross_entropy_loss
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "quickstart.py"
 STEPS, GAS = 20, 4
 #: The losses are printed with 4 decimals.

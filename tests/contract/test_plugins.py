@@ -21,7 +21,7 @@ import pytest
 import pipedialect
 from pipedialect import plugins
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]
 PLUGIN_SOURCES = HERE / "plugins"
 
 

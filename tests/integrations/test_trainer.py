@@ -25,7 +25,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 sys.path.insert(0, str(EXAMPLE.parent))
 

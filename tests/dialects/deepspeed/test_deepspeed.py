@@ -164,7 +164,7 @@ def test_a_rank_that_raises_makes_every_process_exit(tmp_path: Path) -> None:
             (
                 subprocess.Popen(
                     [sys.executable, "-c", "import _ds_workers as w; w.fail_mid_step('gpt')"],
-                    cwd=Path(__file__).parent,
+                    cwd=Path(__file__).resolve().parents[2],
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,

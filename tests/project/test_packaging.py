@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: What a build of the distribution reads.
 SOURCES = ("core", "dialects", "pyproject.toml", "README.md", "LICENSE")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "planning.rst"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "planning.rst"
 
 
 def _blocks(language: str) -> list[str]:

@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:]))"
 
 

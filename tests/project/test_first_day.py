@@ -26,7 +26,7 @@ import pipedialect
 from pipedialect import ConfigError
 from pipedialect.models import cross_entropy_loss, get_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_deepspeed_dialect_outside_a_launcher_names_the_launchers(

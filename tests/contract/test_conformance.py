@@ -359,7 +359,7 @@ HANG_SELECT = "test_matches_unsplit and plain-2"
 @pytest.fixture(scope="module")
 def hang_plugin(install_plugin: Callable[[Path], Path]) -> Path:
     """tests/plugins/hang, pip-installed: dialects whose ``train_batch`` never returns."""
-    return install_plugin(Path(__file__).parent / "plugins" / "hang")
+    return install_plugin(Path(__file__).resolve().parents[1] / "plugins" / "hang")
 
 
 @pytest.mark.distributed

@@ -46,7 +46,7 @@ from pipedialect.launch import launch
 #: Generated models per run on the local dialect (the issue asks for at least 200).
 LOCAL_EXAMPLES = 200
 #: Shrinking a failing spec takes minutes on two shared cores; CI reports the spec as found.
-#: ``FUZZ_SHRINK=1 pytest tests/test_fuzz.py -k local_dialect`` shrinks it to a minimal model.
+#: ``FUZZ_SHRINK=1 pytest tests/fuzz/test_fuzz.py -k local_dialect`` shrinks it to a minimal model.
 PHASES = (Phase.explicit, Phase.generate) + (
     (Phase.shrink,) if os.environ.get("FUZZ_SHRINK") else ()
 )

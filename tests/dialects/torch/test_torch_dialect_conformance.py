@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[2]
 CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:]))"
 VARIANTS = (
     "import sys; sys.path.insert(0, sys.argv[1]); import _torch_workers as w; "
