@@ -545,6 +545,9 @@ def _partition(
             candidates,
             bandwidth,
         )
+        # The cost model's torch.fx trace runs forward's Python (counters, in-place updates of
+        # buffers fx does not trace): the captures below start from the model as it was.
+        snapshot.restore()
     canonical = {id(m): name for name, m in model.named_modules()}
     point_modules = [_resolve_split_point(model, path) for path in points]
     targets = [canonical[id(m)] for m in point_modules]
