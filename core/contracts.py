@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -91,6 +91,9 @@ class StageSpec:
     receives: tuple[str, ...]
     #: What it sends to the next stage (what that one receives); empty for the last stage.
     sends: tuple[str, ...]
+    #: forward's default values of model inputs a micro-batch may omit (the first stage fills
+    #: them in; :attr:`pipedialect.PipelinePlan.input_defaults`).
+    input_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable

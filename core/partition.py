@@ -226,6 +226,7 @@ class PipelinePlan:
             arg_names=self.stage_arg_names[stage_id],
             receives=self.liveness[stage_id],
             sends=self.sends(stage_id),
+            input_defaults=dict(self.input_defaults),
         )
 
     def boundary_values(self, stage_id: int) -> tuple[BoundaryValue, ...]:
