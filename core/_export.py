@@ -99,7 +99,6 @@ def capture(
     ``after_forward`` is a forward hook on the model while export runs its forward.
     """
     kwargs = _call_kwargs(model, _unaliased(example_inputs), fixed)
-    _check_devices(model, kwargs)
     handle = None if after_forward is None else model.register_forward_hook(after_forward)
     shared = _state.shared_buffer_slots(model)
     assigned: set[str] = set()
@@ -128,7 +127,13 @@ def capture(
     except CaptureError:
         raise
     except Exception as exc:
-        raise CaptureError(_export_message(model, exc)) from exc
+        message = _export_message(model, exc)
+        if "meta" in str(exc) and "device" in str(exc):
+            message += (
+                " A model on the meta device is exported on example inputs on the meta device "
+                "too (x.to('meta')); the plan is then checked on structure, shapes and dtypes."
+            )
+        raise CaptureError(message) from exc
     finally:
         if handle is not None:
             handle.remove()
@@ -386,23 +391,6 @@ def _assignment_copies(graph: fx.Graph, model: nn.Module, assigned: set[str]) ->
         and node.args[0].op == "get_attr"
         and names.of_target(str(node.args[0].target)) in wanted
     ]
-
-
-def _check_devices(model: nn.Module, kwargs: Mapping[str, Any]) -> None:
-    """Refuse example inputs on another device type than a model on the meta device."""
-    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    if not on_meta:
-        return
-    for name, value in kwargs.items():
-        for leaf in pytree.tree_leaves(value):
-            if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
-                raise CaptureError(
-                    f"{type(model).__name__} is on the meta device but example input {name!r} "
-                    f"is on {leaf.device}: torch.export runs forward on both together. Pass "
-                    "the example inputs on the meta device too (torch.empty(..., "
-                    "device='meta') or x.to('meta')); the plan is then checked on structure, "
-                    "shapes and dtypes"
-                )
 
 
 def _is_tensor(node: fx.Node) -> bool:

@@ -310,6 +310,25 @@ def test_partition_must_leave_the_model_as_it_was(monkeypatch: pytest.MonkeyPatc
         fm.run_local(spec)
 
 
+def test_a_traced_counter_is_refused_naming_leaf_modules_and_runs_as_a_leaf() -> None:
+    """The fuzzer passes ``leaf_modules=`` for counters in traced code (``counter_leaves``):
+    without it the refusal must name exactly that fix, on both capture paths, and leave the
+    model's counter alone; with it the model trains as the unsplit one."""
+    from pipedialect import CaptureError, partition
+
+    spec = _one_block_state(22, counter=True)  # blocks.0 returns one tensor, traced through
+    assert fm.counter_leaves(spec) == ["blocks.0"]
+    model = fm.FuzzModel(spec)
+    with pytest.raises(CaptureError, match=r"changes 'calls'.*leaf_modules=\['blocks.0'\]"):
+        partition(model, list(spec.split_points))
+    assert model.blocks[0].calls == 0
+    (x, ids), _ = fm.micro_batches(spec)[0]
+    with pytest.raises(CaptureError, match=r"torch.export.*leaf_modules=\['blocks.0'\]"):
+        partition(model, list(spec.split_points), example_inputs={"x": x, "ids": ids})
+    assert model.blocks[0].calls == 0
+    assert fm.run_local(spec).ran
+
+
 def test_a_failure_names_the_spec_and_its_seed() -> None:
     """What a maintainer gets when the fuzzer finds something: the seed and the model."""
     spec = fm.spec_from_seed(3)
