@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CaptureError, PartitionError
@@ -376,7 +377,7 @@ def trace_fake(
         if isinstance(t, torch.Tensor):
             recorder.produced(t, 0)
     try:
-        with mode, recorder, events.installed():
+        with mode, recorder, events.installed(), _numeric_momentum(model):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 output = torch.func.functional_call(
                     model, swapped, (), kwargs, tie_weights=False, strict=False
@@ -427,6 +428,27 @@ def trace_fake(
         saved=[saved.get(g, {}) for g in range(gaps)],
         crossing=crossing,
     )
+
+
+@contextlib.contextmanager
+def _numeric_momentum(model: nn.Module) -> Iterator[None]:
+    """Give norm layers with ``momentum=None`` a number while forward runs on fake tensors.
+
+    Their forward divides by ``float(num_batches_tracked)`` (the cumulative average), a value a
+    fake tensor does not have; the costs do not depend on the momentum.
+    """
+    changed = [
+        m
+        for m in model.modules()
+        if isinstance(m, _NormBase) and m.momentum is None and m.track_running_stats
+    ]
+    for m in changed:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m in changed:
+            m.momentum = None
 
 
 class _RecordingTracer(fx.Tracer):

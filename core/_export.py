@@ -100,10 +100,40 @@ def capture(
     """
     kwargs = _call_kwargs(model, _unaliased(example_inputs), fixed)
     handle = None if after_forward is None else model.register_forward_hook(after_forward)
+    shared = _state.shared_buffer_slots(model)
+    assigned: set[str] = set()
+
+    def assign(module: nn.Module, name: str, value: Any) -> bool:
+        # [Note: buffer assignment] in ``_state``: export records the copy on its fake buffer.
+        if not isinstance(value, torch.Tensor):
+            return False
+        holders = shared.get((id(module), name))
+        if holders is not None:
+            _state.refuse_shared_assignment(holders)
+        buffer = module._buffers[name]
+        assert buffer is not None  # assignments_in_place only asks for registered buffers
+        path = next((p for p, m in model.named_modules() if m is module), None)
+        if path is None:
+            return False
+        full = f"{path}.{name}" if path else name
+        _state.check_assignable(value, buffer, full)
+        buffer.copy_(value)
+        assigned.add(full)
+        return True
+
     try:
-        program = torch.export.export(model, (), kwargs, strict=False)
+        with _state.assignments_in_place(assign):
+            program = torch.export.export(model, (), kwargs, strict=False)
+    except CaptureError:
+        raise
     except Exception as exc:
-        raise CaptureError(_export_message(model, exc)) from exc
+        message = _export_message(model, exc)
+        if "meta" in str(exc) and "device" in str(exc):
+            message += (
+                " A model on the meta device is exported on example inputs on the meta device "
+                "too (x.to('meta')); the plan is then checked on structure, shapes and dtypes."
+            )
+        raise CaptureError(message) from exc
     finally:
         if handle is not None:
             handle.remove()
@@ -120,6 +150,7 @@ def capture(
         remove_attrs(model, added)
         raise
     _hoist_buffer_assignments(graph, model)
+    _state.isolate_earlier_reads(graph, _assignment_copies(graph, model, assigned))
     logger.debug("torch.export captured %s: %d nodes", type(model).__name__, len(graph.nodes))
     return Captured(graph, added)
 
@@ -343,6 +374,23 @@ def _hoist_buffer_assignments(graph: fx.Graph, model: nn.Module) -> None:
         )
         if not touched:
             value.append(node)
+
+
+def _assignment_copies(graph: fx.Graph, model: nn.Module, assigned: set[str]) -> list[fx.Node]:
+    """The ``copy_`` nodes into the buffers forward assigned (``assigned``: their names)."""
+    if not assigned:
+        return []
+    names = _state.BufferNames(model)
+    wanted = {names.by_id[id(model.get_buffer(n))] for n in assigned}
+    return [
+        node
+        for node in graph.nodes
+        if node.op == "call_function"
+        and node.target is torch.ops.aten.copy_.default
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].op == "get_attr"
+        and names.of_target(str(node.args[0].target)) in wanted
+    ]
 
 
 def _is_tensor(node: fx.Node) -> bool:

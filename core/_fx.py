@@ -158,6 +158,11 @@ class SplitTracer(fx.Tracer):
         #: For each probed call (a split point, a recomputed module), the ids of the buffers
         #: its module's traced code writes ([Note: module state] in ``_state``).
         self.buffer_writes: dict[fx.Node, frozenset[int]] = {}
+        #: The ``copy_`` nodes that record ``self.buf = value`` ([Note: buffer assignment] in
+        #: ``_state``), in graph order.
+        self.assignments: list[fx.Node] = []
+        self._proxy_cache: dict[str, Any] | None = None
+        self._shared_slots: dict[tuple[int, str], list[str]] | None = None
 
     def trace(
         self,
@@ -168,9 +173,40 @@ class SplitTracer(fx.Tracer):
         tracer's graph ([Note: grad-mode regions])."""
         _ACTIVE.append(self)
         try:
-            return super().trace(root, concrete_args)
+            with _state.assignments_in_place(self._assign_buffer):
+                return super().trace(root, concrete_args)
         finally:
             _ACTIVE.pop()
+
+    def _assign_buffer(self, module: nn.Module, name: str, value: Any) -> bool:
+        """Record ``module.name = value`` for a buffer as an in-place copy into it, which the
+        reads after it then see ([Note: buffer assignment] in ``_state``)."""
+        if not _ACTIVE or _ACTIVE[-1] is not self:
+            return False
+        buffer = module._buffers[name]
+        if self._shared_slots is None:
+            self._shared_slots = _state.shared_buffer_slots(self.root)
+        shared = self._shared_slots.get((id(module), name))
+        if shared is not None:
+            _state.refuse_shared_assignment(shared)
+        old = getattr(module, name)  # the buffer's Proxy (or the value an earlier one left)
+        if not isinstance(old, fx.Proxy) or self._proxy_cache is None or buffer is None:
+            return False
+        found = next((k for k, v in self._proxy_cache.items() if v is old), None)
+        if found is None:
+            return False
+        checked = self.create_proxy("call_function", _state.assigned_value, (value, old, found), {})
+        held = buffer
+        copied = self.create_proxy(
+            "call_method",
+            "copy_",
+            (old, checked),
+            {},
+            proxy_factory_fn=lambda node: _BufferProxy(node, self, held),
+        )
+        self.assignments.append(copied.node)
+        self._proxy_cache[found] = copied
+        return True
 
     def module_path(self) -> str:
         """The module whose forward is being traced ("" for the root)."""
@@ -180,6 +216,7 @@ class SplitTracer(fx.Tracer):
         """Buffers are traced like parameters, so in-place updates of them are in the graph
         ([Note: module state] in ``_state``); their shapes stay concrete."""
         if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
+            self._proxy_cache = parameter_proxy_cache
             if self._buffer_names is None:
                 self._buffer_names = {}
                 for name, buffer in self.root.named_buffers():
@@ -807,6 +844,7 @@ def capture(
         remove_attrs(model, added)
         raise
     _drop_empty_regions(graph)
+    _state.isolate_earlier_reads(graph, tracer.assignments)
     guards = _insert_guards(graph, tracer.splits)
     graph.lint()
     return Captured(graph, added, guards, tracer.buffer_writes)
@@ -925,6 +963,9 @@ def _probe(
     """Trace ``m`` by itself on the call's arguments: ``(result, spec, "")`` or ``(None, None,
     reason)``. Leaves nothing behind on ``m`` or in the outer graph."""
     before = _attr_names(m)
+    # The module runs as one call, its Python for real at every call: what its forward
+    # changes while probed (a counter) is put back ([Note: module state] in ``_state``).
+    state = _state.StateSnapshot(m)
     probe = _ProbeTracer(m, outer._leaf_ids, outer._leaf_types, args, kwargs)
     result: Any = None
     spec: Any = None
@@ -945,6 +986,7 @@ def _probe(
         reason = f"{type(exc).__name__}: {first}".rstrip(": ")
     finally:
         remove_attrs(m, _attr_names(m) - before)
+        state.restore()
     # Proxies of the outer trace hidden in an argument object would have recorded operations
     # in the outer graph: those are not the model's, and the structure is not trustworthy.
     stray: list[fx.Node] = []

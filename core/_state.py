@@ -28,6 +28,21 @@ Python attributes of its modules. The plan treats the buffers as it treats param
   in another stage than the owner. Buffers nobody writes are constants: each stage that reads
   one holds it.
 
+[Note: buffer assignment]
+``self.running = 0.9 * self.running + 0.1 * mean`` replaces the module's tensor. Run while a
+capture traces forward it would leave the capture's value (an fx Proxy, export's fake tensor)
+on the model, and nothing in the stages; torch.export in non-strict mode drops it. Both
+captures record it as an in-place copy into the buffer instead (:func:`assignments_in_place`),
+the way torch.export applies a buffer assignment it keeps: torch.fx as
+``buffer.copy_(assigned_value(value, buffer, name))``, torch.export as the ``copy_`` it records
+when the copy runs on its fake buffer. So an assignment is an in-place update like any other
+(it has an owner stage, later stages receive the value, recomputation replays it), with three
+rules that keep it exact: the value must have the buffer's shape and dtype (checked at capture
+by export, at every call on the fx path, :func:`assigned_value`); a buffer the model holds
+under two names is refused (the model would then hold two tensors); and the reads before the
+assignment get a clone of the buffer (:func:`isolate_earlier_reads`), since in the model they
+hold the old tensor, which autograd may have saved.
+
 Ownership is decided on both train and eval captures together ([Note: stage modes] in
 ``_fx``), so both modes send the same boundary values.
 """
@@ -266,7 +281,7 @@ class StateSnapshot:
         for (path, module), saved_tables in zip(self._modules, self._tables, strict=True):
             for table_name, saved_table in zip(_TABLES, saved_tables, strict=True):
                 live = getattr(module, table_name)
-                for key in set(saved_table) | set(live):
+                for key in sorted(set(saved_table) | set(live)):
                     if module is self._model and key in skipped:
                         continue
                     if live.get(key) is not saved_table.get(key):
@@ -343,14 +358,15 @@ class StateSnapshot:
                 live.clear()
                 live.update(table)
             module.training = training
-        with torch.no_grad():
-            for _, module in self._modules:
-                for buffer in module._buffers.values():
-                    if buffer is None:
-                        continue
-                    saved_value = self._values.get(id(buffer))
-                    if saved_value is not None and not _equal(buffer, saved_value):
-                        buffer.data.copy_(saved_value)
+        # ``.data`` rather than a no_grad region: restoring may run inside a trace, which
+        # would record the region ([Note: grad-mode regions] in ``_fx``).
+        for _, module in self._modules:
+            for buffer in module._buffers.values():
+                if buffer is None:
+                    continue
+                saved_value = self._values.get(id(buffer))
+                if saved_value is not None and not _equal(buffer, saved_value):
+                    buffer.data.copy_(saved_value)
 
 
 @contextlib.contextmanager
@@ -373,6 +389,135 @@ def parameters_as(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.detach(), b))
+
+
+# -- ``self.buf = value``: a buffer assignment is an in-place copy ----------------------------
+
+#: Decides one buffer assignment seen while a capture runs forward: ``(module, name, value)``
+#: -> whether it recorded the assignment (else the module's own ``__setattr__`` runs).
+AssignHandler = Callable[[nn.Module, str, Any], bool]
+
+
+@contextlib.contextmanager
+def assignments_in_place(handler: AssignHandler) -> Iterator[None]:
+    """While active, ``module.name = value`` for a registered buffer ``name`` and a tensor (or a
+    traced value) goes to ``handler`` first ([Note: buffer assignment]).
+
+    A capture records the assignment as an in-place copy into the buffer (what torch.export
+    itself does with ``self.buf = ...``) instead of letting forward replace the module's tensor
+    at capture time, which would leave the capture's value (a Proxy, a fake tensor) on the
+    model and no update in the stages.
+    """
+    original = nn.Module.__setattr__
+
+    def assign(module: nn.Module, name: str, value: Any) -> None:
+        buffers = module.__dict__.get("_buffers")
+        if (
+            buffers is not None
+            and buffers.get(name) is not None
+            and isinstance(value, (torch.Tensor, fx.Proxy))
+            and not isinstance(value, nn.Parameter)
+            and handler(module, name, value)
+        ):
+            return
+        original(module, name, value)
+
+    nn.Module.__setattr__ = assign  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.__setattr__ = original  # type: ignore[method-assign]
+
+
+def assigned_value(value: Any, buffer: Any, name: str) -> Any:
+    """``value`` of ``self.<name> = value``, checked against the buffer it is copied into
+    ([Note: buffer assignment]); traced again, it records itself.
+
+    Raises:
+        CaptureError: ``value`` is not a tensor of the buffer's shape and dtype (a copy would
+            broadcast or cast it where the model's buffer would change shape or dtype).
+    """
+    if isinstance(value, fx.Proxy) or isinstance(buffer, fx.Proxy):
+        tracer = (value if isinstance(value, fx.Proxy) else buffer).tracer
+        return tracer.create_proxy("call_function", assigned_value, (value, buffer, name), {})
+    check_assignable(value, buffer, name)
+    return value
+
+
+def check_assignable(value: Any, buffer: torch.Tensor, name: str) -> None:
+    """Refuse an assignment to buffer ``name`` that an in-place copy would not reproduce."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.shape == buffer.shape
+        and value.dtype == buffer.dtype
+    ):
+        return
+    got = (
+        f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+        if isinstance(value, torch.Tensor)
+        else f"a {type(value).__name__}"
+    )
+    raise CaptureError(
+        f"forward assigns buffer {name!r} {got}, but it holds a {buffer.dtype} tensor of shape "
+        f"{tuple(buffer.shape)}. The stages apply `self.<buffer> = value` as an in-place copy "
+        "into the buffer (as torch.export does), which keeps its shape and dtype: assign a "
+        "value of the buffer's shape and dtype (e.g. .to(self.<buffer>.dtype)), or register a "
+        "buffer of the shape it will hold"
+    )
+
+
+def shared_buffer_slots(model: nn.Module) -> dict[tuple[int, str], list[str]]:
+    """``(id(module), attribute)`` of every buffer slot whose tensor the model holds under
+    several names, with those names."""
+    names: dict[int, list[str]] = {}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(buffer), []).append(name)
+    slots: dict[tuple[int, str], list[str]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for attr, buffer in module._buffers.items():
+            if buffer is not None and len(names.get(id(buffer), ())) > 1:
+                slots[(id(module), attr)] = names[id(buffer)]
+    return slots
+
+
+def refuse_shared_assignment(names: Sequence[str]) -> None:
+    """A buffer held under several names cannot be assigned: the model would leave the old
+    tensor under the other names, an in-place copy would change it there too.
+
+    Raises:
+        CaptureError: always, naming the holders.
+    """
+    raise CaptureError(
+        f"forward assigns a new tensor to buffer {names[0]!r}, which the model also holds as "
+        f"{', '.join(repr(n) for n in names[1:])}: the model then holds two tensors there, which "
+        "the stages (updating buffers in place) cannot reproduce. Update it in place "
+        f"(self.<buffer>.copy_(...)), or hold it once"
+    )
+
+
+def isolate_earlier_reads(graph: fx.Graph, copies: Iterable[fx.Node]) -> None:
+    """Give the reads of a buffer before an assignment's copy a clone of it.
+
+    In the model those reads hold the old tensor, which the assignment leaves alone (autograd
+    may have saved it for backward); the copy writes the buffer itself, so they get a copy of
+    its value taken where they first read it ([Note: buffer assignment]).
+    """
+    for copy in copies:
+        old = copy.args[0]
+        if not isinstance(old, fx.Node):
+            continue
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        earlier = [u for u in old.users if u is not copy and order[u] < order[copy]]
+        if not earlier:
+            continue
+        first = min(earlier, key=order.__getitem__)
+        with graph.inserting_before(first):
+            clone = graph.call_method("clone", (old,))
+        clone.meta = {k: v for k, v in old.meta.items() if k == "val"}
+        if "nn_module_stack" in first.meta:
+            clone.meta["nn_module_stack"] = first.meta["nn_module_stack"]
+        for user in earlier:
+            user.replace_input_with(old, clone)
 
 
 # -- which stage reads and writes each buffer ------------------------------------------------

@@ -103,6 +103,9 @@ class StageSpec:
     receives: tuple[str, ...]
     #: What it sends to the next stage (what that one receives); empty for the last stage.
     sends: tuple[str, ...]
+    #: forward's default values of model inputs a micro-batch may omit (the first stage fills
+    #: them in; :attr:`pipedialect.PipelinePlan.input_defaults`).
+    input_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable

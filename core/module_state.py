@@ -305,7 +305,73 @@ def recompute_with_state(
     """
     if not torch.is_grad_enabled() or not modules:
         return function(*args, **kwargs)
-    replay = _Replay(function, modules, modules[0] if key is None else key)
-    return torch.utils.checkpoint.checkpoint(
-        replay, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+    key = modules[0] if key is None else key
+    replay = _Replay(function, modules, key)
+    known = _WRITES_INPUTS.setdefault(key, {}).get(key.training)
+    private = [
+        i
+        for i, arg in enumerate(args)
+        if isinstance(arg, torch.Tensor) and (known is None or i in known)
+    ]
+    if not private:
+        return torch.utils.checkpoint.checkpoint(
+            replay, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+        )
+    return _checkpoint_writing_inputs(replay, key, private, args, kwargs)
+
+
+#: Per checkpointed call (its ``key``) and mode: the positions of the tensor arguments its
+#: forward changes in place ([Note: checkpointed inputs updated in place]).
+_WRITES_INPUTS: weakref.WeakKeyDictionary[nn.Module, dict[bool, frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _checkpoint_writing_inputs(
+    replay: _Replay,
+    key: nn.Module,
+    private: Sequence[int],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> Any:
+    """Checkpoint ``replay`` on ``args`` whose tensors at ``private`` it may change in place.
+
+    [Note: checkpointed inputs updated in place]
+    Checkpointing saves a call's inputs to run it again in backward; a forward that changes an
+    input in place (``nn.ReLU(inplace=True)`` first thing) would change what was saved, and the
+    recomputation fails ("modified by an inplace operation"), where the unsplit model is fine.
+    So each such input is saved as a copy (a differentiable clone), every run of the forward
+    works on a fresh copy of it, and the first run's copy is then written into the caller's
+    tensor, which the model changed in place too. Which inputs a forward changes is learned
+    at its first call in each mode (every tensor input gets the copies once); later calls
+    copy only those.
+    """
+    changed: list[int] = []
+    runs: list[None] = []
+
+    def run(*inputs: Any) -> Any:
+        own = list(inputs)
+        for i in private:
+            own[i] = inputs[i].clone()
+        versions = [own[i]._version for i in private]
+        out = replay(*own, **kwargs)
+        if not runs:  # the first run; a recomputation changes the same
+            runs.append(None)
+            changed.extend(
+                i for i, v in zip(private, versions, strict=True) if own[i]._version != v
+            )
+        return out, tuple(own[i] for i in private)
+
+    saved = list(args)
+    for i in private:
+        saved[i] = args[i].clone()
+    out, written = torch.utils.checkpoint.checkpoint(
+        run, *saved, use_reentrant=False, preserve_rng_state=True
     )
+    learned = _WRITES_INPUTS[key]
+    if key.training not in learned:
+        learned[key.training] = frozenset(changed)
+    for i, value in zip(private, written, strict=True):
+        if i in changed:
+            args[i].copy_(value)
+    return out

@@ -231,6 +231,7 @@ class PipelinePlan:
             arg_names=self.stage_arg_names[stage_id],
             receives=self.liveness[stage_id],
             sends=self.sends(stage_id),
+            input_defaults=dict(self.input_defaults),
         )
 
     def boundary_values(self, stage_id: int) -> tuple[BoundaryValue, ...]:
@@ -550,6 +551,9 @@ def _partition(
             candidates,
             bandwidth,
         )
+        # The cost model's torch.fx trace runs forward's Python (counters, in-place updates of
+        # buffers fx does not trace): the captures below start from the model as it was.
+        snapshot.restore()
     canonical = {id(m): name for name, m in model.named_modules()}
     point_modules = [_resolve_split_point(model, path) for path in points]
     targets = [canonical[id(m)] for m in point_modules]

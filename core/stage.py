@@ -157,13 +157,20 @@ class StageWrapper(nn.Module):
                 f"({list(names)}); the data loader must yield them in this order"
             )
         values: list[Any] = list(args)
+        defaults = self.spec.input_defaults
         for name in names[len(args) :]:
-            if name not in kwargs:
+            if name in kwargs:
+                values.append(kwargs[name])
+            elif name in defaults:  # forward's own default, as the unsplit model takes it
+                values.append(defaults[name])
+            else:
                 raise WireError(
                     f"{self.log_prefix} missing model input {name!r}; expected inputs "
-                    f"{list(names)} in this order"
+                    f"{list(names)} in this order. An input the data does not supply must "
+                    "have a number default in forward, or be fixed when partitioning: "
+                    f"partition(..., concrete_args={{{name!r}: value}}) takes it out of the "
+                    "plan's inputs"
                 )
-            values.append(kwargs[name])
         extra = set(kwargs) - set(names[len(args) :])
         if extra:
             raise WireError(f"{self.log_prefix} unexpected inputs {sorted(extra)}")

@@ -807,6 +807,18 @@ def _draw_state(src: Source, spec: FuzzSpec, dialect: Dialect) -> FuzzSpec:
     eager = [i for i in range(n) if f"blocks.{i}" in spec.split_points]
     if eager and src.chance(50):
         counted = src.choice(eager)
+    # Traced through by torch.fx, a counter needs its block as a leaf module (partition refuses
+    # it by design otherwise, naming leaf_modules=; :func:`counter_leaves`), and a leaf must
+    # return one tensor: a counter drawn on a block returning a structure moves to one that
+    # can count (no draw: older models keep theirs). torch.export refuses every traced counter.
+    countable = [
+        i
+        for i in range(n)
+        if i in eager
+        or (isinstance(spec.blocks[i].out, Leaf) and f"blocks.{i}.lin" not in spec.split_points)
+    ]
+    if spec.capture == "fx" and counted not in countable and countable:
+        counted = countable[counted % len(countable)]
     if gates["counter"]:
         put(counted, counter=True)
     writer, reader = src.integer(0, n - 1), src.integer(0, n - 2)
@@ -1352,8 +1364,34 @@ def partition_spec(model: nn.Module, spec: FuzzSpec, batches: Sequence[Batch]) -
         kwargs["recompute"] = list(spec.recompute)
     points = list(spec.split_points) if spec.split_points else None
     if spec.capture == "export":
+        if spec.meta:  # a meta model is exported on meta inputs (and checked on structure)
+            x, ids = x.to("meta"), ids.to("meta")
+        if spec.bf16:  # export writes dtypes into the graphs: capture in the training dtype
+            kwargs["dtype"] = torch.bfloat16
         return partition(model, points, example_inputs={"x": x, "ids": ids}, **kwargs)
+    leaves = counter_leaves(spec)
+    if leaves:
+        kwargs["leaf_modules"] = leaves
     return partition(model, points, **kwargs)
+
+
+def counter_leaves(spec: FuzzSpec) -> list[str]:
+    """The blocks whose Python counter (``self.calls += 1``) torch.fx would trace through:
+    ``partition`` refuses those by design, naming ``leaf_modules=`` (a leaf's forward runs at
+    every call), so the fuzzer passes them as leaves. Not a split point (already one call),
+    nor a block split at its ``lin`` (a leaf cannot hold a split point); a leaf returns one
+    tensor (the code after a leaf sees its output as one traced value, as after a checkpointed
+    block, so the generator keeps counters off blocks returning structures)."""
+    if spec.capture != "fx":
+        return []
+    return [
+        f"blocks.{i}"
+        for i, st in enumerate(spec.state)
+        if st.counter
+        and f"blocks.{i}" not in spec.split_points
+        and f"blocks.{i}.lin" not in spec.split_points
+        and isinstance(spec.blocks[i].out, Leaf)
+    ]
 
 
 def build_model(spec: FuzzSpec) -> nn.Module:

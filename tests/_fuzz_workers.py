@@ -117,7 +117,14 @@ def compare(spec: fm.FuzzSpec, per_rank: list[dict[str, Any]]) -> bool:
     model = fm.FuzzModel(spec)
     initial = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     initial_buffers = fm.buffer_values(model)
-    expected = fm.reference_run(spec, model, fm.micro_batches(spec))
+    # The ranks compute with one thread (run_specs): so does the reference, since a bf16
+    # autocast matmul on the CPU rounds by how the threads split it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = fm.reference_run(spec, model, fm.micro_batches(spec))
+    finally:
+        torch.set_num_threads(threads)
     ref_params = dict(model.named_parameters(remove_duplicate=False))
     ref_buffers = fm.buffer_values(model)
     problems: list[str] = list(changed)

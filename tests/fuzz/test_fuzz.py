@@ -105,7 +105,13 @@ def _assert_dimensions_ran(outcomes: list[fm.Outcome]) -> None:
 def _recomputed(spec: fm.FuzzSpec) -> fm.FuzzSpec:
     """``spec`` with its single-tensor blocks recomputed (every other one with dropout), when
     it is captured with torch.fx; otherwise ``spec`` itself."""
-    leaves = [i for i, block in enumerate(spec.blocks) if isinstance(block.out, fm.Leaf)]
+    # Not a block split at its ``lin``: a split point inside a checkpointed module is refused
+    # (it runs as one call), which is not what this sweep is for.
+    leaves = [
+        i
+        for i, block in enumerate(spec.blocks)
+        if isinstance(block.out, fm.Leaf) and f"blocks.{i}.lin" not in spec.split_points
+    ]
     if spec.capture != "fx" or not leaves:
         return spec
     return replace(
@@ -302,6 +308,25 @@ def test_partition_must_leave_the_model_as_it_was(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(fm, "partition_spec", count_once)
     with pytest.raises(fm.FuzzFailure, match=r"partition\(\) changed the buffer blocks.0.table"):
         fm.run_local(spec)
+
+
+def test_a_traced_counter_is_refused_naming_leaf_modules_and_runs_as_a_leaf() -> None:
+    """The fuzzer passes ``leaf_modules=`` for counters in traced code (``counter_leaves``):
+    without it the refusal must name exactly that fix, on both capture paths, and leave the
+    model's counter alone; with it the model trains as the unsplit one."""
+    from pipedialect import CaptureError, partition
+
+    spec = _one_block_state(22, counter=True)  # blocks.0 returns one tensor, traced through
+    assert fm.counter_leaves(spec) == ["blocks.0"]
+    model = fm.FuzzModel(spec)
+    with pytest.raises(CaptureError, match=r"changes 'calls'.*leaf_modules=\['blocks.0'\]"):
+        partition(model, list(spec.split_points))
+    assert model.blocks[0].calls == 0
+    (x, ids), _ = fm.micro_batches(spec)[0]
+    with pytest.raises(CaptureError, match=r"torch.export.*leaf_modules=\['blocks.0'\]"):
+        partition(model, list(spec.split_points), example_inputs={"x": x, "ids": ids})
+    assert model.blocks[0].calls == 0
+    assert fm.run_local(spec).ran
 
 
 def test_a_failure_names_the_spec_and_its_seed() -> None:
