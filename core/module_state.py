@@ -320,8 +320,8 @@ def recompute_with_state(
     return _checkpoint_writing_inputs(replay, key, private, args, kwargs)
 
 
-#: Per checkpointed call (its ``key``) and mode: the positions of the tensor arguments its
-#: forward changes in place ([Note: checkpointed inputs updated in place]).
+#: Per recomputed call (its ``key``) and mode: the positions of the tensor arguments its
+#: forward changes in place ([Note: recomputed inputs updated in place]).
 _WRITES_INPUTS: weakref.WeakKeyDictionary[nn.Module, dict[bool, frozenset[int]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -336,7 +336,7 @@ def _checkpoint_writing_inputs(
 ) -> Any:
     """Checkpoint ``replay`` on ``args`` whose tensors at ``private`` it may change in place.
 
-    [Note: checkpointed inputs updated in place]
+    [Note: recomputed inputs updated in place]
     Checkpointing saves a call's inputs to run it again in backward; a forward that changes an
     input in place (``nn.ReLU(inplace=True)`` first thing) would change what was saved, and the
     recomputation fails ("modified by an inplace operation"), where the unsplit model is fine.

@@ -1380,7 +1380,7 @@ def counter_leaves(spec: FuzzSpec) -> list[str]:
     ``partition`` refuses those by design, naming ``leaf_modules=`` (a leaf's forward runs at
     every call), so the fuzzer passes them as leaves. Not a split point (already one call),
     nor a block split at its ``lin`` (a leaf cannot hold a split point); a leaf returns one
-    tensor (the code after a leaf sees its output as one traced value, as after a checkpointed
+    tensor (the code after a leaf sees its output as one traced value, as after a recomputed
     block, so the generator keeps counters off blocks returning structures)."""
     if spec.capture != "fx":
         return []

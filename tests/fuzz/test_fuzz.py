@@ -105,7 +105,7 @@ def _assert_dimensions_ran(outcomes: list[fm.Outcome]) -> None:
 def _recomputed(spec: fm.FuzzSpec) -> fm.FuzzSpec:
     """``spec`` with its single-tensor blocks recomputed (every other one with dropout), when
     it is captured with torch.fx; otherwise ``spec`` itself."""
-    # Not a block split at its ``lin``: a split point inside a checkpointed module is refused
+    # Not a block split at its ``lin``: a split point inside a recomputed module is refused
     # (it runs as one call), which is not what this sweep is for.
     leaves = [
         i

@@ -2,7 +2,7 @@
 
 Buffer reassignment (``self.running = 0.9 * self.running + ...``) in traced code, on both
 capture paths (torch.export dropped it silently: fuzz seed 82); a value computed from buffers
-only, which must follow the buffer after training; ``partition(checkpoint=)`` on a block that
+only, which must follow the buffer after training; ``partition(recompute=)`` on a block that
 changes its input in place (fuzz seeds 137, 186); balancing a model with
 ``BatchNorm(momentum=None)``, counters and in-place buffer updates; forward defaults of model
 inputs. The reference is always the unsplit model run by a plain loop.
@@ -211,7 +211,7 @@ class InPlaceBlocks(nn.Module):
 
 def test_a_checkpointed_block_changing_its_input_in_place_trains_as_the_model() -> None:
     model = InPlaceBlocks()
-    plan = partition(copy.deepcopy(model), ["first"], checkpoint=["block"])
+    plan = partition(copy.deepcopy(model), ["first"], recompute=["block"])
     _train_both(plan, model)
 
 
