@@ -10,8 +10,10 @@ RTOL = 1e-6
 ATOL = 1e-7
 
 
-def assert_tensor_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal within 1e-6 relative, measured on the whole tensor.
+def assert_tensor_close(
+    actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL
+) -> None:
+    """Equal within ``rtol`` (1e-6) relative, measured on the whole tensor.
 
     Adam divides each gradient by its own running magnitude, so an element whose gradient is
     float noise in both runs can differ by more than 1e-6 of itself after a few steps even when
@@ -20,4 +22,4 @@ def assert_tensor_close(actual: torch.Tensor, expected: torch.Tensor, what: str)
     assert actual.shape == expected.shape, what
     err = (actual.double() - expected.double()).norm().item()
     scale = expected.double().norm().item()
-    assert err <= RTOL * max(scale, 1.0), f"{what}: relative error {err / max(scale, 1.0):.2e}"
+    assert err <= rtol * max(scale, 1.0), f"{what}: relative error {err / max(scale, 1.0):.2e}"

@@ -70,6 +70,12 @@ T = TypeVar("T")
 #: Relative tolerance for losses (fp32 on CPU) and the absolute floor near zero.
 RTOL = 1e-6
 ATOL = 1e-7
+#: Relative tolerance for a model with a bf16 autocast region trained on several processes. A
+#: tied weight's two gradients (or the replicas') are summed in another order than autograd
+#: sums them in one process: an fp32 difference of one ulp, which the region's cast to bf16 can
+#: turn into a bf16 ulp (4e-3 of that element) at the next step; seed 118 on deepspeed ends
+#: 2e-5 away. Dropping the region (fp32 instead of bf16) moves results by about 1e-3.
+AUTOCAST_RTOL = 1e-4
 
 FLOAT_TENSORS = frozenset({"act", "act64", "nograd", "nograd64"})
 INT_TENSORS = frozenset({"int", "int32"})
@@ -1478,16 +1484,24 @@ class Outcome:
         return self.refused is None
 
 
-def losses_match(ours: float, theirs: float) -> bool:
-    """Equal within :data:`RTOL` relative (:data:`ATOL` near zero); NaN never matches."""
-    return abs(ours - theirs) <= RTOL * abs(theirs) + ATOL
+def losses_match(ours: float, theirs: float, rtol: float = RTOL) -> bool:
+    """Equal within ``rtol`` relative (:data:`ATOL` near zero); NaN never matches."""
+    return abs(ours - theirs) <= rtol * abs(theirs) + ATOL
 
 
-def assert_tensor_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """As ``tests/_compare.py``: within 1e-6 relative, measured on the whole tensor."""
+def assert_tensor_close(
+    actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL
+) -> None:
+    """As ``tests/_compare.py``: within ``rtol`` relative, measured on the whole tensor."""
     from _compare import assert_tensor_close as compare
 
-    compare(actual, expected, what)
+    compare(actual, expected, what, rtol)
+
+
+def tolerance(spec: FuzzSpec, processes: int) -> float:
+    """The relative tolerance for ``spec`` on ``processes`` ranks (:data:`AUTOCAST_RTOL`)."""
+    autocast = any(st.region == "autocast" for st in spec.state)
+    return AUTOCAST_RTOL if autocast and processes > 1 else RTOL
 
 
 def compare_results(
@@ -1499,6 +1513,7 @@ def compare_results(
     where: str = "",
     buffers: dict[str, torch.Tensor] | None = None,
     ref_buffers: dict[str, torch.Tensor] | None = None,
+    rtol: float = RTOL,
 ) -> list[str]:
     """Every disagreement between a pipeline run and the reference, as messages.
 
@@ -1508,11 +1523,11 @@ def compare_results(
     """
     problems = []
     for k, (op, ours, theirs) in enumerate(zip(spec.schedule, losses, expected, strict=True)):
-        if not losses_match(ours, theirs):
+        if not losses_match(ours, theirs, rtol):
             problems.append(f"{where}call {k} ({op}): loss {ours!r} != unsplit {theirs!r}")
     for name, value in params.items():
         try:
-            assert_tensor_close(value, ref_params[name].detach(), f"{where}parameter {name}")
+            assert_tensor_close(value, ref_params[name].detach(), f"{where}parameter {name}", rtol)
         except AssertionError as exc:
             problems.append(str(exc))
     for key, value in (buffers or {}).items():
@@ -1526,7 +1541,7 @@ def compare_results(
             )
             continue
         try:
-            assert_tensor_close(value, expected_value.detach(), f"{where}buffer {key}")
+            assert_tensor_close(value, expected_value.detach(), f"{where}buffer {key}", rtol)
         except AssertionError as exc:
             problems.append(str(exc))
     return problems

@@ -141,6 +141,7 @@ def compare(spec: fm.FuzzSpec, per_rank: list[dict[str, Any]]) -> bool:
             where,
             buffers=r["buffers"],
             ref_buffers=ref_buffers,
+            rtol=fm.tolerance(spec, len(per_rank)),
         )
         held.update(r["params"])
         held_buffers.update(key.split(" (stage")[0] for key in r["buffers"])

@@ -9,7 +9,7 @@ every rank alike (they all see the same arguments), never a hang.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -98,6 +98,7 @@ def build_pipeline(
             "torch dialect does not support dynamic_shapes (pad boundary values to one shape)"
         )
     spec = resolve_schedule(schedule)
+    check_split_backward_stages(spec, request.stages)
     num_stages = plan.num_stages
     if grid is not None:
         placement = resolve_placement(spec, num_stages, grid[0], stages_per_rank)
@@ -118,6 +119,38 @@ def build_pipeline(
         data,
         request.init_weights,
     )
+
+
+def check_split_backward_stages(spec: ScheduleSpec, stages: Sequence[nn.Module]) -> None:
+    """Refuse a zero-bubble schedule when a stage has nothing to train.
+
+    [Note: split backward and stages with nothing to train] The zero-bubble schedules
+    (``interleaved_zero_bubble``, ``zbv_zero_bubble``, ``dualpipev``) split each stage's
+    backward into an input pass and a weight pass. With a stage whose parameters are all frozen
+    (or that has none), torch 2.13's ZBV schedule trained a fuzzer model (a frozen first stage
+    on the rank that also holds the last, frozen tied blocks) to gradients 1e-2 away from the
+    unsplit model, with no error. Until the cause is known such layouts are refused, on every
+    rank alike (every rank holds the plan's stage modules), before any collective.
+
+    Raises:
+        ConfigError: ``spec`` splits backward and a stage has no trainable parameter.
+    """
+    if not spec.split_backward:
+        return
+    idle = [
+        k for k, stage in enumerate(stages) if not any(p.requires_grad for p in stage.parameters())
+    ]
+    if idle:
+        which = ("stage " if len(idle) == 1 else "stages ") + ", ".join(str(k) for k in idle)
+        verb = "has" if len(idle) == 1 else "have"
+        raise ConfigError(
+            f"schedule {spec.name!r} splits backward into input and weight passes, and {which} "
+            f"{verb} nothing to train (every parameter frozen, or none); torch's "
+            f"zero-bubble weight pass is not known to train such a layout as the unsplit model "
+            f"does, so it is refused: use a schedule without split backward ('1f1b', "
+            f"'interleaved_1f1b', 'looped_bfs', 'gpipe'), or move the split points so that "
+            f"every stage holds a trainable parameter"
+        )
 
 
 def _construct(

@@ -146,6 +146,23 @@ def test_argument_errors_come_before_any_collective(gpt_plan: Any) -> None:
     assert unset.startswith("ConfigError") and "init_distributed" in unset
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"])
+def test_zero_bubble_schedules_refuse_a_stage_with_nothing_to_train(schedule: str) -> None:
+    spec = get_model("gpt")
+    model = spec.build(0)
+    plan = pipedialect.partition(model, spec.split_points_for(4))
+    for param in plan.stages[1].parameters():
+        param.requires_grad_(False)
+    try:
+        error = _engine_error(plan, topology=GridTopology(pipe=2), schedule=schedule)
+    finally:
+        model.requires_grad_(True)
+    assert error.startswith("ConfigError") and "stage 1 has nothing to train" in error, error
+    # Without split backward the same frozen stage gets past this check (to the process group).
+    other = _engine_error(plan, topology=GridTopology(pipe=2), schedule="interleaved_1f1b")
+    assert "nothing to train" not in other and "init_distributed" in other, other
+
+
 def test_make_topology_counts_ranks_not_stages() -> None:
     assert TorchDialect().make_topology(4).get_dim("pipe") == 4
     assert TorchDialect("interleaved_1f1b").make_topology(4).get_dim("pipe") == 2
