@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedialect.launch import launch
 from pipedialect.models import GPTBlock, TinyGPT, cross_entropy_loss
+from pipedialect.runtime.launch import launch
 
 
 def _reference(args: argparse.Namespace) -> TinyGPT:
@@ -113,7 +113,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     import pipedialect
-    from pipedialect.partition import partition
+    from pipedialect.plan.partition import partition
 
     torch.manual_seed(0)
     dialect = pipedialect.get_dialect("deepspeed")

@@ -291,7 +291,7 @@ def _pipeline_rank(args: argparse.Namespace, variant: str) -> dict[str, Any]:
 
 def pipeline_main(args: argparse.Namespace) -> None:
     """Both variants, PP=4, one after the other; the table of per-rank peaks and ratios."""
-    from pipedialect.launch import launch
+    from pipedialect.runtime.launch import launch
 
     env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     runs = {

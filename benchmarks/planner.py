@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipedialect
-from pipedialect.launch import launch
 from pipedialect.planner import Layout, LayoutPlan, plan_layout, write_chrome_trace
+from pipedialect.runtime.launch import launch
 
 #: Emulated milliseconds per sample of each block's forward (its input and weight gradients
 #: cost the same again each: a backward twice the forward, half of it in the weight pass).

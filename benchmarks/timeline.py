@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipedialect
-from pipedialect.launch import launch
+from pipedialect.runtime.launch import launch
 
 TARGET_POINTS = 5.0
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipedialect.launch import launch
 from pipedialect.models import TinyGPT, cross_entropy_loss
+from pipedialect.runtime.launch import launch
 
 
 def _model(args: argparse.Namespace) -> TinyGPT:
@@ -148,7 +148,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     import pipedialect
-    from pipedialect.partition import partition
+    from pipedialect.plan.partition import partition
 
     torch.set_num_threads(1)
     deepspeed_dialect = pipedialect.get_dialect("deepspeed")

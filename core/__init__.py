@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .codec import SchemaCodec
 from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, Topology
 from .dialect import Dialect
 from .errors import *  # every exception and warning: errors.__all__
 from .hookspecs import hookimpl, hookspec
-from .partition import PipelinePlan, partition
+from .plan.partition import PipelinePlan, partition
+from .plan.ties import DefaultTieAnalyzer, TieGroup, analyze_tie_ranks, find_tie_groups
 from .planner import plan_layout
 from .plugins import DialectInfo, get_dialect, list_dialects
-from .stage import StageWrapper
-from .ties import DefaultTieAnalyzer, TieGroup, analyze_tie_ranks, find_tie_groups
-from .topology import GridTopology
+from .runtime.codec import SchemaCodec
+from .runtime.stage import StageWrapper
+from .runtime.topology import GridTopology
 from .trace import trace
 
 try:

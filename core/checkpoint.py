@@ -4,7 +4,7 @@
 A dialect's own ``save_checkpoint`` writes what its runtime holds (DeepSpeed's layer files, one
 file per rank on torch), so it only loads into the same plan, world size and dialect.
 :func:`save` writes instead what the *model* holds, keyed by the unsplit model's parameter names
-(FQNs: stage modules keep them, see :mod:`pipedialect.partition`), with
+(FQNs: stage modules keep them, see :mod:`pipedialect.plan.partition`), with
 ``torch.distributed.checkpoint`` (DCP): every rank writes the tensors of its own stages, DCP
 writes one copy of a key several ranks hold (data-parallel replicas, the copies of a tied
 weight), and :func:`load` reads, on every rank, just the keys its stages need, whatever layout
@@ -28,7 +28,7 @@ never recomputes it: each name the model has is looked up in the index, so a che
 into any plan of the same model.
 
 Saving and publishing are those of the dialects' own checkpoints
-(:mod:`pipedialect.checkpoint_files` [Note: crash-safe checkpoints]): files go to
+(:mod:`pipedialect.engine.checkpoint_files` [Note: crash-safe checkpoints]): files go to
 ``.<tag>.partial``, which is renamed to ``<tag>`` once every rank finished, ``latest`` only names
 a published checkpoint, and every file is checked against the manifest before anything is read.
 
@@ -52,12 +52,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpoint_files as _files
-from .agreement import agree_on_error
 from .contracts import Capability
 from .dialect import require_capability
+from .engine import checkpoint_files as _files
 from .errors import CheckpointError, ConfigError
-from .partition import MODEL_NAMES
+from .plan.partition import MODEL_NAMES
+from .runtime.agreement import agree_on_error
 
 __all__ = [
     "FORMAT",
@@ -190,7 +190,7 @@ class _Local:
     params: list[_Param] = field(default_factory=list)
     buffers: list[_Buffer] = field(default_factory=list)
     #: Stage name -> every name the model's ``state_dict`` has for that tensor, where it has
-    #: several (:data:`pipedialect.partition.MODEL_NAMES`).
+    #: several (:data:`pipedialect.plan.partition.MODEL_NAMES`).
     model_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def names(self) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .ties import TieGroup, TieRanks
+    from .plan.ties import TieGroup, TieRanks
 
 __all__ = [
     "BOUNDARY_CAPABILITIES",
@@ -222,7 +222,7 @@ class EngineState:
     #: The LR scheduler stepped with it (an object with ``state_dict``), or None.
     lr_scheduler: Any = None
     #: ``id(parameter) -> tie group key`` for the local parameters of cross-stage tie groups
-    #: (:func:`pipedialect.ties.tie_keys`): the copies of one tied weight are stored once.
+    #: (:func:`pipedialect.plan.ties.tie_keys`): the copies of one tied weight are stored once.
     tie_keys: Mapping[int, str] = field(default_factory=dict)
     #: Buffer name -> the stage that writes it (:attr:`pipedialect.PipelinePlan.buffers`): a
     #: buffer several stages hold is saved from that stage only.

@@ -9,7 +9,7 @@ prints both loss curves side by side with their largest difference. A PNG of the
 written when matplotlib is installed. Ctrl-C or SIGTERM stops every process the demo started.
 
 With ``bf16`` the pipeline trains with ``"bf16": {"enabled": true}`` (bf16 parameters and
-activations, fp32 master weights: :mod:`pipedialect.precision`) and the demo prints and plots
+activations, fp32 master weights: :mod:`pipedialect.engine.precision`) and the demo prints and plots
 its curve beside the fp32 unsplit model's, with the largest relative gap between them: bf16
 rounds every activation to 8 significant bits, so the curves agree to a few percent, not to
 float rounding.
@@ -133,7 +133,7 @@ def _split_points(stages: int) -> list[str]:
 def _rank_worker(settings: DemoSettings, progress: str, backend: str) -> list[float]:
     """What each rank runs: partition, build the engine, train, report progress."""
     from . import get_dialect
-    from .partition import partition
+    from .plan.partition import partition
 
     torch.manual_seed(0)
     dialect = get_dialect(settings.dialect)
@@ -145,7 +145,7 @@ def _rank_worker(settings: DemoSettings, progress: str, backend: str) -> list[fl
     config = demo_config(settings.dp, settings.bf16)
     kwargs: dict[str, Any] = {}
     if settings.meta:
-        from .weights import from_state_dict
+        from .plan.weights import from_state_dict
 
         with torch.device("meta"):
             model = _model()
@@ -355,7 +355,7 @@ def run_demo(settings: DemoSettings, out: TextIO | None = None) -> float:
         progress_path = Path(tmp) / "progress.jsonl"
         progress = _Progress(progress_path, settings.steps, out)
         if multi:
-            from .launch import launch
+            from .runtime.launch import launch
 
             results = launch(
                 _rank_worker,

@@ -39,10 +39,6 @@ from typing import Any, ClassVar, Generic, TypeVar, final
 from torch import nn
 from torch.optim import Optimizer
 
-from .agreement import agreed, check_plan_agreement
-from .batches import check_loss_fn
-from .codec import SchemaCodec
-from .config import check_config_keys
 from .contracts import (
     Capability,
     EngineState,
@@ -53,12 +49,16 @@ from .contracts import (
     TieAnalyzer,
     Topology,
 )
+from .engine.config import check_config_keys
+from .engine.param_groups import ParamGroupsFn
 from .errors import ConfigError, MissingCapabilityError, TopologyError
-from .param_groups import ParamGroupsFn
-from .partition import PipelinePlan, check_capture_dtype
-from .stage import StageWrapper
-from .ties import DefaultTieAnalyzer, TieRanks
-from .topology import (
+from .plan.batches import check_loss_fn
+from .plan.partition import PipelinePlan, check_capture_dtype
+from .plan.ties import DefaultTieAnalyzer, TieRanks
+from .runtime.agreement import agreed, check_plan_agreement
+from .runtime.codec import SchemaCodec
+from .runtime.stage import StageWrapper
+from .runtime.topology import (
     GridTopology,
     check_topology,
     check_topology_object,
@@ -119,7 +119,7 @@ class PipelineRequest(Generic[OptionsT]):
     topology: Topology | None
     #: Boundary structure and shapes may change between micro-batches.
     dynamic_shapes: bool
-    #: Fills the stages this rank runs of a meta-device plan (see :mod:`pipedialect.weights`).
+    #: Fills the stages this rank runs of a meta-device plan (see :mod:`pipedialect.plan.weights`).
     init_weights: InitWeights | None
     #: The dialect's own options (an instance of :attr:`Dialect.options`).
     options: OptionsT
@@ -128,7 +128,7 @@ class PipelineRequest(Generic[OptionsT]):
 
     def process_grid(self) -> Topology:
         """The grid to run on, one stage per pipe rank: the caller's topology, checked against
-        the plan and the process group (:mod:`pipedialect.topology`), or ``pipe = stages`` by
+        the plan and the process group (:mod:`pipedialect.runtime.topology`), or ``pipe = stages`` by
         ``data = ranks / stages``.
 
         Raises:
@@ -168,7 +168,7 @@ class EngineRequest(Generic[OptionsT]):
     #: A client scheduler (an object with ``step()``, or a callable building one from the
     #: optimizer); it replaces the config's ``scheduler`` section.
     lr_scheduler: Any
-    #: Groups the optimizer's parameters (see :mod:`pipedialect.param_groups`).
+    #: Groups the optimizer's parameters (see :mod:`pipedialect.engine.param_groups`).
     param_groups: ParamGroupsFn | None
     #: The dialect's own engine options (an instance of :attr:`Dialect.engine_options`).
     options: OptionsT
@@ -209,7 +209,7 @@ class Dialect(abc.ABC):
 
     @property
     def stage_wrapper(self) -> type[StageWrapper]:
-        """The :class:`~pipedialect.stage.StageWrapper` subclass that runs one stage."""
+        """The :class:`~pipedialect.runtime.stage.StageWrapper` subclass that runs one stage."""
         return StageWrapper
 
     @property
@@ -219,7 +219,7 @@ class Dialect(abc.ABC):
 
     @property
     def tie_analyzer(self) -> TieAnalyzer:
-        """The tie analyzer; :class:`~pipedialect.ties.DefaultTieAnalyzer` by default."""
+        """The tie analyzer; :class:`~pipedialect.plan.ties.DefaultTieAnalyzer` by default."""
         return DefaultTieAnalyzer()
 
     def wrap_stages(
@@ -267,7 +267,7 @@ class Dialect(abc.ABC):
             dynamic_shapes: boundary structure and shapes may change between micro-batches
                 (DeepSpeed's spelling ``dynamic_shape`` is accepted too).
             init_weights: fills the stages this rank runs of a meta-device plan
-                (:mod:`pipedialect.weights`); the other stages stay on meta.
+                (:mod:`pipedialect.plan.weights`); the other stages stay on meta.
             options: this dialect's own options (:attr:`options`).
 
         Raises:
@@ -401,7 +401,7 @@ class Dialect(abc.ABC):
         refuses a step whose loss or gradients are not finite; ``lr_scheduler`` (an object with
         ``step()``, or a callable building one from the optimizer) replaces the config's
         ``scheduler`` section, as in ``deepspeed.initialize``; ``param_groups`` (see
-        :mod:`pipedialect.param_groups`) groups the optimizer's parameters; ``optimizer`` (a
+        :mod:`pipedialect.engine.param_groups`) groups the optimizer's parameters; ``optimizer`` (a
         factory called with the engine's parameter groups -- the fp32 master groups under bf16
         -- or an optimizer object over exactly this rank's trainable parameters) replaces the
         config's ``optimizer`` section, which must then be absent (``pipedialect.engine``

@@ -83,7 +83,7 @@ class PipeDialectError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Picklable whatever the subclass's keyword arguments, so that one rank's error can be
-        # sent to the others (pipedialect.agreement).
+        # sent to the others (pipedialect.runtime.agreement).
         return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import pipedialect
 from pipedialect.models import ModelSpec, get_model
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 DATA_SEED = 100
 LR = 1e-2

@@ -22,7 +22,7 @@ from _reliability_workers import _attempt, config, step_batches
 
 import pipedialect
 from pipedialect.models import get_model
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 KILL_ENV = "PIPEDIALECT_TEST_KILL_IN_SAVE"
 

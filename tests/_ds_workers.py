@@ -26,7 +26,7 @@ from pipedialect.models import (
     mse_loss,
     seeded_init,
 )
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 DATA_SEED = 100
 

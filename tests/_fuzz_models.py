@@ -1413,7 +1413,7 @@ def init_weights(spec: FuzzSpec, plan: Any) -> Callable[[nn.Module], None] | Non
     non-persistent buffers given as ``buffers=``, as they are in no state dict)."""
     if not spec.meta:
         return None
-    from pipedialect.weights import from_state_dict
+    from pipedialect.plan.weights import from_state_dict
 
     model = FuzzModel(spec)
     state = model.state_dict()
@@ -1697,7 +1697,7 @@ def run_distributed(spec: FuzzSpec, dialect: Dialect, timeout: float = 240.0) ->
     """
     import _fuzz_workers as workers
 
-    from pipedialect.launch import launch
+    from pipedialect.runtime.launch import launch
 
     try:
         launched = launch(workers.run_specs, 2, dialect, [spec], timeout=timeout)

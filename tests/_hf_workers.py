@@ -528,7 +528,7 @@ def pretrained_roundtrip(
     import torch.distributed as dist
 
     from pipedialect import checkpoint
-    from pipedialect.weights import from_pretrained
+    from pipedialect.plan.weights import from_pretrained
 
     dialect = pipedialect.get_dialect(dialect_name)
     dialect.init_distributed()

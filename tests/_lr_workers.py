@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 import pipedialect
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 MODEL = "gpt"
 GAS = 2

@@ -20,7 +20,7 @@ from torch import nn
 
 import pipedialect
 from pipedialect import partition
-from pipedialect.weights import from_pretrained, from_state_dict
+from pipedialect.plan.weights import from_pretrained, from_state_dict
 
 #: The model every dialect trains from a meta plan: TinyGPT, tied embedding and head across
 #: the first and the last stage.

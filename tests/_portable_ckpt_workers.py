@@ -25,13 +25,13 @@ import torch.distributed as dist
 
 import pipedialect
 import pipedialect.checkpoint as ckpt
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 MODEL = "skiptied"
 MICRO, SAMPLES_PER_STEP, CLIP, LR = 2, 8, 0.05, 1e-2
 SAVED_AT, STEPS = 3, 6
 MICRO_PER_STEP = SAMPLES_PER_STEP // MICRO
-#: The save-kill test hook of pipedialect.checkpoint_files.
+#: The save-kill test hook of pipedialect.engine.checkpoint_files.
 KILL_ENV = "PIPEDIALECT_TEST_KILL_IN_SAVE"
 
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import pipedialect
+from pipedialect.engine.param_groups import no_weight_decay
 from pipedialect.models import get_model
-from pipedialect.param_groups import no_weight_decay
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 
 def recipe_config(

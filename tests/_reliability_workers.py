@@ -21,7 +21,7 @@ from _reference import train_unsplit
 
 import pipedialect
 from pipedialect.models import get_model
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 GAS, MICRO, DATA_SEED = 4, 2, 300
 _ATTRS = ("field", "ranks", "expected", "got", "step", "stage", "micro_batch", "parameter")

@@ -25,7 +25,7 @@ from pipedialect.dialects.deepspeed.pipeline import (
     deepspeed_pipe_engine,
 )
 from pipedialect.models import seeded_init
-from pipedialect.partition import PipelinePlan, partition
+from pipedialect.plan.partition import PipelinePlan, partition
 
 DIM = 10
 BATCH = 4

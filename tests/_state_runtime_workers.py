@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 import pipedialect
+from pipedialect.engine.param_groups import no_weight_decay
 from pipedialect.models import TinyGPT, cross_entropy_loss, mse_loss, seeded_init
-from pipedialect.param_groups import no_weight_decay
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 DATA_SEED = 500
 LR = 1e-2

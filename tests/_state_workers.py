@@ -24,7 +24,7 @@ from torch import nn
 
 import pipedialect
 import pipedialect.checkpoint as ckpt
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 DIM, VOCAB = 8, 16
 MICRO, GAS, STEPS = 4, 2, 3

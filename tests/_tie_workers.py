@@ -16,7 +16,7 @@ from torch import nn
 
 import pipedialect
 from pipedialect.models import ModelSpec, ResidualMLP, cross_entropy_loss, seeded_init
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 DATA_SEED = 100
 GAS, MICRO = 4, 2

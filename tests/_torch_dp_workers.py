@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import pipedialect
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 DP = 2
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import pipedialect
 from pipedialect.models import ModelSpec, get_model
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 DATA_SEED = 100
 

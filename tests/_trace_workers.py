@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import pipedialect
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 GAS, MICRO, STEPS = 4, 2, 2
 

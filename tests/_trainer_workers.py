@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 import pipedialect
-from pipedialect.param_groups import no_weight_decay
-from pipedialect.partition import partition
+from pipedialect.engine.param_groups import no_weight_decay
+from pipedialect.plan.partition import partition
 
 MODEL = "gpt"
 GAS, MICRO, STEPS, WARMUP = 2, 2, 5, 2

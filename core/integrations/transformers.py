@@ -68,7 +68,7 @@ from transformers.trainer_utils import EvalLoopOutput
 from .. import checkpoint as portable
 from ..contracts import Capability, RuntimeEngine, Topology
 from ..errors import ConfigError, PipeDialectWarning, TrainingArgumentError
-from ..partition import PipelinePlan, partition
+from ..plan.partition import PipelinePlan, partition
 from ..plugins import get_dialect
 
 __all__ = [

@@ -176,7 +176,7 @@ class Layout:
         ``make_topology`` when it lays out ``p`` pipeline ranks, else a
         :class:`~pipedialect.GridTopology` of ``pipe = p`` by ``data = d``."""
         from ..errors import TopologyError
-        from ..topology import GridTopology
+        from ..runtime.topology import GridTopology
 
         kwargs: dict[str, int] = {"data_parallel": self.data_parallel}
         if self.tensor_parallel > 1:

@@ -1,7 +1,7 @@
 """From an ``nn.Module`` and one micro-batch to the planner's chains.
 
 [Note: measuring a model for the planner]
-One measurement of the model (:func:`pipedialect.balance.profile_model`: a forward and backward
+One measurement of the model (:func:`pipedialect.plan.balance.profile_model`: a forward and backward
 on fake tensors of the example inputs, and with ``measure_time`` a timed run on the real ones;
 [Note: balance trace]) gives, per gap between module events, the forward and backward seconds
 (or FLOPs, turned into seconds at ``flops_per_second``), the parameters read, the tensors saved
@@ -33,9 +33,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .. import _balance_profile as _profile
-from ..balance import ModelProfile, profile_model
 from ..errors import ConfigError, RecomputeError, SplitPointError
+from ..plan import _balance_profile as _profile
+from ..plan.balance import ModelProfile, profile_model
 from ._chain import Atom, Chain
 
 __all__ = ["checkpoint_label", "model_chains"]
@@ -152,7 +152,7 @@ def model_chains(
         candidates: the modules that may end a stage (default: every candidate).
         concrete_args, leaf_modules: as for :func:`pipedialect.partition`.
         weight_fraction: the share of each backward in its weight pass.
-        profile: a measurement already taken (:func:`pipedialect.balance.profile_model` with
+        profile: a measurement already taken (:func:`pipedialect.plan.balance.profile_model` with
             these inputs).
 
     Raises:

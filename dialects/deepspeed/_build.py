@@ -16,11 +16,11 @@ from torch import nn
 
 from pipedialect import ConfigError, TieAnalyzer, TieError, Topology, TopologyError
 from pipedialect.dialect import given_options
-from pipedialect.ties import DefaultTieAnalyzer, TieGroup, retie_parameters
+from pipedialect.plan.ties import DefaultTieAnalyzer, TieGroup, retie_parameters
 
 if TYPE_CHECKING:
     from pipedialect.dialect import PipelineRequest
-    from pipedialect.partition import PipelinePlan
+    from pipedialect.plan.partition import PipelinePlan
 
     from ._module import PipeDialectPipelineModule, TieSpec
 
@@ -78,7 +78,7 @@ def _materialise_local_stage(plan: PipelinePlan, topology: Topology, init_weight
     import torch
     import torch.distributed as dist
 
-    from pipedialect.weights import prepare_local_stages
+    from pipedialect.plan.weights import prepare_local_stages
 
     stage = int(topology.get_coord(dist.get_rank()).pipe)
     if dist.get_backend() == "nccl":

@@ -14,7 +14,7 @@ from torch import nn
 
 from pipedialect import ConfigError
 from pipedialect.contracts import EngineState, HeldStage
-from pipedialect.stage import StageWrapper
+from pipedialect.runtime.stage import StageWrapper
 
 __all__ = ["deepspeed_engine_state"]
 

@@ -16,7 +16,7 @@ one gives no gradient to a stage whose inputs are integer token ids, and torch's
 input. The recomputation replays the RNG state of the first run, so dropout masks are the same,
 and the stage's module state: it starts from the buffers the forward started from and leaves
 them as the forward left them, so running statistics count each micro-batch once
-(``pipedialect.module_state`` [Note: recomputation and module state]).
+(``pipedialect.runtime.module_state`` [Note: recomputation and module state]).
 A function other than DeepSpeed's two is refused, and so is a negative interval.
 
 It also makes gradient clipping use the global norm: DeepSpeed 0.19's fp32 ``clip_grad_norm_``
@@ -44,9 +44,9 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from torch import nn
 
 from pipedialect import ConfigError, Topology
-from pipedialect.agreement import check_frozen_ties
 from pipedialect.errors import CheckpointError
-from pipedialect.module_state import recompute_with_state
+from pipedialect.runtime.agreement import check_frozen_ties
+from pipedialect.runtime.module_state import recompute_with_state
 
 __all__ = ["PipeDialectPipelineModule", "TieSpec", "recompute_stage"]
 
@@ -63,7 +63,7 @@ def recompute_stage(function: Callable[..., Any], *args: Any) -> Any:
     """Run ``function(*args)`` (one whole stage) under torch's non-reentrant checkpoint.
 
     See [Note: stage recomputation]; the RNG state is preserved for the recomputation, and so
-    is the stage's module state (``pipedialect.module_state`` [Note: recomputation and module
+    is the stage's module state (``pipedialect.runtime.module_state`` [Note: recomputation and module
     state]).
     """
     running = _RUNNING.get()

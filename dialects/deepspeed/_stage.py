@@ -2,7 +2,7 @@
 
 DeepSpeed's ``PipelineEngine`` (0.19) sends a tuple of tensors between stages and decides who gets
 a gradient by ``is_floating_point()``. The generic wire already puts gradient-carrying floats
-first and disguises floats that need no gradient (:mod:`pipedialect.wire` [Note: wire layout]).
+first and disguises floats that need no gradient (:mod:`pipedialect.runtime.wire` [Note: wire layout]).
 This wrapper adds what only DeepSpeed needs, checked once per boundary at the first
 micro-batch so that a payload DeepSpeed cannot carry is refused here, naming the value,
 instead of crashing or hanging inside the engine:
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pipedialect import StageWrapper, WireError
-from pipedialect.wire import leaf_paths
+from pipedialect.runtime.wire import leaf_paths
 
 __all__ = ["DeepSpeedStageWrapper"]
 

@@ -7,11 +7,11 @@ enough; a middle stage that sends more gradient-carrying floats than it receives
 encoder-decoder stage forwarding the encoder output next to its own activation) would then get a
 float gradient in a bool or integer slot, which gloo rejects and NCCL corrupts. And
 ``reset_activation_shape()``, DeepSpeed's way to change the sequence length, also resets the
-stage wrappers' frozen wire layouts and shapes (``pipedialect.wire`` [Note: wire state]).
+stage wrappers' frozen wire layouts and shapes (``pipedialect.runtime.wire`` [Note: wire state]).
 
 ``train_batch`` and ``eval_batch`` read the step's micro-batches (on the first and last stages)
 before DeepSpeed runs its schedule, check that DeepSpeed can load them, and tell every rank
-whether one of them failed (``pipedialect.agreement`` [Note: rank agreement]): a data iterator
+whether one of them failed (``pipedialect.runtime.agreement`` [Note: rank agreement]): a data iterator
 that runs out is a :class:`~pipedialect.DataExhaustedError` on every rank, not a
 ``StopIteration`` on one and a hang on the others, and nothing was computed. A failed step stops
 the timers DeepSpeed started (so the next call can start them again) and drops the gradients.
@@ -38,14 +38,12 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.utils import clip_grad_norm_
 from torch import nn
 
-from pipedialect import (
-    ConfigError,
-    DataError,
-    PipeDialectError,
-    StageWrapper,
-    checkpoint_files,
-)
-from pipedialect.agreement import (
+from pipedialect import ConfigError, DataError, PipeDialectError, StageWrapper
+from pipedialect.engine import checkpoint_files
+from pipedialect.engine.config import check_one_optimizer
+from pipedialect.engine.param_groups import ParamGroupsFn, resolve_param_groups
+from pipedialect.plan.batches import input_spec
+from pipedialect.runtime.agreement import (
     agree_on_error,
     agreed,
     check_inputs,
@@ -56,9 +54,6 @@ from pipedialect.agreement import (
     pull_micro_batches,
     root_nonfinite,
 )
-from pipedialect.batches import input_spec
-from pipedialect.config import check_one_optimizer
-from pipedialect.param_groups import ParamGroupsFn, resolve_param_groups
 
 __all__ = [
     "PASSED_INITIALIZE_ARGS",
@@ -107,7 +102,7 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
 
     def _agreed(self, what: str) -> Any:
         """A phase every rank runs together: an error on one rank is raised on every rank
-        (``pipedialect.agreement`` [Note: one error, every rank])."""
+        (``pipedialect.runtime.agreement`` [Note: one error, every rank])."""
         return agreed(what, where=f"[Stage {self.stage_id}] ")
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> Any:
@@ -187,7 +182,7 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
 
     def _by_name(self, items: list[Any]) -> list[Any]:
         """Dict micro-batches as ``(inputs, labels)`` pairs, each input checked against stage 0
-        (``pipedialect.batches`` [Note: inputs by name])."""
+        (``pipedialect.plan.batches`` [Note: inputs by name])."""
         wrapper = next((f for f in self.module.forward_funcs if isinstance(f, StageWrapper)), None)
         if wrapper is None:
             return items
@@ -409,7 +404,7 @@ def init_ds_engine(
     path); ``config_params`` (its old name) or ``args.deepspeed_config`` may give it instead, as
     in ``deepspeed.initialize``. The optimizer steps ``model_parameters`` (tensors, or dicts of
     parameter groups as torch optimizers take them) or the groups ``param_groups`` builds from
-    this rank's parameters under the model's names (:mod:`pipedialect.param_groups`; a tied
+    this rank's parameters under the model's names (:mod:`pipedialect.engine.param_groups`; a tied
     weight once, under its name on this stage), by default every trainable parameter: either
     way each trainable parameter of this stage must be in exactly one group. ``optimizer``,
     ``lr_scheduler``, ``training_data``, ``collate_fn`` and ``dist_init_required`` go to
@@ -728,7 +723,7 @@ def _check_batch_sizes(config: Mapping[str, Any], model: PipelineModule) -> None
     ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps *
     data-parallel size`` with every entry positive.
     """
-    from pipedialect.config import batch_triple
+    from pipedialect.engine.config import batch_triple
 
     batch_triple(config, int(model._topo.get_dim("data")) or 1)
 

@@ -35,10 +35,10 @@ class LocalDialect(Dialect):
         parallelism. ``init_weights(stage_module)`` fills every stage of a meta-device plan on
         the CPU (every stage is local here).
         """
-        from pipedialect.config import parse_config
-        from pipedialect.ties import retie_parameters
-        from pipedialect.topology import check_topology
-        from pipedialect.weights import prepare_local_stages
+        from pipedialect.engine.config import parse_config
+        from pipedialect.plan.ties import retie_parameters
+        from pipedialect.plan.weights import prepare_local_stages
+        from pipedialect.runtime.topology import check_topology
 
         from .engine import LocalPipeline
 
@@ -92,7 +92,7 @@ class LocalDialect(Dialect):
 
     def engine_state(self, engine: RuntimeEngine) -> EngineState:
         """Every stage of the plan, each run by its wrapper, named as the model."""
-        from pipedialect.stage import StageWrapper
+        from pipedialect.runtime.stage import StageWrapper
 
         from .engine import LocalEngine
 

@@ -22,26 +22,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipedialect import (
-    CheckpointError,
-    ConfigError,
-    StageWrapper,
-    checkpoint_files,
-)
-from pipedialect.agreement import (
-    check_inputs,
-    first_nonfinite_loss,
-    nonfinite_loss_error,
-)
-from pipedialect.config import clip_gradients, parse_config
+from pipedialect import CheckpointError, ConfigError, StageWrapper
 from pipedialect.engine import (
     EngineBase,
+    checkpoint_files,
     read_checkpoint_file,
     shape_mismatch,
     stage_param_name,
 )
-from pipedialect.param_groups import ParamGroupsFn
-from pipedialect.partition import PipelinePlan
+from pipedialect.engine.config import clip_gradients, parse_config
+from pipedialect.engine.param_groups import ParamGroupsFn
+from pipedialect.plan.partition import PipelinePlan
+from pipedialect.runtime.agreement import (
+    check_inputs,
+    first_nonfinite_loss,
+    nonfinite_loss_error,
+)
 
 __all__ = ["LocalEngine", "LocalPipeline"]
 

@@ -16,15 +16,15 @@ import torch
 from torch import nn
 
 from pipedialect import ConfigError, Topology, TopologyError
-from pipedialect.config import parse_config
-from pipedialect.topology import check_topology, check_world_size, joined_world_size
+from pipedialect.engine.config import parse_config
+from pipedialect.runtime.topology import check_topology, check_world_size, joined_world_size
 
 from ._replicas import check_data_parallel_mode
 from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
 
 if TYPE_CHECKING:
     from pipedialect.dialect import PipelineRequest
-    from pipedialect.partition import PipelinePlan
+    from pipedialect.plan.partition import PipelinePlan
 
     from .engine import TorchPipeline
 
@@ -167,7 +167,7 @@ def _construct(
 ) -> TorchPipeline:
     import torch.distributed as dist
 
-    from pipedialect.weights import prepare_local_stages
+    from pipedialect.plan.weights import prepare_local_stages
 
     from ._replicas import Replicas
     from ._ties import TieSync

@@ -146,7 +146,7 @@ class TorchDialect(Dialect):
 
     def engine_state(self, engine: RuntimeEngine) -> EngineState:
         """This rank's stages, each run by its wrapper inside a stage runner."""
-        from pipedialect.stage import StageWrapper
+        from pipedialect.runtime.stage import StageWrapper
 
         from .engine import TorchEngine
 

@@ -172,7 +172,7 @@ class Replicas:
 
     def sum_flat(self, flat: torch.Tensor) -> None:
         """Sum one flat gradient tensor in place over this position's data-parallel group (the
-        bf16 engine's reduction in its communication dtype, ``pipedialect.precision``)."""
+        bf16 engine's reduction in its communication dtype, ``pipedialect.engine.precision``)."""
         if self.data_group is not None:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_group)
 

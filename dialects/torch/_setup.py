@@ -8,11 +8,11 @@ micro-batch: each rank runs its own stages once, in stage order, on the real val
 stage runs on the micro-batch's inputs; a later stage on the wire its predecessor produced,
 passed in-process when both stages are on this rank and sent with ``send_object_list`` (once,
 a few tensors) otherwise. Only the rank holding the first stage needs data. Every stage runs
-with gradients enabled, so its wire layout is the one training uses (``pipedialect.wire``
+with gradients enabled, so its wire layout is the one training uses (``pipedialect.runtime.wire``
 [Note: wire layout]) and the ``requires_grad`` of each example tells torch which boundary
 tensors carry gradients. The run leaves no trace: the RNG state is restored afterwards, so the
 training steps draw what they would have, the stages run on copies of their buffers and their
-plain Python attributes are put back (``pipedialect.module_state.preserved_state``: running
+plain Python attributes are put back (``pipedialect.runtime.module_state.preserved_state``: running
 statistics count only the training micro-batches), and the first stage runs on a copy of the
 micro-batch.
 
@@ -31,7 +31,7 @@ that stack). So building an engine registers an exit hook: after a normal exit e
 for the others (a barrier, by which time the worker threads are idle) and destroys the process
 group while the interpreter is whole. After an uncaught exception the hook does nothing: the
 peers may be anywhere, and waiting for them could hang. The launcher of
-:mod:`pipedialect.launch` leaves through ``os._exit`` after its own barrier, so the hook
+:mod:`pipedialect.runtime.launch` leaves through ``os._exit`` after its own barrier, so the hook
 never runs there.
 """
 
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipedialect.module_state import preserved_state
+from pipedialect.runtime.module_state import preserved_state
 
 from ._stage import StageRunner, normalize_wire, to_device
 

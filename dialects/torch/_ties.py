@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import TieError, TieGroup
-from pipedialect.agreement import check_frozen_ties
-from pipedialect.ties import retie_parameters
+from pipedialect.plan.ties import retie_parameters
+from pipedialect.runtime.agreement import check_frozen_ties
 
 __all__: list[str] = []
 

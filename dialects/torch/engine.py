@@ -13,13 +13,13 @@ for its backward), sums tied-weight gradients across ranks ([Note: tied weights 
 ``_ties``), clips with the global norm, steps the optimizer once and returns the mean
 micro-batch loss on every rank. Only the ranks holding the first or the last stage read the data
 iterator, as in DeepSpeed; they read the whole step first and every rank learns whether one of
-them failed (``pipedialect.agreement`` [Note: rank agreement]), so an iterator that runs out is a
+them failed (``pipedialect.runtime.agreement`` [Note: rank agreement]), so an iterator that runs out is a
 :class:`~pipedialect.DataExhaustedError` on every rank, never a hang or a partial step. With
 ``check_finite`` the losses and gradients are checked before the optimizer steps, on every rank
 alike. With a data axis in the topology every replica runs this on its own pipeline and data,
 and gradients and the returned loss are averaged over the replicas (``_replicas``
 [Note: data parallel on torch]). The configuration is a DeepSpeed config dict with DeepSpeed 0.19.8
-semantics (:mod:`pipedialect.config`), so one config gives the same numbers on
+semantics (:mod:`pipedialect.engine.config`), so one config gives the same numbers on
 every dialect.
 """
 
@@ -33,15 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedialect import (
-    CheckpointError,
-    ConfigError,
-    DataError,
-    PipeDialectError,
-    StageWrapper,
-    checkpoint_files,
-)
-from pipedialect.agreement import (
+from pipedialect import CheckpointError, ConfigError, DataError, PipeDialectError, StageWrapper
+from pipedialect.engine import EngineBase, checkpoint_files, read_checkpoint_file, shape_mismatch
+from pipedialect.engine.config import TrainingConfig, parse_config
+from pipedialect.engine.param_groups import ParamGroupsFn
+from pipedialect.plan.partition import PipelinePlan
+from pipedialect.runtime.agreement import (
     agree_on_error,
     agreed,
     check_inputs,
@@ -49,10 +46,6 @@ from pipedialect.agreement import (
     nonfinite_loss_error,
     root_nonfinite,
 )
-from pipedialect.config import TrainingConfig, parse_config
-from pipedialect.engine import EngineBase, read_checkpoint_file, shape_mismatch
-from pipedialect.param_groups import ParamGroupsFn
-from pipedialect.partition import PipelinePlan
 
 from ._replicas import Replicas
 from ._schedules import ScheduleSpec
@@ -309,7 +302,7 @@ class TorchEngine(EngineBase):
         )
         # bf16: each stage moves its gradients into the high-precision buffers after every
         # micro-batch's backward, as DeepSpeed's pipeline engine does per stage
-        # (pipedialect.precision [Note: bf16 as DeepSpeed does it]).
+        # (pipedialect.engine.precision [Note: bf16 as DeepSpeed does it]).
         for runner in module._runners():
             runner.after_backward = (
                 None if self.mixed is None else _Accumulate(self, list(runner.parameters()))
@@ -409,7 +402,7 @@ class TorchEngine(EngineBase):
 
     def _agreed(self, what: str) -> Any:
         """A phase every rank runs together: an error on one rank is raised on every rank
-        (``pipedialect.agreement`` [Note: one error, every rank])."""
+        (``pipedialect.runtime.agreement`` [Note: one error, every rank])."""
         stages = ", ".join(str(k) for k in self.stage_ids)
         return agreed(what, where=f"[Stage {stages}] ")
 

@@ -89,7 +89,7 @@ import pytest
 
 import mine._dialect as page
 from mine import MyDialect
-from pipedialect.config import clip_gradients
+from pipedialect.engine.config import clip_gradients
 from pipedialect.testing.suite import TestTraining
 
 

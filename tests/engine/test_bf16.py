@@ -1,4 +1,4 @@
-"""bf16 with DeepSpeed's semantics on every dialect (``pipedialect.precision``).
+"""bf16 with DeepSpeed's semantics on every dialect (``pipedialect.engine.precision``).
 
 Three kinds of comparison, each with the tolerance it reaches and why:
 
@@ -31,10 +31,10 @@ from _compare import assert_tensor_close
 
 import pipedialect
 from pipedialect import ConfigError
-from pipedialect.config import parse_config
-from pipedialect.launch import launch
+from pipedialect.engine.config import parse_config
 from pipedialect.models import get_model
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
+from pipedialect.runtime.launch import launch
 
 #: bf16 loss curve vs the fp32 one, relative, per step (see the module docstring).
 FP32_BAND = 0.02

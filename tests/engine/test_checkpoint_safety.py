@@ -22,8 +22,8 @@ from _reliability_workers import reference, step_batches
 
 import pipedialect
 from pipedialect import CheckpointError, LaunchError
-from pipedialect.launch import launch
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
+from pipedialect.runtime.launch import launch
 
 LAUNCH_TIMEOUT = 600.0
 #: How a launch with a SIGKILLed rank fails: that rank, or a peer that lost it first.

@@ -29,8 +29,8 @@ import pytest
 
 import pipedialect
 from pipedialect import ConfigError
-from pipedialect._deepspeed_keys import KNOWN_KEYS, REMOVED_KEYS
-from pipedialect.config import check_config_keys, handled_keys, parse_config
+from pipedialect.engine._deepspeed_keys import KNOWN_KEYS, REMOVED_KEYS
+from pipedialect.engine.config import check_config_keys, handled_keys, parse_config
 from pipedialect.errors import UnknownConfigKeyError
 from pipedialect.models import get_model
 

@@ -20,8 +20,8 @@ from _reference import steps_from, train_unsplit
 
 import pipedialect
 from pipedialect import ConfigError, partition
-from pipedialect.launch import launch
-from pipedialect.lr_schedules import SCHEDULES, build_schedule
+from pipedialect.engine.lr_schedules import SCHEDULES, build_schedule
+from pipedialect.runtime.launch import launch
 
 ds_lr = pytest.importorskip("deepspeed.runtime.lr_schedules")
 

@@ -16,7 +16,7 @@ from _reference import steps_from, train_unsplit
 
 import pipedialect
 from pipedialect import ConfigError, partition
-from pipedialect.param_groups import no_weight_decay
+from pipedialect.engine.param_groups import no_weight_decay
 
 GAS, MICRO, STEPS = 2, 2, 4
 

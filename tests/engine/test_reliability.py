@@ -25,8 +25,8 @@ from pipedialect import (
     NonFiniteError,
     PlanDisagreementError,
 )
-from pipedialect.launch import launch
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
+from pipedialect.runtime.launch import launch
 
 LAUNCH_TIMEOUT = 600.0  # two cores shared with other test runs; a hang ends here, not in CI
 SECONDS = 60.0

@@ -25,8 +25,8 @@ from torch import nn
 import pipedialect
 import pipedialect.checkpoint as ckpt
 from pipedialect import CheckpointError
-from pipedialect.launch import launch
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
+from pipedialect.runtime.launch import launch
 
 LAUNCH_TIMEOUT = 900.0
 

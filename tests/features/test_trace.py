@@ -23,8 +23,8 @@ import torch
 from _compare import assert_tensor_close
 
 import pipedialect
-from pipedialect.launch import launch
 from pipedialect.models import MODELS
+from pipedialect.runtime.launch import launch
 from pipedialect.trace import Span, Timeline
 
 GAS, STEPS, STAGES = 4, 2, 4

@@ -41,7 +41,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from pipedialect.launch import launch
+from pipedialect.runtime.launch import launch
 
 #: Generated models per run on the local dialect (the issue asks for at least 200).
 LOCAL_EXAMPLES = 200

@@ -19,7 +19,7 @@ from _reference import steps_from, train_unsplit
 from torch import nn
 
 import pipedialect
-from pipedialect.launch import launch
+from pipedialect.runtime.launch import launch
 
 STEPS = 3
 GAS = 2

@@ -26,7 +26,7 @@ from torch import nn
 import pipedialect
 from pipedialect import CheckpointError, PartitionError, WeightsError, partition
 from pipedialect import checkpoint as ckpt
-from pipedialect.weights import from_pretrained, from_state_dict, materialise_stages
+from pipedialect.plan.weights import from_pretrained, from_state_dict, materialise_stages
 
 
 def _meta_from(family: hf.Family, directory: Path) -> nn.Module:

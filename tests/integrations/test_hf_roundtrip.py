@@ -31,8 +31,8 @@ from safetensors.torch import load_file
 import pipedialect
 from pipedialect import checkpoint as ckpt
 from pipedialect import partition
-from pipedialect.launch import launch
-from pipedialect.weights import from_pretrained
+from pipedialect.plan.weights import from_pretrained
+from pipedialect.runtime.launch import launch
 
 STEPS = 3
 GAS = 2

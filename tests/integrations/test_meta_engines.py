@@ -25,8 +25,8 @@ from _reference import steps_from, train_unsplit
 
 import pipedialect
 from pipedialect import WeightsError, partition
-from pipedialect.launch import launch
-from pipedialect.weights import from_state_dict
+from pipedialect.plan.weights import from_state_dict
+from pipedialect.runtime.launch import launch
 
 SPEC_NAME = meta_workers.MODEL
 CLI = [sys.executable, "-m", "pipedialect.cli", "demo"]

@@ -41,7 +41,7 @@ from pipedialect.integrations.transformers import (  # noqa: E402
     check_trainer,
     pp_plan_split_points,
 )
-from pipedialect.launch import free_port  # noqa: E402
+from pipedialect.runtime.launch import free_port  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 

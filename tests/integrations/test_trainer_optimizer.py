@@ -22,7 +22,7 @@ from _reference import steps_from, train_unsplit
 
 import pipedialect
 from pipedialect import ConfigError, partition
-from pipedialect.param_groups import no_weight_decay
+from pipedialect.engine.param_groups import no_weight_decay
 
 
 def reference(clip: float) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def test_local_trains_with_a_client_adamw_and_cosine_schedule_as_the_unsplit_mod
 def test_pipeline_dialects_train_with_a_client_adamw_and_cosine_schedule(
     dialect_name: str,
 ) -> None:
-    from pipedialect.launch import launch
+    from pipedialect.runtime.launch import launch
 
     for clip in (0.0, 0.05):
         ref = reference(clip)

@@ -27,15 +27,15 @@ from torch import nn
 
 import pipedialect
 from pipedialect import ConfigError, PartitionError, SplitPointError, partition
-from pipedialect._balance_solver import solve, spread_partition, uniform_partition
-from pipedialect.balance import (
+from pipedialect.models import MODELS, ModelSpec, TinyGPT
+from pipedialect.plan._balance_solver import solve, spread_partition, uniform_partition
+from pipedialect.plan.balance import (
     choose_split_points,
     plan_costs,
     predicted_bubble,
     profile_model,
 )
-from pipedialect.launch import launch
-from pipedialect.models import MODELS, ModelSpec, TinyGPT
+from pipedialect.runtime.launch import launch
 
 # -- the solver against brute force ------------------------------------------------------------
 

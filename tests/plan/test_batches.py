@@ -19,8 +19,8 @@ from _compare import ATOL, RTOL, assert_tensor_close
 
 import pipedialect
 from pipedialect import DataError
-from pipedialect.launch import launch
 from pipedialect.models import cross_entropy_loss
+from pipedialect.runtime.launch import launch
 
 STEPS = 3
 

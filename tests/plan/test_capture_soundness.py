@@ -471,7 +471,7 @@ def test_partition_with_example_inputs_refuses_a_plan_that_differs() -> None:
 
 def test_partition_with_example_inputs_names_a_wrong_stage(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage corrupted while the plan is built: the check names it, on the export path."""
-    from pipedialect import _fx
+    from pipedialect.plan import _fx
 
     build = _fx._build_stage
 

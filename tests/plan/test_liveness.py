@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from pipedialect import PartitionError, StageWrapper, TensorCodec, partition
-from pipedialect.liveness import compute_liveness
 from pipedialect.models import MODELS
+from pipedialect.plan.liveness import compute_liveness
 
 HF_INPUTS = [
     "input_ids",

@@ -21,8 +21,8 @@ from torch import nn
 
 import pipedialect
 from pipedialect import RecomputeError, partition
-from pipedialect.launch import launch
 from pipedialect.models import TinyGPT, cross_entropy_loss, seeded_init
+from pipedialect.runtime.launch import launch
 
 
 class DropBlock(nn.Module):

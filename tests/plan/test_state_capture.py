@@ -27,7 +27,7 @@ from torch import nn
 import pipedialect
 import pipedialect.checkpoint as ckpt
 from pipedialect import CaptureError, ConfigError, partition
-from pipedialect.launch import launch
+from pipedialect.runtime.launch import launch
 
 DIM = w.DIM
 PATHS = ["fx", "export"]
@@ -258,7 +258,7 @@ def test_a_mode_switching_stage_survives_deepcopy_and_pickle() -> None:
     model = ModeNet()
     plan = _partition(model, ["stat"], "export")
     stage = plan.stages[1]
-    assert isinstance(stage, pipedialect._fx.ModalGraphModule)
+    assert isinstance(stage, pipedialect.plan._fx.ModalGraphModule)
     h = _x(3)
     for make in (copy.deepcopy, lambda s: pickle.loads(pickle.dumps(s))):
         copied, reference = make(stage), copy.deepcopy(model)

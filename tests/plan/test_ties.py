@@ -33,10 +33,10 @@ from pipedialect import (
     partition,
 )
 from pipedialect.dialects.local import LocalDialect
-from pipedialect.launch import launch
 from pipedialect.models import MODELS
-from pipedialect.ties import check_tie_objects, retie_parameters
-from pipedialect.topology import check_topology
+from pipedialect.plan.ties import check_tie_objects, retie_parameters
+from pipedialect.runtime.launch import launch
+from pipedialect.runtime.topology import check_topology
 
 
 class FakeTopology:

@@ -1,4 +1,4 @@
-"""Meta-device models on both capture paths, and ``pipedialect.weights`` loading per stage.
+"""Meta-device models on both capture paths, and ``pipedialect.plan.weights`` loading per stage.
 
 References: the real model (built on the CPU from the same seed) for structure, names and
 ties; and, for loading, the unsplit transformers model loaded with ``from_pretrained`` from
@@ -23,7 +23,7 @@ from torch import nn
 import pipedialect
 from pipedialect import WeightsError, partition
 from pipedialect.models import TinyGPT
-from pipedialect.weights import (
+from pipedialect.plan.weights import (
     from_pretrained,
     from_safetensors,
     from_state_dict,

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipedialect import ConfigError
-from pipedialect._balance_solver import solve
+from pipedialect.plan._balance_solver import solve
 from pipedialect.planner import (
     DEEPSPEED_SCHEDULE,
     TORCH_SCHEDULES,

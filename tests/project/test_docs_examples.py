@@ -18,7 +18,7 @@ from pathlib import Path
 import _doc_examples as docs
 import pytest
 
-from pipedialect.launch import free_port
+from pipedialect.runtime.launch import free_port
 
 FOUND = docs.collect()
 BIN = Path(sys.executable).parent

@@ -39,7 +39,11 @@ def test_the_deepspeed_dialect_outside_a_launcher_names_the_launchers(
         pipedialect.get_dialect("deepspeed").init_distributed()
     text = str(info.value)
     assert "not started by a launcher" in text
-    for launcher in ("torchrun --nproc_per_node N", "deepspeed --num_gpus N", "pipedialect.launch"):
+    for launcher in (
+        "torchrun --nproc_per_node N",
+        "deepspeed --num_gpus N",
+        "pipedialect.runtime.launch",
+    ):
         assert launcher in text
     assert not torch.distributed.is_initialized()
 

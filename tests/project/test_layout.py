@@ -114,9 +114,11 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_rules_see_the_real_modules() -> None:
     """The graph below is built from the actual files (so an empty graph cannot pass)."""
-    assert {"pipedialect.contracts", "pipedialect.dialect", "pipedialect.stage"} <= set(MODULES)
-    assert "pipedialect.contracts" in _imports("pipedialect.stage")
-    assert "pipedialect.stage" in _imports("pipedialect.ties")  # a top-level import
+    assert {"pipedialect.contracts", "pipedialect.dialect", "pipedialect.runtime.stage"} <= set(
+        MODULES
+    )
+    assert "pipedialect.contracts" in _imports("pipedialect.runtime.stage")
+    assert "pipedialect.runtime.stage" in _imports("pipedialect.plan.ties")  # a top-level import
     # a function-level import is seen: the torch engine builds its stages inside methods
     assert any(
         m.startswith("pipedialect.dialects.torch.") for m in _imports("pipedialect.dialects.torch")
@@ -155,10 +157,10 @@ def test_no_dialect_imports_another_dialect_or_a_private_core_module() -> None:
 def test_partition_and_trace_stay_functions_in_every_import_order() -> None:
     """``pipedialect.partition`` is a function even after its submodule is imported."""
     code = (
-        "import pipedialect.partition, pipedialect.trace, pipedialect\n"
+        "import pipedialect.plan.partition, pipedialect.trace, pipedialect\n"
         "import pipedialect.dialects.local\n"
         "assert callable(pipedialect.partition) and callable(pipedialect.trace)\n"
-        "from pipedialect.partition import PipelinePlan\n"
+        "from pipedialect.plan.partition import PipelinePlan\n"
         "assert pipedialect.PipelinePlan is PipelinePlan\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

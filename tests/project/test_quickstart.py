@@ -19,8 +19,8 @@ import torch
 from _reference import steps_from, train_unsplit
 
 from pipedialect.demo import demo_batches
-from pipedialect.launch import free_port
 from pipedialect.models import TinyGPT, cross_entropy_loss
+from pipedialect.runtime.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "quickstart.py"

@@ -34,7 +34,7 @@ from pipedialect.dialects.deepspeed.pipeline import (
     get_simple_nested_list_str,
     unflatten,
 )
-from pipedialect.wire import WireDecoder, WireEncoder
+from pipedialect.runtime.wire import WireDecoder, WireEncoder
 
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HELPER = Path(__file__).resolve().parents[2] / "benchmarks" / "_slapo.py"

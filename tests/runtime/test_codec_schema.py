@@ -29,7 +29,7 @@ from pipedialect import (
     StructureChangedError,
     UnsupportedValueError,
 )
-from pipedialect import _codec_schema as schema
+from pipedialect.runtime import _codec_schema as schema
 
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -9,7 +9,7 @@ import _launch_targets as targets
 import pytest
 
 from pipedialect import LaunchError
-from pipedialect.launch import launch
+from pipedialect.runtime.launch import launch
 
 pytestmark = pytest.mark.distributed
 

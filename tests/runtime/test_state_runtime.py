@@ -22,7 +22,7 @@ from _compare import ATOL, RTOL, assert_tensor_close
 from torch import nn
 
 import pipedialect
-from pipedialect.launch import launch
+from pipedialect.runtime.launch import launch
 
 #: Every rank must have raised within this many seconds of starting the failing phase (an
 #: engine is built inside some of them); a hang runs into the launch's timeout instead.
@@ -173,7 +173,7 @@ def test_recomputation_starts_from_the_state_the_forward_saw() -> None:
     """A recomputed module that updates a buffer in place and divides by it: its gradients
     use the value the forward used (not the one the forward left), and the buffer is updated
     once per call."""
-    from pipedialect._fx import recomputed  # what the stage graphs call
+    from pipedialect.plan._fx import recomputed  # what the stage graphs call
 
     block = workers.ScaleBlock(4)
     seeded = copy.deepcopy(block)
@@ -357,7 +357,7 @@ def test_stages_with_nothing_to_train_run_and_frozen_parameters_stay_put(
 
 def test_bf16_casts_parameters_as_deepspeed_does_and_keeps_buffers() -> None:
     """DeepSpeed 0.19.8 casts fp16/bf16/fp32/fp64 parameters (frozen ones too) and no buffer."""
-    from pipedialect.precision import cast_parameters
+    from pipedialect.engine.precision import cast_parameters
 
     module = nn.Module()
     module.w = nn.Parameter(torch.ones(2, dtype=torch.float64))
@@ -394,7 +394,7 @@ def test_bf16_batchnorm_buffers_stay_fp32_and_equal_the_recipe(
 
 
 def test_agreed_without_a_process_group_runs_the_block() -> None:
-    from pipedialect.agreement import agreed
+    from pipedialect.runtime.agreement import agreed
 
     with pytest.raises(ValueError, match="plain"), agreed("a phase"):
         raise ValueError("plain")

@@ -21,9 +21,9 @@ from torch import nn
 
 import pipedialect
 from pipedialect import StructureChangedError, partition
-from pipedialect.codec import SchemaCodec
 from pipedialect.models import cross_entropy_loss, mse_loss
-from pipedialect.wire import WireDecoder, WireEncoder
+from pipedialect.runtime.codec import SchemaCodec
+from pipedialect.runtime.wire import WireDecoder, WireEncoder
 
 GAS = 2
 RTOL = 1e-6
@@ -151,7 +151,7 @@ def test_torch_engine_reset_activation_shape_accepts_a_new_sequence_length() -> 
     import _ds_workers as workers
     from _compare import ATOL, assert_tensor_close
 
-    from pipedialect.launch import launch
+    from pipedialect.runtime.launch import launch
 
     results = launch(workers.wire_state_run, 2, "torch", ("static", "reset"), timeout=600)
     cases = {c[0]: c for c in workers.WIRE_STATE_CASES}

@@ -4,7 +4,7 @@ A :class:`DialectRun` belongs to one dialect (with one set of engine options) fo
 session. The first test that asks for a case's result runs every case the session's selected
 tests need and the dialect's capabilities admit, grouped by world size: in this process for a
 single-process dialect, else one launch per group of the ranks the dialect's topology asks for
-(:func:`pipedialect.launch.launch`). When a launch ends early (a rank raised, or a case
+(:func:`pipedialect.runtime.launch.launch`). When a launch ends early (a rank raised, or a case
 made no progress for ``case_timeout`` seconds) the case it was in takes the launcher's message
 and the cases after it run in a new launch, so one broken contract costs one test, not all.
 """
@@ -22,7 +22,7 @@ from typing import Any
 from ...contracts import Capability
 from ...dialect import Dialect
 from ...errors import LaunchError, PipeDialectError
-from ...launch import launch
+from ...runtime.launch import launch
 from .._options import EngineOptions
 from ._cases import CASES, Case
 from ._runner import ends_launch, one_thread, read_stopped, record_path, run_cases

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...partition import PipelinePlan, partition
+from ...plan.partition import PipelinePlan, partition
 from ._cases import Case, get_case
 from ._data import LR, eval_stream, train_stream
 from ._models import suite_model

@@ -86,7 +86,7 @@ _VARIANTS: tuple[tuple[_Variant, str, str], ...] = (
         "the optimizer",
         "they are those of the unsplit model trained with AdamW (decoupled weight decay 0.01): "
         '"type": "Adam" with "adam_w_mode": false and "torch_adam": true is torch.optim.Adam '
-        "(pipedialect.config.build_optimizer builds what DeepSpeed builds)",
+        "(pipedialect.engine.config.build_optimizer builds what DeepSpeed builds)",
     ),
     (
         _Variant(step_each_micro_batch=True),

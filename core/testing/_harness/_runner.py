@@ -45,9 +45,9 @@ from ... import checkpoint
 from ...contracts import Capability, RuntimeEngine, Topology
 from ...dialect import Dialect
 from ...errors import PipeDialectError
-from ...partition import PipelinePlan, partition
+from ...plan.partition import PipelinePlan, partition
 from ...plugins import get_dialect
-from ...stage import StageWrapper
+from ...runtime.stage import StageWrapper
 from ...trace import trace
 from .._options import EngineOptions
 from ._cases import Case, get_case

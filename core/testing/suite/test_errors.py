@@ -15,7 +15,7 @@ import pytest
 from ...contracts import Capability
 from ...dialect import Dialect
 from ...errors import PipeDialectError
-from ...partition import partition
+from ...plan.partition import partition
 from .._harness._base import SuiteBase
 from .._harness._cases import case_params, get_case
 from .._harness._checks import build_error_failures, fail_if, run_error_failures

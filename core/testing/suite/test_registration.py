@@ -8,9 +8,9 @@ import pytest
 
 from ...contracts import Capability, TensorCodec, TieAnalyzer, Topology
 from ...dialect import Dialect
-from ...partition import partition
+from ...plan.partition import partition
 from ...plugins import ENTRY_POINT_GROUP, get_dialect, list_dialects
-from ...stage import StageWrapper
+from ...runtime.stage import StageWrapper
 from .._harness._base import SuiteBase
 from .._harness._checks import fail, fail_if
 from .._harness._models import suite_model

@@ -14,7 +14,7 @@ import torch
 
 from ...contracts import Capability
 from ...dialect import Dialect
-from ...partition import partition
+from ...plan.partition import partition
 from .._harness._base import SuiteBase
 from .._harness._cases import Case, case_params, get_case
 from .._harness._checks import RTOL, boundary_failures, fail, fail_if

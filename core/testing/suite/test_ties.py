@@ -12,7 +12,7 @@ import pytest
 
 from ...contracts import Capability
 from ...dialect import Dialect
-from ...partition import partition
+from ...plan.partition import partition
 from .._harness._base import SuiteBase
 from .._harness._cases import case_params
 from .._harness._checks import build_error_failures, fail_if, training_failures

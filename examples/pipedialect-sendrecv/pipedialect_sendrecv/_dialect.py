@@ -8,7 +8,6 @@ from typing import Any
 from torch import nn
 
 from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine
-from pipedialect.config import parse_config
 from pipedialect.contracts import (
     BOUNDARY_CAPABILITIES,
     EngineState,
@@ -17,7 +16,8 @@ from pipedialect.contracts import (
     SpanRecorder,
 )
 from pipedialect.dialect import EngineRequest, NoOptions, PipelineRequest
-from pipedialect.ties import tie_keys
+from pipedialect.engine.config import parse_config
+from pipedialect.plan.ties import tie_keys
 from pipedialect.trace import patch_attribute
 
 from ._engine import SendRecvEngine, SendRecvPipeline

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import ConfigError, PipelinePlan, Topology
-from pipedialect.config import TrainingConfig, build_optimizer
+from pipedialect.engine.config import TrainingConfig, build_optimizer
 
 __all__ = ["SendRecvEngine", "SendRecvPipeline"]
 

@@ -20,7 +20,7 @@ import torch
 from _compare import ATOL, RTOL, assert_tensor_close
 
 from pipedialect import LaunchError
-from pipedialect.launch import free_port, launch
+from pipedialect.runtime.launch import free_port, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -220,7 +220,7 @@ def test_a_new_shape_without_reset_activation_shape_is_the_named_error() -> None
     with pytest.raises(LaunchError) as info:
         launch(workers.shape_change_without_reset, 2, timeout=300)
     message = str(info.value)
-    # Every rank raises it (pipedialect.agreement [Note: one error, every rank]): whichever
+    # Every rank raises it (pipedialect.runtime.agreement [Note: one error, every rank]): whichever
     # rank the launcher reports, the message names the sending stage.
     assert "StructureChangedError: " in message, message
     assert "[Stage 0] tensor at" in message, message

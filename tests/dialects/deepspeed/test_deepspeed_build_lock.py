@@ -18,7 +18,7 @@ import pytest
 
 from pipedialect import ExtensionBuildError
 from pipedialect.dialects.deepspeed._extensions import check_build_locks, extensions_root
-from pipedialect.launch import free_port
+from pipedialect.runtime.launch import free_port
 
 JOIN = (
     "import pipedialect\n"

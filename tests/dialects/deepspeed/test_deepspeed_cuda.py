@@ -10,7 +10,7 @@ import _ds_workers as workers
 import pytest
 import torch
 
-from pipedialect.launch import launch
+from pipedialect.runtime.launch import launch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.distributed]
 

@@ -30,8 +30,8 @@ from torch import nn
 import pipedialect
 from pipedialect import ConfigError, partition
 from pipedialect.dialect import option_descriptions
-from pipedialect.launch import launch
 from pipedialect.models import get_model
+from pipedialect.runtime.launch import launch
 
 GAS, MICRO = 2, 2
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from pipedialect import ConfigError, StageWrapper, StructureChangedError, WireError
 from pipedialect.dialects.deepspeed import DeepSpeedDialect
-from pipedialect.partition import partition
+from pipedialect.plan.partition import partition
 
 
 class Fanout(nn.Module):

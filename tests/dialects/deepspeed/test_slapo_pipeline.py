@@ -12,7 +12,7 @@ import pytest
 import torch
 from _compare import ATOL, RTOL
 
-from pipedialect.launch import launch
+from pipedialect.runtime.launch import launch
 
 pytestmark = pytest.mark.distributed
 

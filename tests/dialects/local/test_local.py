@@ -26,9 +26,9 @@ from pipedialect import (
     TopologyError,
     partition,
 )
-from pipedialect.config import build_optimizer, parse_config
 from pipedialect.dialects.local import LocalDialect
 from pipedialect.dialects.local.engine import LocalEngine, LocalPipeline
+from pipedialect.engine.config import build_optimizer, parse_config
 from pipedialect.models import MODELS, ModelSpec
 
 GAS = 4

@@ -18,7 +18,7 @@ from _compare import ATOL, RTOL, assert_tensor_close
 from _reference import call_model, steps_from, train_unsplit
 
 from pipedialect import LaunchError
-from pipedialect.launch import launch
+from pipedialect.runtime.launch import launch
 
 pytestmark = pytest.mark.distributed
 
@@ -242,7 +242,7 @@ def test_a_changed_boundary_shape_is_the_named_error_not_torchs_runtime_error() 
     with pytest.raises(LaunchError) as info:
         launch(workers.new_shape_mid_run, 2, timeout=TIMEOUT)
     message = str(info.value)
-    # Every rank raises it (pipedialect.agreement [Note: one error, every rank]): whichever
+    # Every rank raises it (pipedialect.runtime.agreement [Note: one error, every rank]): whichever
     # rank the launcher reports, the message names the sending stage.
     assert "StructureChangedError: " in message, message
     assert "[Stage 0] tensor at" in message, message

@@ -20,7 +20,7 @@ import torch
 from _compare import ATOL, RTOL, assert_tensor_close
 from _reference import call_model, steps_from, train_unsplit
 
-from pipedialect.launch import launch
+from pipedialect.runtime.launch import launch
 
 pytestmark = pytest.mark.distributed
 

@@ -105,10 +105,10 @@ import torch.utils.checkpoint
 from torch import fx, nn
 from torch.fx.graph_module import reduce_graph_module
 
+from ..contracts import TensorCodec
+from ..errors import CaptureError, RecomputeError, UnsupportedValueError
+from ..runtime.module_state import recompute_with_state
 from . import _state
-from .contracts import TensorCodec
-from .errors import CaptureError, RecomputeError, UnsupportedValueError
-from .module_state import recompute_with_state
 
 __all__: list[str] = []
 

@@ -22,7 +22,7 @@ engine never gives a gradient, and is refused by name. A client ``lr_scheduler``
 :meth:`EngineBase.get_global_grad_norm` is the global gradient norm of the last step,
 computed whether or not ``gradient_clipping`` clips (Hugging Face's ``Trainer`` logs it).
 
-With ``"bf16": {"enabled": true}`` it also holds the bf16 policy (:mod:`pipedialect.precision`
+With ``"bf16": {"enabled": true}`` it also holds the bf16 policy (:mod:`pipedialect.engine.precision`
 [Note: bf16 as DeepSpeed does it]): the stages' parameters are cast to bf16 when the engine is
 built, the optimizer steps fp32 master copies, an engine calls :meth:`accumulate_grads` after
 each micro-batch's backward and :meth:`take_step` once per step, and reads gradients through
@@ -38,25 +38,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import checkpoint_files
-from .agreement import (
+from ..contracts import EngineState, HeldStage
+from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError, PipeDialectError
+from ..plan.batches import input_spec
+from ..plan.ties import tie_keys
+from ..runtime.agreement import (
     agree_on_error,
     first_nonfinite_grad,
     nonfinite_grad_error,
     pull_micro_batches,
 )
-from .batches import input_spec
+from . import checkpoint_files
 from .checkpoint_files import LATEST_FILE
 from .config import TrainingConfig, build_optimizer, check_one_optimizer
-from .contracts import EngineState, HeldStage
-from .errors import CheckpointError, ConfigError, DataError, NonFiniteError, PipeDialectError
 from .lr_schedules import build_schedule, current_lrs, resolve_client_schedule
 from .param_groups import ParamGroupsFn, resolve_param_groups
 from .precision import BF16Master, cast_parameters
-from .ties import tie_keys
 
 if TYPE_CHECKING:
-    from .partition import PipelinePlan
+    from ..plan.partition import PipelinePlan
 
 __all__ = [
     "EngineBase",
@@ -343,7 +343,7 @@ class EngineBase:
 
         With a plan (``module.plan``), a micro-batch may also be a dict keyed by the model's
         input names and ``"labels"``, and each input is checked against stage 0
-        (:mod:`pipedialect.batches` [Note: inputs by name]).
+        (:mod:`pipedialect.plan.batches` [Note: inputs by name]).
 
         Raises:
             DataExhaustedError: ``data_iter`` ran out first (nothing was computed).

@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..contracts import TensorCodec
+from ..errors import StructureChangedError
 from . import _codec_schema as _schema
-from .contracts import TensorCodec
-from .errors import StructureChangedError
 
 __all__ = ["SchemaCodec"]
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .errors import PartitionError, SplitPointError
+from ..errors import PartitionError, SplitPointError
 
 __all__ = ["check_execution_order", "check_single_call", "close_matches", "resolve_leaves"]
 

@@ -1,6 +1,6 @@
 """SchemaCodec's machinery: the metadata grammar, its parser and per-structure compiled coders.
 
-The public face is :class:`pipedialect.codec.SchemaCodec`; its module docstring describes the
+The public face is :class:`pipedialect.runtime.codec.SchemaCodec`; its module docstring describes the
 metadata format. This module holds:
 
 * :func:`walk`, the generic (slow) encoder: it checks every value, collects the tensor leaves
@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import torch
 
-from .errors import MetadataError, UnsupportedValueError
+from ..errors import MetadataError, UnsupportedValueError
 
 __all__: list[str] = []
 

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..errors import ConfigError, DataError
+from ..runtime.agreement import check_inputs
 from ._export import check_input
 from ._state import StateSnapshot
-from .agreement import check_inputs
-from .errors import ConfigError, DataError
 
 __all__ = ["LABELS_KEY", "InputSpec", "check_loss_fn", "input_spec"]
 

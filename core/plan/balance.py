@@ -53,10 +53,10 @@ from typing import Any, Literal, get_args
 
 from torch import nn
 
+from ..errors import ConfigError, PartitionError, SplitPointError
 from . import _balance_profile as _profile
 from ._balance_solver import solve
 from ._module_paths import check_execution_order, resolve_leaves
-from .errors import ConfigError, PartitionError, SplitPointError
 
 __all__ = [
     "DEFAULT_BANDWIDTH",

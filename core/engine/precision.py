@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError
 
 __all__ = ["CASTABLE_DTYPES", "BF16Master", "Precision", "cast_parameters", "parse_precision"]
 

@@ -40,8 +40,8 @@ from typing import Any, cast
 
 import torch
 
-from .contracts import TensorCodec
-from .errors import MetadataError, StructureChangedError, WireError
+from ..contracts import TensorCodec
+from ..errors import MetadataError, StructureChangedError, WireError
 
 __all__: list[str] = []
 

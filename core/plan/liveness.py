@@ -1,6 +1,6 @@
 """Which values each pipeline stage receives, and so which values each boundary carries.
 
-Values are named as in the plan's top-level graph (see :mod:`pipedialect.stage`): a model input
+Values are named as in the plan's top-level graph (see :mod:`pipedialect.runtime.stage`): a model input
 by its forward parameter name, stage ``k``'s output as ``submod_k`` (or ``submod_k.i`` when the
 stage returns several values).
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-from .errors import PartitionError
+from ..errors import PartitionError
 
 __all__ = ["compute_liveness"]
 

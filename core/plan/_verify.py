@@ -51,8 +51,8 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from ..errors import PartitionError, PipeDialectError, PlanMismatchError
 from . import _fx, _state
-from .errors import PartitionError, PipeDialectError, PlanMismatchError
 
 if TYPE_CHECKING:
     from .partition import PipelinePlan

@@ -51,7 +51,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .errors import RecomputeError
+from ..errors import RecomputeError
 
 __all__ = ["UpdatedBuffers", "preserved_state", "recompute_with_state"]
 

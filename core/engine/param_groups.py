@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["ParamGroupsFn", "no_weight_decay", "resolve_param_groups"]
 

@@ -28,7 +28,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .errors import LaunchError
+from ..errors import LaunchError
 
 __all__ = ["free_port", "launch"]
 

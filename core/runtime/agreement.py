@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import (
+from ..errors import (
     ConnectionLostError,
     DataError,
     DataExhaustedError,

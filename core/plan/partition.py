@@ -5,8 +5,8 @@ flat graph in which every split point is a single call (or, given ``example_inpu
 torch.export: [Note: export capture] in ``_export``), puts the stage boundary after each split
 point's call (Slapo's ``cut_pipeline_stage``), and cuts the graph into one GraphModule per stage
 whose parameters keep the original model's names (see ``_fx`` [Note: own splitter]). The plan
-also says what each stage receives and sends ([Note: liveness] in :mod:`pipedialect.liveness`)
-and which parameters stages share (:mod:`pipedialect.ties`). Everything is derived from the
+also says what each stage receives and sends ([Note: liveness] in :mod:`pipedialect.plan.liveness`)
+and which parameters stages share (:mod:`pipedialect.plan.ties`). Everything is derived from the
 graph's node order, so every rank that partitions the same model gets the same plan;
 :meth:`PipelinePlan.fingerprint` lets ranks check that. :meth:`PipelinePlan.verify` runs the
 plan and the model on one set of inputs and names the first stage that differs ([Note: plan
@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..contracts import StageSpec
+from ..errors import ConfigError, PartitionError, RecomputeError, SplitPointError
 from . import _export, _fx, _state, _verify
 from ._module_paths import (
     check_execution_order,
@@ -55,8 +57,6 @@ from ._module_paths import (
     resolve_leaves,
 )
 from .balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, profile_model
-from .contracts import StageSpec
-from .errors import ConfigError, PartitionError, RecomputeError, SplitPointError
 from .liveness import compute_liveness
 from .ties import TieGroup, find_tie_groups
 
@@ -391,7 +391,7 @@ def partition(
             them checks on every micro-batch ([Note: split-point outputs] in ``_fx``). With
             ``num_stages``, the split points every answer must contain (default: none).
         num_stages: how many stages; the split points not given are chosen by ``balance``
-            (:mod:`pipedialect.balance`), the same on every rank.
+            (:mod:`pipedialect.plan.balance`), the same on every rank.
         balance: the cost model that chooses split points for ``num_stages``: ``"parameters"``
             (the default), ``"flops"``, ``"memory"`` or ``"time"``; all but ``"parameters"``
             measure the model on ``balance_inputs`` (or ``example_inputs``). The plan's
@@ -405,10 +405,10 @@ def partition(
             default: the model's own blocks (the children of its outermost ``ModuleList`` or
             ``Sequential``, e.g. the decoder layers), or every module that can end a stage
             when they cannot make ``num_stages`` stages ([Note: blocks] in
-            :mod:`pipedialect.balance`).
+            :mod:`pipedialect.plan.balance`).
         bandwidth: with ``num_stages``, the bytes per second between stages that price the
             bytes each cut sends for ``"flops"`` and ``"time"`` (default
-            :data:`pipedialect.balance.DEFAULT_BANDWIDTH`); None: boundaries are free.
+            :data:`pipedialect.plan.balance.DEFAULT_BANDWIDTH`); None: boundaries are free.
         recompute: module paths or glob patterns (``"blocks.*"``) whose activations are
             recomputed in backward (non-reentrant ``torch.utils.checkpoint``, dropout masks
             replayed) instead of kept: the stage graphs call them through the checkpoint, so

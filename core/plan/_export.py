@@ -47,7 +47,7 @@ and checked (buffers keep theirs, as DeepSpeed's ``_cast_module_mixed_precision`
 engines do), and records it as :attr:`~pipedialect.PipelinePlan.param_dtype`. The shared
 ``pipe_engine`` refuses a plan whose ``param_dtype`` differs from the dtype the config makes the
 engine train (``"bf16": {"enabled": true}``: bf16; otherwise the parameters' own) and names
-the ``dtype=`` that fits (:func:`pipedialect.partition.check_capture_dtype`).
+the ``dtype=`` that fits (:func:`pipedialect.plan.partition.check_capture_dtype`).
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
+from ..errors import CaptureError, SplitPointError, StructureChangedError
 from . import _state
 from ._fx import Captured, remove_attrs
 from ._module_paths import check_execution_order, check_single_call
-from .errors import CaptureError, SplitPointError, StructureChangedError
 
 __all__: list[str] = []
 

@@ -62,9 +62,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .errors import WeightsError
+from ..errors import WeightsError
+from ..runtime.stage import StageWrapper
 from .partition import MODEL_NAMES, PipelinePlan
-from .stage import StageWrapper
 
 __all__ = [
     "InitWeights",
@@ -395,7 +395,7 @@ def _pretrained_source(files: Sequence[Path], plan: PipelinePlan | None) -> _Saf
             f"the model (transformers converts {sorted({converted[n] for n in needed})[:5]} "
             "while loading, beyond renaming), which per-stage loading by name cannot do: load "
             "the model with from_pretrained on the CPU once and pass init_weights="
-            "pipedialect.weights.from_state_dict(model.state_dict(), plan=plan)",
+            "pipedialect.plan.weights.from_state_dict(model.state_dict(), plan=plan)",
             parameter=needed[0],
         )
     return _SafetensorsSource(where, renamed)
@@ -539,7 +539,7 @@ def prepare_local_stages(
         if not callable(init_weights):
             raise WeightsError(
                 f"init_weights must be a callable(stage_module), got {init_weights!r}; see "
-                "pipedialect.weights.from_state_dict / from_safetensors / from_pretrained"
+                "pipedialect.plan.weights.from_state_dict / from_safetensors / from_pretrained"
             )
         materialise_stages(plan, ids, device, init_weights)
         return
@@ -549,7 +549,7 @@ def prepare_local_stages(
             raise WeightsError(
                 f"[Stage {k}] {on_meta} are on the meta device and no init_weights was given; "
                 "pass init_weights=<callable(stage_module)> to pipe_engine (e.g. "
-                "pipedialect.weights.from_state_dict(state)) so each rank materialises the "
+                "pipedialect.plan.weights.from_state_dict(state)) so each rank materialises the "
                 "stages it runs",
                 stage=k,
                 parameter=on_meta[0],

@@ -14,8 +14,8 @@ DeepSpeed 0.19.8 exactly where it matters:
 - ``gradient_clipping`` defaults to 1.0 and clips with the norm over all parameters
   (``runtime/utils.py``, ``clip_grad_norm_``).
 
-A ``scheduler`` section is checked here and built by :mod:`pipedialect.lr_schedules`; the
-``bf16`` section (and ``data_types.grad_accum_dtype``) by :mod:`pipedialect.precision`, which
+A ``scheduler`` section is checked here and built by :mod:`pipedialect.engine.lr_schedules`; the
+``bf16`` section (and ``data_types.grad_accum_dtype``) by :mod:`pipedialect.engine.precision`, which
 trains as DeepSpeed's ``BF16_Optimizer`` does. Keys that would change the numbers and are not
 implemented (fp16, ZeRO stage > 0, ...) raise :class:`~pipedialect.ConfigError` naming the key;
 logging keys are ignored.
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError, UnknownConfigKeyError
 from ._deepspeed_keys import KNOWN_KEYS, REMOVED_KEYS, Section
-from .errors import ConfigError, UnknownConfigKeyError
 from .lr_schedules import check_schedule_section
 from .precision import Precision, parse_precision
 
@@ -99,7 +99,7 @@ _IGNORED = frozenset(
     }
 )
 
-#: Precision sections, checked by :func:`pipedialect.precision.parse_precision`.
+#: Precision sections, checked by :func:`pipedialect.engine.precision.parse_precision`.
 _PRECISION_SECTIONS = frozenset({"bf16", "bfloat16", "fp16"})
 
 #: Sections that change the numbers when ``enabled`` is true.
@@ -171,7 +171,7 @@ class TrainingConfig:
     optimizer_params: Mapping[str, Any] = field(default_factory=dict)
     #: The checked ``scheduler`` section (``type`` and ``params``), or None.
     scheduler: Mapping[str, Any] | None = None
-    #: fp32, or bf16 with fp32 master weights (see :mod:`pipedialect.precision`).
+    #: fp32, or bf16 with fp32 master weights (see :mod:`pipedialect.engine.precision`).
     precision: Precision = field(default_factory=Precision)
 
 

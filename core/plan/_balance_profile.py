@@ -1,4 +1,4 @@
-"""Measuring a model for :mod:`pipedialect.balance`: module calls, and what runs between them.
+"""Measuring a model for :mod:`pipedialect.plan.balance`: module calls, and what runs between them.
 
 [Note: balance trace]
 A *trace* is one forward (and, where costs need it, one backward) of the model with a hook on
@@ -44,7 +44,7 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import CaptureError, PartitionError
+from ..errors import CaptureError, PartitionError
 
 __all__: list[str] = []
 

@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .contracts import TieAnalyzer, Topology
-from .errors import TieError, TopologyError
-from .stage import StageWrapper
-from .topology import check_topology_object
+from ..contracts import TieAnalyzer, Topology
+from ..errors import TieError, TopologyError
+from ..runtime.stage import StageWrapper
+from ..runtime.topology import check_topology_object
 
 __all__ = [
     "DefaultTieAnalyzer",

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 __all__ = [
     "LATEST_FILE",

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .contracts import Capability, Topology
-from .errors import ConfigError, TopologyError
+from ..contracts import Capability, Topology
+from ..errors import ConfigError, TopologyError
 
 __all__ = [
     "GridCoord",

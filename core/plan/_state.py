@@ -61,7 +61,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from .errors import CaptureError
+from ..errors import CaptureError
 
 __all__: list[str] = []
 
@@ -373,7 +373,7 @@ class StateSnapshot:
 def parameters_as(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     """Give the model's floating-point parameters ``dtype`` for a while, buffers keeping
     theirs, as the engines cast a model for bf16 ([Note: bf16 as DeepSpeed does it] in
-    :mod:`pipedialect.precision`); ``None`` changes nothing."""
+    :mod:`pipedialect.engine.precision`); ``None`` changes nothing."""
     saved: list[tuple[nn.Parameter, torch.Tensor]] = []
     if dtype is not None:
         for param in model.parameters():

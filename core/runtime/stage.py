@@ -3,7 +3,7 @@
 A :class:`StageWrapper` receives what crosses into its stage, runs the stage's
 ``fx.GraphModule`` and returns what must cross to the next one. Runtimes chain the wrappers
 (DeepSpeed's ``PipelineModule`` calls ``layer(x)`` for each), so every wrapper takes and returns
-a tuple of tensors; the codec and the wire layout (:mod:`pipedialect.wire` [Note: wire layout])
+a tuple of tensors; the codec and the wire layout (:mod:`pipedialect.runtime.wire` [Note: wire layout])
 carry everything else.
 
 Values are named as in the plan's top-level graph: a model input by its parameter name, the
@@ -35,9 +35,9 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from ._fx import decoded_by
-from .contracts import StageSpec, TensorCodec
-from .errors import ConfigError, WireError
+from ..contracts import StageSpec, TensorCodec
+from ..errors import ConfigError, WireError
+from ..plan._fx import decoded_by
 from .module_state import UpdatedBuffers
 from .wire import WireDecoder, WireEncoder
 
@@ -56,7 +56,7 @@ class StageWrapper(nn.Module):
             (the receiver then reads the metadata every time).
         shares_state_with: a module whose submodules may hold this stage's buffer tensors
             (the partitioned model, whose buffers torch.export's stages share from other module
-            objects): a buffer replaced by a fresh copy (:mod:`pipedialect.module_state`
+            objects): a buffer replaced by a fresh copy (:mod:`pipedialect.runtime.module_state`
             [Note: buffers updated in place]) is replaced there too, so it keeps seeing the
             stage's state.
 
@@ -184,7 +184,7 @@ class StageWrapper(nn.Module):
         Values after the first stage came through :attr:`codec`, and the module's split-point
         guards judge them as it decodes them ([Note: split-point outputs] in ``_fx``). Buffers
         the forward updates in place get a fresh copy first when gradients are enabled
-        (:mod:`pipedialect.module_state` [Note: buffers updated in place]).
+        (:mod:`pipedialect.runtime.module_state` [Note: buffers updated in place]).
         """
         if self._buffers_updated is None:
             self._buffers_updated = UpdatedBuffers(self.mod, self._state_peer)

@@ -1,0 +1,65 @@
+"""What runs a stage: the stage wrapper, the wire and its codecs, module state across
+recomputation, the checks every rank agrees on, process grids and the local launcher.
+
+The bottom room: it imports only :mod:`pipedialect.contracts` and
+:mod:`pipedialect.errors`. ``launch`` is imported from :mod:`pipedialect.runtime.launch`
+(the name would shadow that module here).
+"""
+
+from __future__ import annotations
+
+from .agreement import (
+    ARRIVAL_SECONDS,
+    agree_on_error,
+    agreed,
+    check_frozen_ties,
+    check_inputs,
+    check_plan_agreement,
+    first_nonfinite_grad,
+    first_nonfinite_loss,
+    nonfinite_grad_error,
+    nonfinite_loss_error,
+    pull_micro_batches,
+    root_nonfinite,
+)
+from .codec import SchemaCodec
+from .launch import free_port
+from .module_state import UpdatedBuffers, preserved_state, recompute_with_state
+from .stage import StageWrapper
+from .topology import (
+    GridCoord,
+    GridTopology,
+    check_topology,
+    check_topology_object,
+    check_world_size,
+    join_process_group,
+    joined_world_size,
+)
+
+__all__ = [
+    "ARRIVAL_SECONDS",
+    "GridCoord",
+    "GridTopology",
+    "SchemaCodec",
+    "StageWrapper",
+    "UpdatedBuffers",
+    "agree_on_error",
+    "agreed",
+    "check_frozen_ties",
+    "check_inputs",
+    "check_plan_agreement",
+    "check_topology",
+    "check_topology_object",
+    "check_world_size",
+    "first_nonfinite_grad",
+    "first_nonfinite_loss",
+    "free_port",
+    "join_process_group",
+    "joined_world_size",
+    "nonfinite_grad_error",
+    "nonfinite_loss_error",
+    "preserved_state",
+    "pull_micro_batches",
+    "recompute_with_state",
+    "root_nonfinite",
+]
