@@ -32,11 +32,11 @@ number, or tuples/lists/dicts of those (never ``None``, a string or another obje
 trace would have answered ``is None``/``isinstance`` for wrongly). The guard is a node of the
 stage graph, so it runs on every dialect, on the value the stage received. That value went
 through the stage's codec, so the guard judges its structure as that codec defines it (the stage
-wrapper names the codec, :func:`decoded_by`): a container the codec does not keep
-(``TensorCodec.keeps_containers``; the seed's path codec keeps only tuples) may arrive as a
-plain tuple, which the code after the split point reads alike by position; a dict or namedtuple
-that arrives so although that code reads it by key or attribute is refused with an
-:class:`UnsupportedValueError` naming the codec, the real cause.
+wrapper names the codec, :func:`~pipedialect.runtime.codec.decoded_by`): a container the codec
+does not keep (``TensorCodec.keeps_containers``; the seed's path codec keeps only tuples) may
+arrive as a plain tuple, which the code after the split point reads alike by position; a dict
+or namedtuple that arrives so although that code reads it by key or attribute is refused with
+an :class:`UnsupportedValueError` naming the codec, the real cause.
 
 [Note: recomputed calls]
 ``partition(..., recompute=["blocks.*"])`` keeps each matched module as one ``call_module``
@@ -88,7 +88,6 @@ modes together ([Note: module state] in ``_state``).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 import itertools
 import logging
@@ -105,8 +104,8 @@ import torch.utils.checkpoint
 from torch import fx, nn
 from torch.fx.graph_module import reduce_graph_module
 
-from ..contracts import TensorCodec
 from ..errors import CaptureError, RecomputeError, UnsupportedValueError
+from ..runtime.codec import decoding_codec
 from ..runtime.module_state import recompute_with_state
 from . import _state
 
@@ -1115,22 +1114,8 @@ def is_guard(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is check_split_output
 
 
-#: The codec that decoded the values the running stage received; None outside a stage wrapper.
-_DECODED_BY: contextvars.ContextVar[TensorCodec | None] = contextvars.ContextVar(
-    "pipedialect_decoded_by", default=None
-)
 #: Every container kind a spec records: what a value that no codec decoded keeps.
 _ALL_CONTAINERS = frozenset({"tuple", "list", "dict", "namedtuple"})
-
-
-@contextlib.contextmanager
-def decoded_by(codec: TensorCodec | None) -> Iterator[None]:
-    """Let the split-point guards in this block judge values as ``codec`` decodes them."""
-    token = _DECODED_BY.set(codec)
-    try:
-        yield
-    finally:
-        _DECODED_BY.reset(token)
 
 
 class _LostByCodec(Exception):
@@ -1154,7 +1139,7 @@ def check_split_output(value: Any, stage: int, split_point: str, spec: Any, reas
             "call_function", check_split_output, (value, stage, split_point, spec, reason), {}
         )
         return
-    codec = _DECODED_BY.get()
+    codec = decoding_codec()
     keeps = _ALL_CONTAINERS if codec is None else frozenset(codec.keeps_containers)
     try:
         problem = _mismatch(value, spec, (), keeps)

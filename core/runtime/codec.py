@@ -10,9 +10,11 @@ docs/codec.rst ("The boundary codec").
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -24,6 +26,30 @@ from . import _codec_schema as _schema
 __all__ = ["SchemaCodec"]
 
 logger = logging.getLogger(__name__)
+
+#: The codec that decoded the values the running stage received; None outside a stage wrapper.
+_DECODED_BY: contextvars.ContextVar[TensorCodec | None] = contextvars.ContextVar(
+    "pipedialect_decoded_by", default=None
+)
+
+
+@contextlib.contextmanager
+def decoded_by(codec: TensorCodec | None) -> Iterator[None]:
+    """Let the split-point guards in this block judge values as ``codec`` decodes them.
+
+    The stage wrapper sets it around a stage's forward; the guards the capture wrote into the
+    stage graph read it (:func:`decoding_codec`), so a value is judged by what its codec keeps.
+    """
+    token = _DECODED_BY.set(codec)
+    try:
+        yield
+    finally:
+        _DECODED_BY.reset(token)
+
+
+def decoding_codec() -> TensorCodec | None:
+    """The codec :func:`decoded_by` named for the running stage; None outside a stage."""
+    return _DECODED_BY.get()
 
 
 def _no_encoder(obj: object) -> None:

@@ -37,7 +37,7 @@ from torch import fx, nn
 
 from ..contracts import StageSpec, TensorCodec
 from ..errors import ConfigError, WireError
-from ..plan._fx import decoded_by
+from .codec import decoded_by
 from .module_state import UpdatedBuffers
 from .wire import WireDecoder, WireEncoder
 
