@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, Topology
+from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, TieGroup, Topology
 from .dialect import Dialect
 from .errors import *  # every exception and warning: errors.__all__
 from .hookspecs import hookimpl, hookspec
 from .plan.partition import PipelinePlan, partition
-from .plan.ties import DefaultTieAnalyzer, TieGroup, analyze_tie_ranks, find_tie_groups
+from .plan.ties import DefaultTieAnalyzer, analyze_tie_ranks, find_tie_groups
 from .planner import plan_layout
 from .plugins import DialectInfo, get_dialect, list_dialects
 from .runtime.codec import SchemaCodec

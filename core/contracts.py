@@ -1,7 +1,9 @@
 """The contracts a runtime ("dialect") implements: abstract, and importing no implementation.
 
-This module is the leaf of the package: the codec, the stage wrapper, tie analysis and the
-:class:`~pipedialect.dialect.Dialect` base all depend on it, and it depends on none of them.
+This module is a leaf of the package: the protocols a dialect implements and the value types
+they exchange (a tie group and its ranks among them). The codec, the stage wrapper, tie analysis
+and the :class:`~pipedialect.dialect.Dialect` base all depend on it, and it imports nothing of
+ours (tests/test_layout.py checks it, counting ``TYPE_CHECKING`` imports).
 """
 
 from __future__ import annotations
@@ -11,13 +13,10 @@ import contextlib
 import enum
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from .plan.ties import TieGroup, TieRanks
 
 __all__ = [
     "BOUNDARY_CAPABILITIES",
@@ -30,6 +29,8 @@ __all__ = [
     "StageSpec",
     "TensorCodec",
     "TieAnalyzer",
+    "TieGroup",
+    "TieRanks",
     "Topology",
 ]
 
@@ -157,6 +158,48 @@ class TensorCodec(abc.ABC):
     @abc.abstractmethod
     def decode(self, tensors: Sequence[torch.Tensor], metadata: str) -> Any:
         """Rebuild the value ``encode`` was given from its tensors and metadata."""
+
+
+class TieRanks(NamedTuple):
+    """What :func:`~pipedialect.analyze_tie_ranks` returns: ``(ranks, stages)``, as Slapo's."""
+
+    #: For each group, the rank lists whose members must stay equal: one list per coordinate
+    #: on the non-pipe axes, each in stage order.
+    ranks: list[list[list[int]]]
+    #: For each group, its stage ids, sorted: ``stages[g][j]`` holds ``ranks[g][c][j]``.
+    stages: list[list[int]]
+
+
+@dataclass(frozen=True)
+class TieGroup:
+    """One shared parameter: every ``(name, stage)`` that holds it.
+
+    Iterating a group yields its ``(name, stage)`` pairs, so it can be passed wherever Slapo's
+    ``analyze_tie_ranks`` expects an iterable of pairs.
+    """
+
+    #: Deterministic, unique among the plan's groups, valid as an ``nn.ModuleDict`` key.
+    key: str
+    #: ``(parameter name, stage id)`` pairs, sorted by stage, then name.
+    members: tuple[tuple[str, int], ...]
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return iter(self.members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stage ids holding the parameter, sorted, without repeats."""
+        return tuple(sorted({stage for _, stage in self.members}))
+
+    def names_on(self, stage: int) -> tuple[str, ...]:
+        """The names the parameter has on ``stage`` (several when tied within the stage too)."""
+        return tuple(name for name, s in self.members if s == stage)
+
+    def __str__(self) -> str:
+        return f"{self.key}: " + ", ".join(f"{name}@{stage}" for name, stage in self.members)
 
 
 class TieAnalyzer(abc.ABC):

@@ -47,6 +47,7 @@ from .contracts import (
     SpanRecorder,
     TensorCodec,
     TieAnalyzer,
+    TieRanks,
     Topology,
 )
 from .engine.config import check_config_keys
@@ -54,7 +55,7 @@ from .engine.param_groups import ParamGroupsFn
 from .errors import ConfigError, MissingCapabilityError, TopologyError
 from .plan.batches import check_loss_fn
 from .plan.partition import PipelinePlan, check_capture_dtype
-from .plan.ties import DefaultTieAnalyzer, TieRanks
+from .plan.ties import DefaultTieAnalyzer
 from .runtime.agreement import agreed, check_plan_agreement
 from .runtime.codec import SchemaCodec
 from .runtime.stage import StageWrapper

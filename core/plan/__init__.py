@@ -25,8 +25,6 @@ from .liveness import compute_liveness
 from .partition import BoundaryValue, BufferInfo, PipelinePlan, check_capture_dtype
 from .ties import (
     DefaultTieAnalyzer,
-    TieGroup,
-    TieRanks,
     analyze_tie_ranks,
     check_tie_objects,
     find_tie_groups,
@@ -56,8 +54,6 @@ __all__ = [
     "PipelinePlan",
     "PlanCosts",
     "StageCosts",
-    "TieGroup",
-    "TieRanks",
     "analyze_tie_ranks",
     "check_capture_dtype",
     "check_loss_fn",

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..contracts import StageSpec
+from ..contracts import StageSpec, TieGroup
 from ..errors import ConfigError, PartitionError, RecomputeError, SplitPointError
 from . import _export, _fx, _state, _verify
 from ._module_paths import (
@@ -58,7 +58,7 @@ from ._module_paths import (
 )
 from .balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, profile_model
 from .liveness import compute_liveness
-from .ties import TieGroup, find_tie_groups
+from .ties import find_tie_groups
 
 __all__ = ["BoundaryValue", "BufferInfo", "PipelinePlan", "check_capture_dtype", "partition"]
 

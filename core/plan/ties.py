@@ -24,22 +24,20 @@ differ) raise :class:`~pipedialect.TieError` naming both.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..contracts import TieAnalyzer, Topology
+from ..contracts import TieAnalyzer, TieGroup, TieRanks, Topology
 from ..errors import TieError, TopologyError
 from ..runtime.stage import StageWrapper
 from ..runtime.topology import check_topology_object
 
 __all__ = [
     "DefaultTieAnalyzer",
-    "TieGroup",
-    "TieRanks",
     "analyze_tie_ranks",
     "check_tie_objects",
     "find_tie_groups",
@@ -48,48 +46,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class TieRanks(NamedTuple):
-    """What :func:`analyze_tie_ranks` returns: a tuple ``(ranks, stages)``, as Slapo's."""
-
-    #: For each group, the rank lists whose members must stay equal: one list per coordinate
-    #: on the non-pipe axes, each in stage order.
-    ranks: list[list[list[int]]]
-    #: For each group, its stage ids, sorted: ``stages[g][j]`` holds ``ranks[g][c][j]``.
-    stages: list[list[int]]
-
-
-@dataclass(frozen=True)
-class TieGroup:
-    """One shared parameter: every ``(name, stage)`` that holds it.
-
-    Iterating a group yields its ``(name, stage)`` pairs, so it can be passed wherever Slapo's
-    ``analyze_tie_ranks`` expects an iterable of pairs.
-    """
-
-    #: Deterministic, unique among the plan's groups, valid as an ``nn.ModuleDict`` key.
-    key: str
-    #: ``(parameter name, stage id)`` pairs, sorted by stage, then name.
-    members: tuple[tuple[str, int], ...]
-
-    def __iter__(self) -> Iterator[tuple[str, int]]:
-        return iter(self.members)
-
-    def __len__(self) -> int:
-        return len(self.members)
-
-    @property
-    def stages(self) -> tuple[int, ...]:
-        """The stage ids holding the parameter, sorted, without repeats."""
-        return tuple(sorted({stage for _, stage in self.members}))
-
-    def names_on(self, stage: int) -> tuple[str, ...]:
-        """The names the parameter has on ``stage`` (several when tied within the stage too)."""
-        return tuple(name for name, s in self.members if s == stage)
-
-    def __str__(self) -> str:
-        return f"{self.key}: " + ", ".join(f"{name}@{stage}" for name, stage in self.members)
 
 
 def _stage_root(stage: nn.Module) -> nn.Module:

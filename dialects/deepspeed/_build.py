@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from pipedialect import ConfigError, TieAnalyzer, TieError, Topology, TopologyError
+from pipedialect.contracts import TieGroup
 from pipedialect.dialect import given_options
-from pipedialect.plan.ties import DefaultTieAnalyzer, TieGroup, retie_parameters
+from pipedialect.plan.ties import DefaultTieAnalyzer, retie_parameters
 
 if TYPE_CHECKING:
     from pipedialect.dialect import PipelineRequest
