@@ -40,7 +40,7 @@ import inspect
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -54,10 +54,39 @@ from torch._subclasses.fake_tensor import (
 from ..errors import PartitionError, PipeDialectError, PlanMismatchError
 from . import _fx, _state
 
-if TYPE_CHECKING:
-    from .partition import PipelinePlan
-
 __all__: list[str] = []
+
+
+class CheckedPlan(Protocol):
+    """What the check reads of a :class:`~pipedialect.plan.partition.PipelinePlan`.
+
+    Written out here so that this module, which ``partition`` imports, does not import it back
+    (tests/test_layout.py counts ``TYPE_CHECKING`` imports too).
+    """
+
+    @property
+    def model(self) -> nn.Module | None: ...
+    @property
+    def stages(self) -> tuple[fx.GraphModule, ...]: ...
+    @property
+    def stage_names(self) -> tuple[str, ...]: ...
+    @property
+    def input_names(self) -> tuple[str, ...]: ...
+    @property
+    def stage_arg_names(self) -> tuple[tuple[str, ...], ...]: ...
+    @property
+    def split_points(self) -> tuple[str, ...]: ...
+    @property
+    def concrete_args(self) -> Mapping[str, Any]: ...
+    @property
+    def param_dtype(self) -> torch.dtype | None: ...
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def _seen(self) -> dict[str, dict[str, Any]]: ...
+    def sends(self, stage_id: int) -> tuple[str, ...]: ...
+    def _output_origins(self) -> dict[str, str]: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +99,7 @@ TOLERANCES: Mapping[torch.dtype, tuple[float, float]] = {
 }
 
 
-def verify(plan: PipelinePlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+def verify(plan: CheckedPlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     """Run ``plan`` and its model on the inputs; raise at the first difference ([Note: plan
     verification])."""
     model = plan.model
@@ -105,7 +134,7 @@ def verify(plan: PipelinePlan, args: Sequence[Any], kwargs: Mapping[str, Any]) -
 
 
 def _verify_mode(
-    plan: PipelinePlan,
+    plan: CheckedPlan,
     model: nn.Module,
     values: Mapping[str, Any],
     points: Sequence[nn.Module],
@@ -181,7 +210,7 @@ class _Modes:
 
 
 def _bind(
-    plan: PipelinePlan, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
+    plan: CheckedPlan, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The plan's inputs by name, in ``plan.input_names`` order."""
     names = plan.input_names
@@ -294,7 +323,7 @@ class _Checker:
 
     def __init__(
         self,
-        plan: PipelinePlan,
+        plan: CheckedPlan,
         targets: Sequence[str],
         expected: Sequence[Sequence[Any]],
         received: Sequence[Sequence[Sequence[torch.Tensor]]],
