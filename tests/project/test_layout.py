@@ -1,10 +1,23 @@
 """The package's layout rules, read from the source: who may import whom.
 
-- no import cycle among the core modules, counting imports inside functions (only
-  ``if TYPE_CHECKING:`` blocks are left out: they never run);
-- the contracts module imports no implementation;
+The core is a few rooms with one-way imports (CONTRIBUTING.md draws them). From the bottom:
+
+- ``errors`` and ``contracts``, the leaves: they import nothing of ours;
+- ``runtime/``: what runs a stage;
+- ``plan/``: what a plan says;
+- ``engine/``: what every engine shares;
+- the root's other modules (dialect, plugins, ...) and sub-packages (planner, testing, ...).
+
+A module imports only from its own layer and the layers below it. Every import counts: at the
+top level, inside functions and inside ``if TYPE_CHECKING:`` blocks (a cycle that only the type
+checker follows is still one a reader has to hold in mind), and importing ``a.b.c`` also
+imports the package ``a.b`` (its ``__init__``), as Python does. On that graph:
+
+- no import cycle among the core modules;
+- the leaves import nothing of ours;
 - no dialect imports another dialect, and no built-in dialect imports a private core module
-  (``pipedialect._*``): a built-in dialect uses only what a third party can import;
+  (one with a ``_``-prefixed part, as ``pipedialect.engine._base``): a built-in dialect uses
+  only what a third party can import;
 - the package root is plain imports: ``partition`` and ``trace`` stay the functions whatever
   is imported first. (That pytest never loads the suite's plugin unasked is checked from a real
   install, in test_packaging.py.)
@@ -40,29 +53,17 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 MODULES = _modules()
 
 
-def _type_checking_blocks(tree: ast.AST) -> set[int]:
-    """The ids of every node inside an ``if TYPE_CHECKING:`` block."""
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for inner in node.body:
-                skipped.update(id(n) for n in ast.walk(inner))
-    return skipped
-
-
 def _imports(name: str) -> set[str]:
-    """The project modules ``name`` imports anywhere (top level or inside functions).
+    """The project modules ``name`` imports anywhere (top level, functions, TYPE_CHECKING).
 
     ``from package import name`` counts as importing the submodule when ``name`` is one, else
-    as importing the package itself (its ``__init__``).
+    as importing the package itself (its ``__init__``). Importing a module also imports each
+    package above it that ``name`` is not itself inside (that one is already being imported).
     """
     path, is_package = MODULES[name]
     tree = ast.parse(path.read_text())
-    skipped = _type_checking_blocks(tree)
     out: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names if alias.name in MODULES)
         elif isinstance(node, ast.ImportFrom):
@@ -77,8 +78,31 @@ def _imports(name: str) -> set[str]:
                     out.add(f"{module}.{alias.name}")
                 elif module in MODULES:
                     out.add(module)
+    own = set(_packages_above(name)) | ({name} if is_package else set())
+    out |= {pkg for target in out for pkg in _packages_above(target) if pkg not in own}
     out.discard(name)
     return out
+
+
+def _packages_above(name: str) -> list[str]:
+    """The packages ``name`` lies in, as far up as the project's own: a.b.c -> a.b, a."""
+    parts = name.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in MODULES]
+
+
+#: The core's layers, bottom first: a module imports only from its own layer and those below.
+LEAVES = ("pipedialect.errors", "pipedialect.contracts")
+ROOMS = ("pipedialect.runtime", "pipedialect.plan", "pipedialect.engine")
+
+
+def _layer(name: str) -> int:
+    """0 for a leaf, 1.. for the rooms, and one above them for every other core module."""
+    if name in LEAVES:
+        return 0
+    for level, room in enumerate(ROOMS, start=1):
+        if name == room or name.startswith(room + "."):
+            return level
+    return len(ROOMS) + 1
 
 
 def _is_core(name: str) -> bool:
@@ -119,6 +143,11 @@ def test_the_rules_see_the_real_modules() -> None:
     )
     assert "pipedialect.contracts" in _imports("pipedialect.runtime.stage")
     assert "pipedialect.runtime.stage" in _imports("pipedialect.plan.ties")  # a top-level import
+    # importing a module imports its package too, but not the package the importer is in
+    assert "pipedialect.runtime" in _imports("pipedialect.plan.ties")
+    assert "pipedialect.plan" not in _imports("pipedialect.plan.ties")
+    # an import only the type checker runs is seen: hookspecs names Dialect in annotations only
+    assert "pipedialect.dialect" in _imports("pipedialect.hookspecs")
     # a function-level import is seen: the torch engine builds its stages inside methods
     assert any(
         m.startswith("pipedialect.dialects.torch.") for m in _imports("pipedialect.dialects.torch")
@@ -133,8 +162,21 @@ def test_no_import_cycle_among_core_modules() -> None:
     assert cycle is None, " -> ".join(cycle or [])
 
 
-def test_the_contracts_module_imports_no_implementation() -> None:
-    assert _imports("pipedialect.contracts") == set()
+def test_the_rooms_import_only_downwards() -> None:
+    assert all(room in MODULES for room in ROOMS)
+    problems = [
+        f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
+        for name in MODULES
+        if _is_core(name)
+        for target in sorted(_imports(name))
+        if _is_core(target) and _layer(target) > _layer(name)
+    ]
+    assert problems == []
+
+
+def test_the_leaves_import_nothing_of_ours() -> None:
+    """contracts holds the value types and protocols; errors the exceptions: nothing else."""
+    assert {leaf: _imports(leaf) for leaf in LEAVES} == {leaf: set() for leaf in LEAVES}
 
 
 def test_no_dialect_imports_another_dialect_or_a_private_core_module() -> None:
@@ -148,7 +190,7 @@ def test_no_dialect_imports_another_dialect_or_a_private_core_module() -> None:
             if tparts[:2] == ["pipedialect", "dialects"] and len(tparts) > 2:
                 if tparts[2] != parts[2]:
                     problems.append(f"{name} imports another dialect: {target}")
-            elif _is_core(target) and len(tparts) > 1 and tparts[1].startswith("_"):
+            elif _is_core(target) and any(part.startswith("_") for part in tparts[1:]):
                 problems.append(f"{name} imports a private core module: {target}")
     assert problems == []
 
