@@ -129,8 +129,8 @@ class PipelineRequest(Generic[OptionsT]):
 
     def process_grid(self) -> Topology:
         """The grid to run on, one stage per pipe rank: the caller's topology, checked against
-        the plan and the process group (:mod:`pipedialect.runtime.topology`), or ``pipe = stages`` by
-        ``data = ranks / stages``.
+        the plan and the process group (:mod:`pipedialect.runtime.topology`), or ``pipe = stages``
+        by ``data = ranks / stages``.
 
         Raises:
             ConfigError: the process group is not initialised.

@@ -22,11 +22,12 @@ engine never gives a gradient, and is refused by name. A client ``lr_scheduler``
 :meth:`EngineBase.get_global_grad_norm` is the global gradient norm of the last step,
 computed whether or not ``gradient_clipping`` clips (Hugging Face's ``Trainer`` logs it).
 
-With ``"bf16": {"enabled": true}`` it also holds the bf16 policy (:mod:`pipedialect.engine.precision`
-[Note: bf16 as DeepSpeed does it]): the stages' parameters are cast to bf16 when the engine is
-built, the optimizer steps fp32 master copies, an engine calls :meth:`accumulate_grads` after
-each micro-batch's backward and :meth:`take_step` once per step, and reads gradients through
-:meth:`grad_of` (the high-precision buffer under bf16, ``param.grad`` in fp32).
+With ``"bf16": {"enabled": true}`` it also holds the bf16 policy
+(:mod:`pipedialect.engine.precision` [Note: bf16 as DeepSpeed does it]): the stages' parameters
+are cast to bf16 when the engine is built, the optimizer steps fp32 master copies, an engine
+calls :meth:`accumulate_grads` after each micro-batch's backward and :meth:`take_step` once per
+step, and reads gradients through :meth:`grad_of` (the high-precision buffer under bf16,
+``param.grad`` in fp32).
 """
 
 from __future__ import annotations

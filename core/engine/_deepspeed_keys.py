@@ -2,9 +2,9 @@
 
 Every dialect takes a DeepSpeed config dict, and DeepSpeed itself ignores a key it does not
 know without a word (``"gradient_accumulation_step": 4`` trains with accumulation 1), so
-:func:`pipedialect.engine.config.check_config_keys` refuses such a key on every dialect, against this
-table. core never imports deepspeed: the names are facts of DeepSpeed's interface, read from its
-``runtime/constants.py`` (and the other ``constants`` modules), the functions of
+:func:`pipedialect.engine.config.check_config_keys` refuses such a key on every dialect, against
+this table. core never imports deepspeed: the names are facts of DeepSpeed's interface, read from
+its ``runtime/constants.py`` (and the other ``constants`` modules), the functions of
 ``runtime/config.py`` that read the dict, and the pydantic models of its sections (their fields
 and aliases). ``tests/engine/test_config_keys.py`` derives the same table from the installed
 deepspeed and checks this one against it, so that no key DeepSpeed reads is refused.

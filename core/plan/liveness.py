@@ -1,8 +1,8 @@
 """Which values each pipeline stage receives, and so which values each boundary carries.
 
-Values are named as in the plan's top-level graph (see :mod:`pipedialect.runtime.stage`): a model input
-by its forward parameter name, stage ``k``'s output as ``submod_k`` (or ``submod_k.i`` when the
-stage returns several values).
+Values are named as in the plan's top-level graph (see :mod:`pipedialect.runtime.stage`): a model
+input by its forward parameter name, stage ``k``'s output as ``submod_k`` (or ``submod_k.i`` when
+the stage returns several values).
 
 [Note: liveness]
 ``liveness[k]`` is what stage ``k`` receives. Stage 0 receives the model's inputs, in

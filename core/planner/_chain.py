@@ -2,8 +2,8 @@
 
 [Note: the chain]
 The planner cuts a model only where :func:`pipedialect.partition` can: after a candidate
-module (see :mod:`pipedialect.plan.balance`). Between two consecutive candidates lies an *atom*, with
-its forward and backward seconds for one micro-batch of ``batch`` samples, the parameters and
+module (see :mod:`pipedialect.plan.balance`). Between two consecutive candidates lies an *atom*,
+with its forward and backward seconds for one micro-batch of ``batch`` samples, the parameters and
 other state it reads (keyed by name, so a parameter two atoms share is counted once per stage),
 the tensors its forward saves for the backward (keyed by storage, likewise), and, for tensor
 parallelism, the part of all that inside tensor-parallel modules. ``boundary[c]`` is the bytes a

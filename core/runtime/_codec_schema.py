@@ -1,7 +1,7 @@
 """SchemaCodec's machinery: the metadata grammar, its parser and per-structure compiled coders.
 
-The public face is :class:`pipedialect.runtime.codec.SchemaCodec`; its module docstring describes the
-metadata format. This module holds:
+The public face is :class:`pipedialect.runtime.codec.SchemaCodec`; its module docstring describes
+the metadata format. This module holds:
 
 * :func:`walk`, the generic (slow) encoder: it checks every value, collects the tensor leaves
   and writes the metadata text;

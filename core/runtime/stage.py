@@ -3,8 +3,8 @@
 A :class:`StageWrapper` receives what crosses into its stage, runs the stage's
 ``fx.GraphModule`` and returns what must cross to the next one. Runtimes chain the wrappers
 (DeepSpeed's ``PipelineModule`` calls ``layer(x)`` for each), so every wrapper takes and returns
-a tuple of tensors; the codec and the wire layout (:mod:`pipedialect.runtime.wire` [Note: wire layout])
-carry everything else.
+a tuple of tensors; the codec and the wire layout (:mod:`pipedialect.runtime.wire` [Note: wire
+layout]) carry everything else.
 
 Values are named as in the plan's top-level graph: a model input by its parameter name, the
 output of stage ``k`` as ``submod_k``, and its ``i``-th item as ``submod_k.i`` when the stage

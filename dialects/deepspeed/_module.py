@@ -63,8 +63,8 @@ def recompute_stage(function: Callable[..., Any], *args: Any) -> Any:
     """Run ``function(*args)`` (one whole stage) under torch's non-reentrant checkpoint.
 
     See [Note: stage recomputation]; the RNG state is preserved for the recomputation, and so
-    is the stage's module state (``pipedialect.runtime.module_state`` [Note: recomputation and module
-    state]).
+    is the stage's module state (``pipedialect.runtime.module_state`` [Note: recomputation and
+    module state]).
     """
     running = _RUNNING.get()
     if running is None:

@@ -265,8 +265,8 @@ def _check_launched() -> None:
         f"started by a launcher ({', '.join(missing)} not set), so DeepSpeed would look for "
         "an MPI job and fail inside mpi4py. Start the script with `torchrun --nproc_per_node "
         "N script.py` or DeepSpeed's `deepspeed --num_gpus N script.py` (N = stages x "
-        "replicas), or from Python with pipedialect.runtime.launch.launch(fn, N); or use the 'local' "
-        "dialect to run every stage in this process"
+        "replicas), or from Python with pipedialect.runtime.launch.launch(fn, N); or use the "
+        "'local' dialect to run every stage in this process"
     )
 
 

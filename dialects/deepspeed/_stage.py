@@ -2,8 +2,8 @@
 
 DeepSpeed's ``PipelineEngine`` (0.19) sends a tuple of tensors between stages and decides who gets
 a gradient by ``is_floating_point()``. The generic wire already puts gradient-carrying floats
-first and disguises floats that need no gradient (:mod:`pipedialect.runtime.wire` [Note: wire layout]).
-This wrapper adds what only DeepSpeed needs, checked once per boundary at the first
+first and disguises floats that need no gradient (:mod:`pipedialect.runtime.wire` [Note: wire
+layout]). This wrapper adds what only DeepSpeed needs, checked once per boundary at the first
 micro-batch so that a payload DeepSpeed cannot carry is refused here, naming the value,
 instead of crashing or hanging inside the engine:
 

@@ -11,8 +11,8 @@ stage wrappers' frozen wire layouts and shapes (``pipedialect.runtime.wire`` [No
 
 ``train_batch`` and ``eval_batch`` read the step's micro-batches (on the first and last stages)
 before DeepSpeed runs its schedule, check that DeepSpeed can load them, and tell every rank
-whether one of them failed (``pipedialect.runtime.agreement`` [Note: rank agreement]): a data iterator
-that runs out is a :class:`~pipedialect.DataExhaustedError` on every rank, not a
+whether one of them failed (``pipedialect.runtime.agreement`` [Note: rank agreement]): a data
+iterator that runs out is a :class:`~pipedialect.DataExhaustedError` on every rank, not a
 ``StopIteration`` on one and a hang on the others, and nothing was computed. A failed step stops
 the timers DeepSpeed started (so the next call can start them again) and drops the gradients.
 With ``check_finite`` the micro-batch losses and the gradients are checked at the optimizer

@@ -13,8 +13,8 @@ for its backward), sums tied-weight gradients across ranks ([Note: tied weights 
 ``_ties``), clips with the global norm, steps the optimizer once and returns the mean
 micro-batch loss on every rank. Only the ranks holding the first or the last stage read the data
 iterator, as in DeepSpeed; they read the whole step first and every rank learns whether one of
-them failed (``pipedialect.runtime.agreement`` [Note: rank agreement]), so an iterator that runs out is a
-:class:`~pipedialect.DataExhaustedError` on every rank, never a hang or a partial step. With
+them failed (``pipedialect.runtime.agreement`` [Note: rank agreement]), so an iterator that runs out
+is a :class:`~pipedialect.DataExhaustedError` on every rank, never a hang or a partial step. With
 ``check_finite`` the losses and gradients are checked before the optimizer steps, on every rank
 alike. With a data axis in the topology every replica runs this on its own pipeline and data,
 and gradients and the returned loss are averaged over the replicas (``_replicas``
