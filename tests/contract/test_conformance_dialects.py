@@ -86,8 +86,9 @@ def test_example_dialect_times_its_sends_and_receives(
     """The example's ``instrument`` hook: a traced run trains as the untraced one, and each rank
     records one send and one receive per micro-batch in each direction it talks."""
     script = (
-        "import json; from pipedialect.runtime.launch import launch; import _example_dialect_workers "
-        "as w; print(json.dumps(launch(w.traced_and_untraced, 2, timeout=600)))"
+        "import json; from pipedialect.runtime.launch import launch; "
+        "import _example_dialect_workers as w; "
+        "print(json.dumps(launch(w.traced_and_untraced, 2, timeout=600)))"
     )
     proc = run([sys.executable, "-c", script], tmp_path, [*third_party, ROOT / "tests"])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
