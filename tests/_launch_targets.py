@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 
 def report_env() -> dict[str, str]:
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS", "EXTRA")
     return {k: os.environ.get(k, "") for k in keys}
+
+
+def report_start() -> dict[str, object]:
+    """What a rank inherited from the launching process: a variable, sys.path, the directory."""
+    import sys
+
+    import torch
+
+    return {
+        "LATE": os.environ.get("LATE", ""),
+        "path": list(sys.path),
+        "cwd": str(Path.cwd()),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def all_reduce_rank() -> float:

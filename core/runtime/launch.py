@@ -1,13 +1,14 @@
 """Run a function on N local ranks, the way ``torchrun`` would, and collect what each returns.
 
-Used by the conformance suite, the test suite and ``pipedialect demo``. Each rank is a fresh
-interpreter (``spawn``) with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` set, and ``OMP_NUM_THREADS=1`` so that ranks
-sharing a few cores do not oversubscribe them. The first rank to fail stops the launch: the
-others are terminated and :class:`~pipedialect.errors.LaunchError` carries the failing rank's
-traceback. A launch that outlives ``timeout`` is stopped the same way, never left hanging. The
-ranks never outlive the launch: SIGTERM to the launching process stops them before it exits, and
-a rank whose launching process is gone (killed outright) exits by itself.
+Used by the conformance suite, the test suite and ``pipedialect demo``. Each rank runs with
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a
+free ``MASTER_PORT`` set, and ``OMP_NUM_THREADS=1`` so that ranks sharing a few cores do not
+oversubscribe them. It starts as a fresh interpreter would ([Note: how ranks start]). The first
+rank to fail stops the launch: the others are terminated and
+:class:`~pipedialect.errors.LaunchError` carries the failing rank's traceback. A launch that
+outlives ``timeout`` is stopped the same way, never left hanging. The ranks never outlive the
+launch: SIGTERM to the launching process stops them before it exits, and a rank whose launching
+process is gone (killed outright) exits by itself.
 """
 
 from __future__ import annotations
@@ -32,6 +33,22 @@ from ..errors import LaunchError
 
 __all__ = ["free_port", "launch"]
 
+# [Note: how ranks start]
+# A rank is forked from multiprocessing's fork server (``forkserver``), which imported torch
+# (and, on a machine without CUDA, deepspeed) once, when the first launch of this process
+# started it: a fresh interpreter spends about 2 s of CPU importing torch and 3 s more for
+# deepspeed, per rank and per launch, which is most of what a short multi-process run costs.
+# The fork server is itself a fresh interpreter (never a fork of the launching process, whose
+# threads and CUDA state a fork would copy), and it never initialises CUDA, so a rank may. What
+# a spawned rank would inherit from the launching process at the time of the launch, a forked
+# one is given explicitly before ``fn`` runs: the whole environment (with the rank's variables),
+# ``sys.path`` and the working directory; ``OMP_NUM_THREADS`` also sets torch's thread count,
+# since torch read it at import. ``start_method="spawn"`` gives fresh interpreters instead (and
+# is what platforms without a fork server use).
+
+#: Modules the fork server imports once, for every rank it forks.
+_PRELOAD = ("torch", "pipedialect", "pipedialect.runtime.launch")
+
 
 T = TypeVar("T")
 
@@ -55,8 +72,20 @@ def _rank_main(
     kwargs: dict[str, Any],
     out: str,
     log: str | None,
+    start: tuple[dict[str, str], list[str], str],
 ) -> None:
-    """Entry point of one rank: run ``fn`` and leave its result or traceback in ``out``."""
+    """Entry point of one rank: run ``fn`` and leave its result or traceback in ``out``.
+
+    ``start`` is the environment, ``sys.path`` and working directory the rank runs with
+    ([Note: how ranks start]).
+    """
+    environ, path, cwd = start
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
+    os.chdir(cwd)
+    if "OMP_NUM_THREADS" in environ and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(environ["OMP_NUM_THREADS"]))
     threading.Thread(
         target=_exit_with_parent, args=(os.getppid(),), name="pipedialect-parent-watch", daemon=True
     ).start()
@@ -142,6 +171,29 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _context(
+    start_method: str | None,
+) -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
+    """The multiprocessing context ranks start from ([Note: how ranks start])."""
+    if start_method is None:
+        available = multiprocessing.get_all_start_methods()
+        start_method = "forkserver" if "forkserver" in available else "spawn"
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    if start_method == "spawn":
+        return multiprocessing.get_context("spawn")
+    import importlib.util
+
+    import torch
+
+    ctx = multiprocessing.get_context("forkserver")
+    preload = ["__main__", *_PRELOAD]
+    if importlib.util.find_spec("deepspeed") is not None and not torch.cuda.is_available():
+        preload.append("deepspeed")
+    ctx.set_forkserver_preload(preload)
+    return ctx
+
+
 def launch(
     fn: Callable[..., T],
     world_size: int,
@@ -150,6 +202,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     on_poll: Callable[[], None] | None = None,
     log_dir: str | None = None,
+    start_method: str | None = None,
     **kwargs: Any,
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return the results by rank.
@@ -158,7 +211,10 @@ def launch(
     picklable. ``env`` adds environment variables for every rank. ``on_poll`` is called about
     every 50 ms while the ranks run (to show progress, say). With ``log_dir``, each rank's
     standard output and error go to ``<log_dir>/rank<r>.log`` instead of this terminal, and a
-    failure quotes the end of the failing rank's log.
+    failure quotes the end of the failing rank's log. ``start_method`` is ``"forkserver"`` (the
+    default where the platform has it: ranks forked from a process that imported torch once) or
+    ``"spawn"`` (a fresh interpreter per rank); either way a rank sees the environment,
+    ``sys.path`` and working directory of this process at the time of the launch.
 
     Raises:
         LaunchError: a rank raised or died (the message holds its traceback), or the launch
@@ -166,7 +222,7 @@ def launch(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context(start_method)
     port = free_port()
     with (
         _terminate_stops_ranks(),
@@ -191,9 +247,10 @@ def launch(
                     **(env or {}),
                 }
                 with _environ(rank_env):
+                    start = (dict(os.environ), list(sys.path), str(Path.cwd()))
                     p = ctx.Process(
                         target=_rank_main,
-                        args=(rank, fn, args, kwargs, outs[rank], logs[rank]),
+                        args=(rank, fn, args, kwargs, outs[rank], logs[rank], start),
                         name=f"pipedialect-rank{rank}",
                     )
                     p.start()

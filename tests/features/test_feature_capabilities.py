@@ -181,6 +181,7 @@ def _run_suite(tmp_path: Path, body: str, select: str) -> str:
     return " ".join(proc.stdout.split())
 
 
+@pytest.mark.distributed  # runs the conformance suite in a fresh pytest process
 def test_the_suite_fails_an_engine_state_that_names_the_wrappers(tmp_path: Path) -> None:
     """Reporting the stage wrapper as the stage's module stores ``mod.``-prefixed names: the
     checkpoint does not load on the local dialect, and the suite says so."""
@@ -213,6 +214,7 @@ def test_the_suite_fails_an_engine_state_that_names_the_wrappers(tmp_path: Path)
     assert "missing: " in out
 
 
+@pytest.mark.distributed  # runs the conformance suite in a fresh pytest process
 def test_the_suite_fails_an_engine_state_that_hides_a_stage(tmp_path: Path) -> None:
     """A dialect that reports one stage runner for the whole pipeline fails the trace case
     with the stage whose spans are missing."""

@@ -23,6 +23,27 @@ def test_ranks_get_torchrun_environment_and_results_come_back_in_order() -> None
     assert {r["EXTRA"] for r in results} == {"x"}
 
 
+@pytest.mark.parametrize("start_method", [None, "forkserver", "spawn"])
+def test_each_launch_gives_its_ranks_this_processs_environment_path_and_directory(
+    start_method: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launch(targets.report_env, 1, start_method=start_method)  # the fork server now runs
+    monkeypatch.setenv("LATE", "set after the first launch")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "extra"))
+    results = launch(targets.report_start, 2, start_method=start_method)
+    for r in results:
+        assert r["LATE"] == "set after the first launch"
+        assert r["cwd"] == str(tmp_path)
+        assert str(tmp_path / "extra") in r["path"]
+        assert r["threads"] == 1  # OMP_NUM_THREADS=1, though torch was imported before
+
+
+def test_an_unknown_start_method_is_refused() -> None:
+    with pytest.raises(ValueError, match="'forkserver' or 'spawn'"):
+        launch(targets.report_env, 1, start_method="fork")
+
+
 def test_ranks_form_a_working_gloo_group() -> None:
     assert launch(targets.all_reduce_rank, 2) == [3.0, 3.0]
 
