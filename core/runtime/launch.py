@@ -34,7 +34,8 @@ from ..errors import LaunchError
 __all__ = ["free_port", "launch"]
 
 # [Note: how ranks start]
-# A rank is forked from multiprocessing's fork server (``forkserver``), which imported torch
+# By default a rank is a fresh interpreter (``spawn``). With ``start_method="forkserver"`` it is
+# forked from multiprocessing's fork server (``forkserver``), which imported torch
 # (and, on a machine without CUDA, deepspeed) once, when the first launch of this process
 # started it: a fresh interpreter spends about 2 s of CPU importing torch and 3 s more for
 # deepspeed, per rank and per launch, which is most of what a short multi-process run costs.
@@ -43,8 +44,9 @@ __all__ = ["free_port", "launch"]
 # a spawned rank would inherit from the launching process at the time of the launch, a forked
 # one is given explicitly before ``fn`` runs: the whole environment (with the rank's variables),
 # ``sys.path`` and the working directory; ``OMP_NUM_THREADS`` also sets torch's thread count,
-# since torch read it at import. ``start_method="spawn"`` gives fresh interpreters instead (and
-# is what platforms without a fork server use).
+# since torch read it at import. Not the default: a rank forked so is the fork server's child,
+# not the launching process's, and when the launching process is killed outright (SIGKILL) such
+# ranks were seen to outlive it (tests/project/test_demo.py), which a spawned rank never does.
 
 #: Modules the fork server imports once, for every rank it forks.
 _PRELOAD = ("torch", "pipedialect", "pipedialect.runtime.launch")
@@ -176,8 +178,7 @@ def _context(
 ) -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     """The multiprocessing context ranks start from ([Note: how ranks start])."""
     if start_method is None:
-        available = multiprocessing.get_all_start_methods()
-        start_method = "forkserver" if "forkserver" in available else "spawn"
+        start_method = "spawn"
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
     if start_method == "spawn":
@@ -211,10 +212,11 @@ def launch(
     picklable. ``env`` adds environment variables for every rank. ``on_poll`` is called about
     every 50 ms while the ranks run (to show progress, say). With ``log_dir``, each rank's
     standard output and error go to ``<log_dir>/rank<r>.log`` instead of this terminal, and a
-    failure quotes the end of the failing rank's log. ``start_method`` is ``"forkserver"`` (the
-    default where the platform has it: ranks forked from a process that imported torch once) or
-    ``"spawn"`` (a fresh interpreter per rank); either way a rank sees the environment,
-    ``sys.path`` and working directory of this process at the time of the launch.
+    failure quotes the end of the failing rank's log. ``start_method`` is ``"spawn"`` (the
+    default: a fresh interpreter per rank) or ``"forkserver"`` (ranks forked from a process that
+    imported torch once: faster to start, but see [Note: how ranks start]); either way a rank
+    sees the environment, ``sys.path`` and working directory of this process at the time of the
+    launch.
 
     Raises:
         LaunchError: a rank raised or died (the message holds its traceback), or the launch
