@@ -64,3 +64,9 @@ def chatter_then_fail() -> None:
     if os.environ["RANK"] == "1":
         sys.exit("rank 1 gives up")
     dist.barrier()  # rank 0 waits here until the launcher stops it
+
+
+def nap_after_saying_so(ready_dir: str) -> None:
+    """Leave a file named after this rank in ``ready_dir``, then sleep (until stopped)."""
+    (Path(ready_dir) / os.environ["RANK"]).touch()
+    time.sleep(3600)

@@ -3,7 +3,8 @@
 Used by the conformance suite, the test suite and ``pipedialect demo``. Each rank runs with
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a
 free ``MASTER_PORT`` set, and ``OMP_NUM_THREADS=1`` so that ranks sharing a few cores do not
-oversubscribe them. It starts as a fresh interpreter would ([Note: how ranks start]). The first
+oversubscribe them. A rank is forked from a fork server that imported torch once, and is given
+this process's environment, ``sys.path`` and directory ([Note: how ranks start]). The first
 rank to fail stops the launch: the others are terminated and
 :class:`~pipedialect.errors.LaunchError` carries the failing rank's traceback. A launch that
 outlives ``timeout`` is stopped the same way, never left hanging. The ranks never outlive the
@@ -34,9 +35,8 @@ from ..errors import LaunchError
 __all__ = ["free_port", "launch"]
 
 # [Note: how ranks start]
-# By default a rank is a fresh interpreter (``spawn``). With ``start_method="forkserver"`` it is
-# forked from multiprocessing's fork server (``forkserver``), which imported torch
-# (and, on a machine without CUDA, deepspeed) once, when the first launch of this process
+# By default a rank is forked from multiprocessing's fork server (``forkserver``), which imported
+# torch (and, on a machine without CUDA, deepspeed) once, when the first launch of this process
 # started it: a fresh interpreter spends about 2 s of CPU importing torch and 3 s more for
 # deepspeed, per rank and per launch, which is most of what a short multi-process run costs.
 # The fork server is itself a fresh interpreter (never a fork of the launching process, whose
@@ -44,9 +44,11 @@ __all__ = ["free_port", "launch"]
 # a spawned rank would inherit from the launching process at the time of the launch, a forked
 # one is given explicitly before ``fn`` runs: the whole environment (with the rank's variables),
 # ``sys.path`` and the working directory; ``OMP_NUM_THREADS`` also sets torch's thread count,
-# since torch read it at import. Not the default: a rank forked so is the fork server's child,
-# not the launching process's, and when the launching process is killed outright (SIGKILL) such
-# ranks were seen to outlive it (tests/project/test_demo.py), which a spawned rank never does.
+# since torch read it at import. A forked rank is the fork server's child, not the launching
+# process's, so it watches the launching process by pid (and start time, against pid reuse),
+# not its parent: killed outright (SIGKILL), the launching process may linger as a zombie its
+# own parent has not reaped, which counts as gone. ``start_method="spawn"`` gives each rank a
+# fresh interpreter instead, for code that must not share the fork server's imports.
 
 #: Modules the fork server imports once, for every rank it forks.
 _PRELOAD = ("torch", "pipedialect", "pipedialect.runtime.launch")
@@ -74,14 +76,14 @@ def _rank_main(
     kwargs: dict[str, Any],
     out: str,
     log: str | None,
-    start: tuple[dict[str, str], list[str], str],
+    start: tuple[dict[str, str], list[str], str, int],
 ) -> None:
     """Entry point of one rank: run ``fn`` and leave its result or traceback in ``out``.
 
-    ``start`` is the environment, ``sys.path`` and working directory the rank runs with
-    ([Note: how ranks start]).
+    ``start`` is the environment, ``sys.path`` and working directory the rank runs with, and the
+    pid of the launching process ([Note: how ranks start]).
     """
-    environ, path, cwd = start
+    environ, path, cwd, launcher = start
     os.environ.clear()
     os.environ.update(environ)
     sys.path[:] = path
@@ -89,7 +91,10 @@ def _rank_main(
     if "OMP_NUM_THREADS" in environ and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(environ["OMP_NUM_THREADS"]))
     threading.Thread(
-        target=_exit_with_parent, args=(os.getppid(),), name="pipedialect-parent-watch", daemon=True
+        target=_exit_with_launcher,
+        args=(launcher, _start_time(launcher)),
+        name="pipedialect-launcher-watch",
+        daemon=True,
     ).start()
     if log is not None:
         # Redirect at the file-descriptor level, so output of C++ code lands there too.
@@ -128,11 +133,38 @@ def _rank_main(
     os._exit(0)
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Leave at once when the launching process ``parent`` is gone (a rank must not linger)."""
-    while os.getppid() == parent:
+def _exit_with_launcher(pid: int, started: str | None) -> None:
+    """Leave at once when the launching process ``pid`` is gone (a rank must not linger)."""
+    while _alive(pid, started):
         time.sleep(_PARENT_POLL_SECONDS)
     os._exit(1)
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` from ``/proc`` (None where there is no ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name in parentheses may hold spaces: count the fields after its ")".
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    """Whether process ``pid`` (started at ``started``) still runs: not gone, reused or a zombie."""
+    if started is not None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return False
+        return fields[0] not in ("Z", "X") and fields[19] == started
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager
@@ -178,7 +210,7 @@ def _context(
 ) -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     """The multiprocessing context ranks start from ([Note: how ranks start])."""
     if start_method is None:
-        start_method = "spawn"
+        start_method = "forkserver"
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
     if start_method == "spawn":
@@ -212,11 +244,10 @@ def launch(
     picklable. ``env`` adds environment variables for every rank. ``on_poll`` is called about
     every 50 ms while the ranks run (to show progress, say). With ``log_dir``, each rank's
     standard output and error go to ``<log_dir>/rank<r>.log`` instead of this terminal, and a
-    failure quotes the end of the failing rank's log. ``start_method`` is ``"spawn"`` (the
-    default: a fresh interpreter per rank) or ``"forkserver"`` (ranks forked from a process that
-    imported torch once: faster to start, but see [Note: how ranks start]); either way a rank
-    sees the environment, ``sys.path`` and working directory of this process at the time of the
-    launch.
+    failure quotes the end of the failing rank's log. ``start_method`` is ``"forkserver"`` (the
+    default: ranks forked from a process that imported torch once, see [Note: how ranks start])
+    or ``"spawn"`` (a fresh interpreter per rank); either way a rank sees the environment,
+    ``sys.path`` and working directory of this process at the time of the launch.
 
     Raises:
         LaunchError: a rank raised or died (the message holds its traceback), or the launch
@@ -249,7 +280,7 @@ def launch(
                     **(env or {}),
                 }
                 with _environ(rank_env):
-                    start = (dict(os.environ), list(sys.path), str(Path.cwd()))
+                    start = (dict(os.environ), list(sys.path), str(Path.cwd()), os.getpid())
                     p = ctx.Process(
                         target=_rank_main,
                         args=(rank, fn, args, kwargs, outs[rank], logs[rank], start),

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import _launch_targets as targets
+import psutil
 import pytest
 
 from pipedialect import LaunchError
@@ -37,6 +42,37 @@ def test_each_launch_gives_its_ranks_this_processs_environment_path_and_director
         assert r["cwd"] == str(tmp_path)
         assert str(tmp_path / "extra") in r["path"]
         assert r["threads"] == 1  # OMP_NUM_THREADS=1, though torch was imported before
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_leave_when_the_launching_process_is_killed_outright(
+    start_method: str, tmp_path: Path
+) -> None:
+    """SIGKILL leaves the launcher no time to stop its ranks: they notice and leave by
+    themselves, even while the killed launcher is a zombie its parent has not reaped yet (a
+    forked rank is not the launcher's child, so it watches the launcher's pid)."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import _launch_targets as t; "
+        "from pipedialect.runtime.launch import launch; "
+        "launch(t.nap_after_saying_so, 2, sys.argv[2], timeout=600, start_method=sys.argv[3])"
+    )
+    tests = str(Path(targets.__file__).parent)
+    proc = subprocess.Popen([sys.executable, "-c", code, tests, str(tmp_path), start_method])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.iterdir())) < 2:  # both ranks run
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)  # not reaped: a zombie until proc.wait()
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        proc.kill()
+        proc.wait()
+    for p in alive:
+        p.kill()
+    assert not alive, alive
 
 
 def test_an_unknown_start_method_is_refused() -> None:
