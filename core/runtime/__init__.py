@@ -35,6 +35,7 @@ from .topology import (
     join_process_group,
     joined_world_size,
 )
+from .wire import pass_through
 
 __all__ = [
     "ARRIVAL_SECONDS",
@@ -58,6 +59,7 @@ __all__ = [
     "joined_world_size",
     "nonfinite_grad_error",
     "nonfinite_loss_error",
+    "pass_through",
     "preserved_state",
     "pull_micro_batches",
     "recompute_with_state",

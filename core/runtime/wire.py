@@ -43,7 +43,7 @@ import torch
 from ..contracts import TensorCodec
 from ..errors import MetadataError, StructureChangedError, WireError
 
-__all__: list[str] = []
+__all__ = ["pass_through"]
 
 _BITCAST = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _WIRE_VERSION = 2

@@ -19,15 +19,15 @@ exactly the graph the unsplit model would have.
 
 [Note: wire tensors for torch]
 Every boundary tensor is sent as it is produced, except that torch needs plain tensors: p2p
-sends need contiguous memory, and the zero-bubble schedules detach stage outputs in place
-after the input-gradient pass. A non-contiguous tensor is made contiguous (a copy) and a view
-that needs no gradient is detached (no copy). A tensor that needs a gradient is sent as an
-alias: a new tensor object on the same memory whose autograd node passes the gradient through
-(no copy). Detaching the alias in place leaves the stage's own value attached, which matters
-when that value is also saved by a later operation of the stage whose weight gradient is
-computed in the weight pass (a split point's output used again inside the stage: detaching it
-made torch fail with "Trying to use a saved tensor that has been detached in-place"), and
-autograd refuses to detach views in place, which the alias is not.
+sends need contiguous memory, and the zero-bubble schedules detach stage outputs in place after
+the input-gradient pass. A non-contiguous tensor is made contiguous (a copy) and a view that
+needs no gradient is detached (no copy). A tensor that needs a gradient is sent as an alias
+(``pipedialect.runtime.pass_through``): a new tensor object on the same memory whose autograd
+node passes the gradient through (no copy). Detaching the alias in place leaves the stage's own
+value attached, which matters when that value is also saved by a later operation of the stage
+whose weight gradient is computed in the weight pass (a split point's output used again inside
+the stage: detaching it made torch fail with "Trying to use a saved tensor that has been
+detached in-place"), and autograd refuses to detach views in place, which the alias is not.
 
 [Note: split backward without a gradient-carrying input]
 The zero-bubble schedules (``split_backward`` in ``_schedules``) compute a stage's input
@@ -52,12 +52,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from pipedialect import ConfigError
+from pipedialect.runtime import pass_through
 
 __all__: list[str] = []
 
@@ -108,29 +109,11 @@ def normalize_wire(wire: Any, prefix: str) -> tuple[torch.Tensor, ...]:
         if not t.is_contiguous():
             t = t.contiguous()
         if t.requires_grad:
-            t = _alias(t)
+            t = pass_through(t)
         elif t._is_view():
             t = t.detach()
         out.append(t)
     return tuple(out)
-
-
-class _Alias(torch.autograd.Function):
-    """Identity whose output is a new tensor on the input's memory; see the module notes."""
-
-    @staticmethod
-    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
-        del ctx
-        return value.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        del ctx
-        return grad
-
-
-def _alias(value: torch.Tensor) -> torch.Tensor:
-    return cast(torch.Tensor, _Alias.apply(value))  # type: ignore[no-untyped-call]
 
 
 def _grad_node(value: torch.Tensor) -> Any:
