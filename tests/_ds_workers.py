@@ -450,6 +450,25 @@ def wire_state_reference(model_name: str, phases: list[Any], gas: int = 2) -> tu
     return losses, dict(model.named_parameters(remove_duplicate=False))
 
 
+def assert_wire_state_matches(results: list[Any], cases: tuple[str, ...]) -> None:
+    """Every rank of a :func:`wire_state_run` launch ran each of ``cases`` and ended where the
+    unsplit model does: the same losses, step by step, and the same parameters."""
+    import pytest
+    from _compare import ATOL, RTOL, assert_tensor_close
+
+    phases_of = {c[0]: c[4] for c in WIRE_STATE_CASES}
+    models = {c[0]: c[1] for c in WIRE_STATE_CASES}
+    seen = set()
+    for rank_results in results:
+        for r in rank_results:
+            ref_losses, ref_params = wire_state_reference(models[r["case"]], phases_of[r["case"]])
+            assert r["losses"] == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), r["case"]
+            for name, value in r["params"].items():
+                assert_tensor_close(value, ref_params[name].detach(), f"{r['case']} {name}")
+            seen.add((r["case"], r["stage"]))
+    assert seen == {(c, s) for c in cases for s in (0, 1)}
+
+
 def wire_state_run(
     dialect_name: str, only: tuple[str, ...] | None = None, gas: int = 2
 ) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ third-party dialect and its broken variants are in test_conformance_dialects.py.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fresh import CHECK, run_fresh
 
 import pipedialect
 from pipedialect import Capability, ConfigError
@@ -32,7 +32,6 @@ from pipedialect.testing._harness._reference import expected_receives, reference
 from pipedialect.testing._options import parse_dialect_options
 from pipedialect.testing._requirements import CAPABILITY_SKIP_PREFIX, missing_requirements
 
-CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:]))"
 #: The opt-in: what a project running the suite from its own tests puts in its conftest.py.
 CONFTEST = 'pytest_plugins = ["pipedialect.testing.plugin"]\n'
 
@@ -42,12 +41,7 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` in a fresh interpreter (no plugin restriction), capturing its output;
     with ``plugin_dir``, the plugins installed there are found too."""
-    env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
-    if plugin_dir is not None:
-        env["PYTHONPATH"] = str(plugin_dir)
-    return subprocess.run(
-        argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return run_fresh(argv, cwd, None if plugin_dir is None else [plugin_dir], timeout)
 
 
 # -- helpers, on hand-made values ----------------------------------------------------------

@@ -13,18 +13,17 @@ put on the checks' PYTHONPATH, so entry points are found exactly as in a user's 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _fresh import CHECK, run_fresh, summary
 
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 @pytest.fixture(scope="session")
@@ -43,17 +42,8 @@ def run(
     paths: list[Path] = (),
     timeout: float = 900,  # type: ignore[assignment]
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
-    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
-    return subprocess.run(
-        argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-
-
-def summary(proc: subprocess.CompletedProcess[str]) -> str:
-    """The suite's summary section (or everything, to show why it is missing)."""
-    _, found, rest = proc.stdout.partition("pipedialect conformance summary")
-    return rest if found else proc.stdout[-8000:] + proc.stderr[-4000:]
+    """``argv`` in a fresh interpreter that finds the plugins installed in ``paths`` only."""
+    return run_fresh(argv, cwd, paths, timeout)
 
 
 def test_deepspeed_passes_the_suite(tmp_path: Path) -> None:

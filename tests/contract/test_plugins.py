@@ -8,7 +8,6 @@ should see, so entry points are discovered exactly as in a user's environment.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _fresh import fresh_env
 
 import pipedialect
 from pipedialect import plugins
@@ -39,9 +39,7 @@ def run_python(
     check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter that sees the given plugin directories."""
-    full_env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
-    full_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in plugin_dirs)
-    full_env.update(env or {})
+    full_env = fresh_env(plugin_dirs, env)
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,

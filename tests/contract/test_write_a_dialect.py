@@ -16,6 +16,7 @@ from pathlib import Path
 
 import _doc_examples as docs
 import pytest
+from _fresh import fresh_env
 
 PAGE = docs.ROOT / "docs" / "write-a-dialect.rst"
 BIN = Path(sys.executable).parent
@@ -34,7 +35,7 @@ def installed(
         (source / path).parent.mkdir(parents=True, exist_ok=True)
         (source / path).write_text(code)
     site = install_plugin(source)  # pipedialect and torch are this environment's
-    env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
+    env = fresh_env()
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     return source, env

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import _doc_examples as docs
 import pytest
+from _fresh import fresh_env
 
 from pipedialect.runtime.launch import free_port
 
@@ -35,7 +36,7 @@ def _env() -> dict[str, str]:
     One intra-op thread per process, as ``torchrun`` gives its ranks (and the pages tell users of
     the ``deepspeed`` launcher to set): on two shared cores, tiny ops on two threads contend.
     """
-    env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
+    env = fresh_env()
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["OMP_NUM_THREADS"] = "1"

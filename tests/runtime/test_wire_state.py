@@ -149,19 +149,8 @@ def test_reset_activation_shape_accepts_a_new_sequence_length() -> None:
 def test_torch_engine_reset_activation_shape_accepts_a_new_sequence_length() -> None:
     """The torch engine offers DeepSpeed's method too: its stages are built again."""
     import _ds_workers as workers
-    from _compare import ATOL, assert_tensor_close
 
     from pipedialect.runtime.launch import launch
 
     results = launch(workers.wire_state_run, 2, "torch", ("static", "reset"), timeout=600)
-    cases = {c[0]: c for c in workers.WIRE_STATE_CASES}
-    seen = set()
-    for rank_results in results:
-        for r in rank_results:
-            _, model_name, _, _, phases = cases[r["case"]]
-            ref_losses, ref_params = workers.wire_state_reference(model_name, phases)
-            assert r["losses"] == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), r["case"]
-            for name, value in r["params"].items():
-                assert_tensor_close(value, ref_params[name].detach(), f"{r['case']} {name}")
-            seen.add((r["case"], r["stage"]))
-    assert seen == {(c, s) for c in ("static", "reset") for s in (0, 1)}
+    workers.assert_wire_state_matches(results, ("static", "reset"))

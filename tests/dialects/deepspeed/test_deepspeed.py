@@ -203,17 +203,7 @@ def test_eval_and_train_in_any_order_and_reset_activation_shape() -> None:
     """Dynamic shapes: eval before training, then alternating; static: the same the other way
     round; static gpt: length 16, ``reset_activation_shape()``, length 8 (eval first)."""
     results = launch(workers.wire_state_run, 2, "deepspeed", timeout=600)
-    cases = {c[0]: c for c in workers.WIRE_STATE_CASES}
-    seen = set()
-    for rank_results in results:
-        for r in rank_results:
-            _, model_name, _, _, phases = cases[r["case"]]
-            ref_losses, ref_params = workers.wire_state_reference(model_name, phases)
-            assert r["losses"] == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), r["case"]
-            for name, value in r["params"].items():
-                assert_tensor_close(value, ref_params[name].detach(), f"{r['case']} {name}")
-            seen.add((r["case"], r["stage"]))
-    assert seen == {(c, s) for c in cases for s in (0, 1)}
+    workers.assert_wire_state_matches(results, tuple(c[0] for c in workers.WIRE_STATE_CASES))
 
 
 def test_a_new_shape_without_reset_activation_shape_is_the_named_error() -> None:

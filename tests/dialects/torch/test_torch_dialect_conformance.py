@@ -11,18 +11,17 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _fresh import CHECK, run_fresh, summary
 
 pytestmark = pytest.mark.distributed
 
 TESTS = Path(__file__).resolve().parents[2]
-CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:]))"
 VARIANTS = (
     "import sys; sys.path.insert(0, sys.argv[1]); import _torch_workers as w; "
     "sys.exit(w.check_schedules(sys.argv[3].split(','), sys.argv[2]))"
@@ -39,17 +38,8 @@ SCHEDULES = (
 
 
 def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
-    env["OMP_NUM_THREADS"] = "1"  # the references train in this process, beside the ranks
-    return subprocess.run(
-        argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200, check=False
-    )
-
-
-def summary(proc: subprocess.CompletedProcess[str]) -> str:
-    """The suite's summary section (or everything, to show why it is missing)."""
-    _, found, rest = proc.stdout.partition("pipedialect conformance summary")
-    return rest if found else proc.stdout[-8000:] + proc.stderr[-4000:]
+    # One thread: the references train in the checking process, beside the ranks.
+    return run_fresh(argv, cwd, timeout=1200, extra={"OMP_NUM_THREADS": "1"})
 
 
 def test_torch_passes_the_suite(tmp_path: Path) -> None:

@@ -1,0 +1,53 @@
+"""Run pipedialect in a fresh interpreter, as a user's shell would: the tests of ``pipedialect
+check`` and of plugin discovery all start one.
+
+The test session restricts plugin discovery (``PIPEDIALECT_PLUGINS``, set in conftest.py); a
+fresh interpreter here runs without that restriction, so it finds dialects by their entry points
+exactly as in a user's environment, plus the plugins installed in the directories it is given.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+#: ``python -c CHECK args...`` is the ``pipedialect`` command of this interpreter.
+CHECK = "import sys; from pipedialect.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def fresh_env(
+    paths: Iterable[Path] | None = None, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """This environment without the plugin restriction; with ``paths``, ``PYTHONPATH`` is them."""
+    env = {k: v for k, v in os.environ.items() if k != "PIPEDIALECT_PLUGINS"}
+    if paths is not None:
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
+    env.update(extra or {})
+    return env
+
+
+def run_fresh(
+    argv: list[str],
+    cwd: Path,
+    paths: Iterable[Path] | None = None,
+    timeout: float = 900,
+    extra: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in ``cwd`` with :func:`fresh_env`, capturing its output (never raising)."""
+    return subprocess.run(
+        argv,
+        cwd=cwd,
+        env=fresh_env(paths, extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def summary(proc: subprocess.CompletedProcess[str]) -> str:
+    """The conformance summary ``pipedialect check`` printed (or everything, to show why not)."""
+    _, found, rest = proc.stdout.partition("pipedialect conformance summary")
+    return rest if found else proc.stdout[-8000:] + proc.stderr[-4000:]
