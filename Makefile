@@ -47,13 +47,14 @@ typecheck:
 	$(BIN)/mypy --strict -p pipedialect
 
 # The whole suite, in two runs: the tests that stay in one process (one intra-op thread each) on
-# both cores, then the ones that start processes (their ranks already use both), one at a time.
-# Files are not split between the two workers (--dist loadfile): module fixtures run once.
+# two workers, then the ones that start processes on three: one such test alone keeps about one
+# core busy (its ranks wait on each other and on the test), three keep two cores busy.
+# Files are not split between workers (--dist loadfile): module fixtures run once.
 QUICK := -m "not distributed and not packaging"
 # Both runs always run; unit fails if either failed.
 unit:
 	$(BIN)/pytest -n 2 --dist loadfile $(QUICK); one=$$?; \
-	$(BIN)/pytest -m "distributed or packaging"; two=$$?; \
+	$(BIN)/pytest -n 3 --dist loadfile -m "distributed or packaging"; two=$$?; \
 	test $$one -eq 0 -a $$two -eq 0
 
 # The quick loop (a few minutes): ruff and the tests that start no process and run no pip (the

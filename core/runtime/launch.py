@@ -36,9 +36,10 @@ __all__ = ["free_port", "launch"]
 
 # [Note: how ranks start]
 # By default a rank is forked from multiprocessing's fork server (``forkserver``), which imported
-# torch (and, on a machine without CUDA, deepspeed) once, when the first launch of this process
-# started it: a fresh interpreter spends about 2 s of CPU importing torch and 3 s more for
-# deepspeed, per rank and per launch, which is most of what a short multi-process run costs.
+# torch, what ranks use of it (``_PRELOAD``) and, on a machine without CUDA, deepspeed, once,
+# when the first launch of this process started it: a fresh interpreter spends 3-4 s of CPU
+# on those imports, per rank and per launch, which is most of what a short multi-process run
+# costs.
 # The fork server is itself a fresh interpreter (never a fork of the launching process, whose
 # threads and CUDA state a fork would copy), and it never initialises CUDA, so a rank may. What
 # a spawned rank would inherit from the launching process at the time of the launch, a forked
@@ -50,8 +51,18 @@ __all__ = ["free_port", "launch"]
 # own parent has not reaped, which counts as gone. ``start_method="spawn"`` gives each rank a
 # fresh interpreter instead, for code that must not share the fork server's imports.
 
-#: Modules the fork server imports once, for every rank it forks.
-_PRELOAD = ("torch", "pipedialect", "pipedialect.runtime.launch")
+#: Modules the fork server imports once, for every rank it forks: torch, and what a rank of
+#: any built-in dialect imports while it trains (about 1-2 s of CPU per rank otherwise):
+#: ``torch._dynamo`` (tracing, export), ``torch.distributed.pipelining`` (the torch dialect)
+#: and ``torch.utils.cpp_extension`` (DeepSpeed's communication op on CPUs).
+_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.pipelining",
+    "torch.utils.cpp_extension",
+    "pipedialect",
+    "pipedialect.runtime.launch",
+)
 
 
 T = TypeVar("T")
@@ -222,7 +233,7 @@ def _context(
     ctx = multiprocessing.get_context("forkserver")
     preload = ["__main__", *_PRELOAD]
     if importlib.util.find_spec("deepspeed") is not None and not torch.cuda.is_available():
-        preload.append("deepspeed")
+        preload += ["deepspeed", "deepspeed.pipe"]
     ctx.set_forkserver_preload(preload)
     return ctx
 
