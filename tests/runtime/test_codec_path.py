@@ -41,6 +41,11 @@ HELPER = Path(__file__).resolve().parents[2] / "benchmarks" / "_slapo.py"
 CPU = torch.device("cpu")
 
 
+#: The tests comparing with Slapo run pip on first use (``pip download`` of its wheel, then
+#: cached): they are in the packaging tier, not the quick loop.
+needs_slapo = pytest.mark.packaging
+
+
 def slapo() -> types.ModuleType:
     """Slapo 0.0.3's ``framework_dialect/deepspeed/pipeline.py`` (raises if unavailable)."""
     name = "_pipedialect_benchmarks_slapo"
@@ -138,6 +143,7 @@ def leaves_of(value: Any) -> list[Any]:
 # -- byte-identical to Slapo ---------------------------------------------------------------------
 
 
+@needs_slapo
 @EXAMPLES
 @given(slapo_outputs)
 def test_flatten_matches_slapo_byte_for_byte(outputs: Any) -> None:
@@ -152,6 +158,7 @@ def test_flatten_matches_slapo_byte_for_byte(outputs: Any) -> None:
         assert same_wire(ours, theirs, original)
 
 
+@needs_slapo
 @EXAMPLES
 @given(slapo_outputs)
 def test_unflatten_matches_slapo_on_both_wires(outputs: Any) -> None:
@@ -238,6 +245,7 @@ def test_top_level_dict_is_flattened_over_its_values() -> None:
     assert ret[0] is t0
 
 
+@needs_slapo
 def test_same_names_and_signatures_as_slapo() -> None:
     reference = slapo()
     for name in (
@@ -263,6 +271,7 @@ def test_same_names_and_signatures_as_slapo() -> None:
 # -- the debug printer and the liveness naming -----------------------------------------------
 
 
+@needs_slapo
 @EXAMPLES
 @given(slapo_outputs.filter(lambda v: "{" not in repr(v)))
 def test_debug_printer_matches_slapo_where_slapo_works(outputs: Any) -> None:
@@ -308,6 +317,7 @@ def test_flat_and_name_itemises_every_container() -> None:
     assert nested[-1][1] is t2
 
 
+@needs_slapo
 @EXAMPLES
 @given(slapo_values)
 def test_flat_and_name_keeps_every_name_slapo_gives(value: Any) -> None:
