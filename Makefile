@@ -37,7 +37,11 @@ $(STAMP): pyproject.toml
 develop: setup
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation $(STRICT) -e .
 
-test: develop lint typecheck unit docs
+# The checks that run in one process each (ruff, mypy, sphinx) share the two cores first, then
+# the suite runs; make stops at the first that fails.
+test: develop
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck docs
+	$(MAKE) --no-print-directory unit
 
 lint:
 	$(BIN)/ruff check .
