@@ -456,12 +456,13 @@ def assert_wire_state_matches(results: list[Any], cases: tuple[str, ...]) -> Non
     import pytest
     from _compare import ATOL, RTOL, assert_tensor_close
 
-    phases_of = {c[0]: c[4] for c in WIRE_STATE_CASES}
-    models = {c[0]: c[1] for c in WIRE_STATE_CASES}
+    ran = {r["case"] for rank_results in results for r in rank_results}
+    # Each case's unsplit run, once for all ranks.
+    references = {c[0]: wire_state_reference(c[1], c[4]) for c in WIRE_STATE_CASES if c[0] in ran}
     seen = set()
     for rank_results in results:
         for r in rank_results:
-            ref_losses, ref_params = wire_state_reference(models[r["case"]], phases_of[r["case"]])
+            ref_losses, ref_params = references[r["case"]]
             assert r["losses"] == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), r["case"]
             for name, value in r["params"].items():
                 assert_tensor_close(value, ref_params[name].detach(), f"{r['case']} {name}")

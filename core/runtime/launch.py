@@ -69,7 +69,7 @@ T = TypeVar("T")
 
 _GRACE_SECONDS = 5.0
 #: How often a rank checks that the process that launched it is still there.
-_PARENT_POLL_SECONDS = 0.5
+_LAUNCHER_POLL_SECONDS = 0.5
 
 
 def free_port() -> int:
@@ -147,34 +147,39 @@ def _rank_main(
 def _exit_with_launcher(pid: int, started: str | None) -> None:
     """Leave at once when the launching process ``pid`` is gone (a rank must not linger)."""
     while _alive(pid, started):
-        time.sleep(_PARENT_POLL_SECONDS)
+        time.sleep(_LAUNCHER_POLL_SECONDS)
     os._exit(1)
 
 
-def _start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` from ``/proc`` (None where there is no ``/proc``)."""
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """The state and start time of process ``pid`` from ``/proc/<pid>/stat``, or None where
+    that file cannot be read (the process is gone, or there is no ``/proc``)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name in parentheses may hold spaces: count the fields after its ")".
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0], fields[19]
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (None where there is no ``/proc``)."""
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
 
 
 def _alive(pid: int, started: str | None) -> bool:
     """Whether process ``pid`` (started at ``started``) still runs: not gone, reused or a zombie."""
     if started is not None:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return False
-        return fields[0] not in ("Z", "X") and fields[19] == started
+        stat = _proc_stat(pid)
+        return stat is not None and stat[0] not in ("Z", "X") and stat[1] == started
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # it exists, under another user
     return True
 
 
