@@ -54,6 +54,12 @@ class Capability(enum.StrEnum):
     MULTI_PROCESS = "multi-process"
     #: Pipelines may be replicated over a data-parallel axis.
     DATA_PARALLEL = "data-parallel"
+    #: Each stage's parameters, gradients and optimizer state may be sharded over the data axis
+    #: (FSDP2: ``pipe_engine(..., data_parallel_mode="fsdp")``).
+    SHARDED_DATA_PARALLEL = "sharded-data-parallel"
+    #: Modules inside a stage may be sharded over a tensor axis
+    #: (``pipe_engine(..., tensor_parallel={glob: style})``).
+    TENSOR_PARALLEL = "tensor-parallel"
     #: Engines can save a checkpoint and resume from it.
     CHECKPOINTS = "checkpoints"
     #: ``Dialect.engine_state`` says what an engine trains, under the model's names, so that

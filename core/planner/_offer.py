@@ -41,10 +41,6 @@ __all__ = ["DEEPSPEED_SCHEDULE", "Offer", "offer_of"]
 #: The name of DeepSpeed's 1F1B (its ``TrainSchedule``) among the planner's schedules.
 DEEPSPEED_SCHEDULE = "deepspeed_1f1b"
 
-#: The capability names sharded data parallelism and tensor parallelism are declared under.
-SHARDED_DATA_PARALLEL = "sharded-data-parallel"
-TENSOR_PARALLEL = "tensor-parallel"
-
 
 @dataclass(frozen=True)
 class Offer:
@@ -176,8 +172,8 @@ def offer_of(dialect: Any, schedules: Sequence[str] | None = None) -> Offer:
             )
         modelled = tuple(s for s in modelled if s in schedules)
     data_parallel = str(Capability.DATA_PARALLEL) in capabilities
-    fsdp = SHARDED_DATA_PARALLEL in capabilities and "data_parallel_mode" in options
-    tensor = TENSOR_PARALLEL in capabilities and "tensor_parallel" in options
+    fsdp = str(Capability.SHARDED_DATA_PARALLEL) in capabilities and "data_parallel_mode" in options
+    tensor = str(Capability.TENSOR_PARALLEL) in capabilities and "tensor_parallel" in options
     if not data_parallel:
         notes.append("data parallelism (DDP): not offered by this dialect")
     if not fsdp:

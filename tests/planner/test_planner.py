@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pipedialect
-from pipedialect import ConfigError
+from pipedialect import Capability, ConfigError
 from pipedialect.dialects.torch import TorchDialect
 from pipedialect.dialects.torch._plugin import TorchOptions
 from pipedialect.models import TinyGPT
@@ -92,7 +92,10 @@ class _ShardingTorch(TorchDialect):
     """The torch dialect as it will declare FSDP and tensor parallelism (issue 27)."""
 
     options = _ShardingOptions
-    capabilities = TorchDialect.capabilities | {"sharded-data-parallel", "tensor-parallel"}  # type: ignore[operator]
+    capabilities = TorchDialect.capabilities | {
+        Capability.SHARDED_DATA_PARALLEL,
+        Capability.TENSOR_PARALLEL,
+    }
 
 
 def test_fsdp_and_tensor_parallel_appear_once_the_dialect_declares_them() -> None:
