@@ -30,6 +30,17 @@ splitter, liveness and tie analysis are shared ([Note: own splitter] in ``_fx``)
   where its value is computed, so that it happens in the stage that computes it;
 - the output keeps the model's structure when it is made of tuples, lists, dicts and None.
 
+[Note: recomputed regions]
+The exported graph has no module calls to route through a checkpoint (``_fx`` [Note:
+recomputed calls]), but every node records the modules whose forward ran it. So after the cut,
+:func:`checkpoint_regions` outlines, in each stage graph, the run of nodes a recomputed module
+computed into a small ``GraphModule`` (the stage's attribute ``recomputed_<n>``, holding no
+parameter: the parameters it reads stay ``get_attr`` nodes of the stage, passed in as
+arguments) and calls it through non-reentrant ``torch.utils.checkpoint`` with the RNG state
+preserved. The stage's parameter names and ties do not change, and the same numbers come out;
+only the region's activations are dropped after the forward and recomputed in backward. A
+region that writes a buffer in place would write it twice, and is refused by name.
+
 A split point's computation is the run of nodes whose ``nn_module_stack`` names its module;
 the stage boundary follows the last of them.
 
@@ -54,11 +65,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from torch import fx, nn
 from torch.export.graph_signature import (
     ConstantArgument,
@@ -67,7 +80,7 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
-from ..errors import CaptureError, SplitPointError, StructureChangedError
+from ..errors import CaptureError, RecomputeError, SplitPointError, StructureChangedError
 from . import _state
 from ._fx import Captured, remove_attrs
 from ._module_paths import check_execution_order, check_single_call
@@ -604,3 +617,124 @@ def locate(
         found.append(last[target])
     check_execution_order(points, [position[node] for node in found], "finishes")
     return found
+
+
+# -- recomputed regions ([Note: recomputed regions]) ----------------------------------------
+
+
+def recomputed_region(region: nn.Module, *args: Any) -> Any:
+    """Run an outlined region under non-reentrant recomputation ([Note: recomputed regions])."""
+    return torch.utils.checkpoint.checkpoint(
+        region, *args, use_reentrant=False, preserve_rng_state=True
+    )
+
+
+def _in_module(node: fx.Node, path: str) -> bool:
+    return any(p == path for p, _ in (node.meta.get("nn_module_stack") or {}).values())
+
+
+def check_recomputed_called(graph: fx.Graph, paths: Sequence[str]) -> None:
+    """Every recomputed module computes something in the exported graph.
+
+    Raises:
+        RecomputeError: naming the first that does not.
+    """
+    for path in paths:
+        if not any(n.op == "call_function" and _in_module(n, path) for n in graph.nodes):
+            raise RecomputeError(
+                f"recomputed module {path!r} computes nothing in the exported graph (forward "
+                "never calls it, or its forward has no tensor operation); drop it from "
+                "recompute="
+            )
+
+
+def checkpoint_regions(stage: fx.GraphModule, paths: Sequence[str]) -> None:
+    """Outline each recomputed module's nodes of ``stage``'s train-mode graph into a region
+    called through :func:`recomputed_region` (the eval-mode graph runs without gradients).
+
+    Raises:
+        RecomputeError: a region that writes a buffer, or whose nodes another module's
+            computation interleaves.
+    """
+    count = 0
+    for path in paths:
+        while _outline(stage, stage.graph, path, f"recomputed_{count}"):
+            count += 1
+    stage.graph.lint()
+    stage.recompile()
+
+
+def _outline(stage: fx.GraphModule, graph: fx.Graph, path: str, name: str) -> bool:
+    """Outline the first run of ``path``'s nodes not outlined yet; False when none is left."""
+    nodes = list(graph.nodes)
+    inside = [
+        i
+        for i, n in enumerate(nodes)
+        if n.op == "call_function" and n.target is not recomputed_region and _in_module(n, path)
+    ]
+    if not inside:
+        return False
+    first, last = inside[0], inside[-1]
+    region: list[fx.Node] = []
+    for node in nodes[first : last + 1]:
+        if node.op == "get_attr":
+            nodes[first].prepend(node)  # stays in the stage, read before the region
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack and not _in_module(node, path):
+            other = [p for p, _ in stack.values()][-1]
+            raise RecomputeError(
+                f"recomputed module {path!r}: its computation is interleaved with "
+                f"{other!r}'s in the exported graph, so it cannot be recomputed as one region; "
+                "recompute the modules inside it instead"
+            )
+        if node.op != "call_function":
+            raise RecomputeError(
+                f"recomputed module {path!r}: the exported graph holds a {node.op} node "
+                f"({node.name}) inside it; drop it from recompute="
+            )
+        region.append(node)
+    for node in region:
+        _refuse_writes(path, node, set(region))
+    members = set(region)
+    inputs: list[fx.Node] = []
+    for node in region:
+        for used in node.all_input_nodes:
+            if used not in members and used not in inputs:
+                inputs.append(used)
+    outputs = [n for n in region if any(u not in members for u in n.users)]
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for value in inputs:
+        env[value] = sub.placeholder(value.name)
+    for node in region:
+        env[node] = sub.node_copy(node, lambda n: env[n])
+    sub.output(tuple(env[n] for n in outputs))
+    stage.add_submodule(name, fx.GraphModule(nn.Module(), sub))
+    with graph.inserting_before(region[0]):
+        holder = graph.get_attr(name)
+        call = graph.call_function(recomputed_region, (holder, *inputs))
+        results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+    for node, result in zip(outputs, results, strict=True):
+        result.meta = {k: v for k, v in node.meta.items() if k != "nn_module_stack"}
+        node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
+    for node in reversed(region):
+        graph.erase_node(node)
+    return True
+
+
+def _refuse_writes(path: str, node: fx.Node, members: set[fx.Node]) -> None:
+    """A region may not write in place what it did not compute (a buffer, its input): its
+    recomputation would write it twice, or read the written value."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return
+    for argument, value in zip(schema.arguments, node.args, strict=False):
+        written = argument.alias_info is not None and argument.alias_info.is_write
+        if written and isinstance(value, fx.Node) and value not in members:
+            what = value.target if value.op == "get_attr" else value.name
+            raise RecomputeError(
+                f"recomputed module {path!r} writes {what!r} in place ({node.target}), which "
+                "it did not compute: recomputing it would write it twice; drop "
+                f"{path!r} from recompute="
+            )

@@ -414,7 +414,8 @@ def partition(
             replayed) instead of kept: the stage graphs call them through the checkpoint, so
             it works alike on every dialect. Nested matches count once, at the outermost
             module; each matched module runs as one call ([Note: recomputed calls] in
-            ``_fx``). Only with the torch.fx capture (not with ``example_inputs``).
+            ``_fx``), or, with ``example_inputs``, its nodes of the exported graph as one
+            region ([Note: recomputed regions] in ``_export``).
         concrete_args: values fixed at capture time for forward parameters that steer control
             flow (``{"use_cache": False}``); they are not plan inputs.
         leaf_modules: module paths or classes fx must call rather than trace through.
@@ -450,7 +451,7 @@ def partition(
         ConfigError: ``balance`` or ``micro_batches`` without ``num_stages``, an unknown
             method, or one that needs inputs it was not given.
         RecomputeError: a ``recompute`` pattern matches no module, a recomputed
-            module contains a split point, or ``recompute`` with ``example_inputs``.
+            module contains a split point, or it writes a buffer (``example_inputs``).
         CaptureError: torch.fx or torch.export cannot capture the forward (the message says
             what to try); forward changes a Python attribute while it is traced; a grad-mode
             or autocast region contains a split point; the two modes send different values
@@ -477,12 +478,6 @@ def partition(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     ckpt_paths = _resolve_recompute(model, recompute)
-    if ckpt_paths and named_inputs is not None:
-        raise RecomputeError(
-            "recompute= rewrites module calls of the torch.fx capture; with example_inputs the "
-            "forward is captured with torch.export, whose graph has no module calls. Drop "
-            "example_inputs (call plan.verify(...) on them afterwards) or drop recompute="
-        )
     capture_dtype = dtype if named_inputs is not None else None
     snapshot = _state.StateSnapshot(model)
     try:
@@ -601,7 +596,9 @@ def _partition(
                     f"split point {points[-1]!r} is the last computation in forward: the stage "
                     f"after it would compute nothing. Drop {points[-1]!r} from split_points."
                 )
-            if mode and ckpt_paths:
+            if mode and ckpt_paths and named_inputs is not None:
+                _export.check_recomputed_called(graph, ckpt_paths)
+            elif mode and ckpt_paths:
                 _check_checkpoint_called(model, graph, ckpt_paths, leaf_paths)
             uses.append(
                 _state.analyze(graph, stage_of, names, mode, count - 1, captured.buffer_writes)
@@ -627,7 +624,10 @@ def _partition(
         _fx.remove_attrs(model, added)
     if ckpt_paths:
         for stage in cut.stages:
-            _fx.checkpoint_calls(stage, frozenset(ckpt_paths))
+            if named_inputs is None:
+                _fx.checkpoint_calls(stage, frozenset(ckpt_paths))
+            else:
+                _export.checkpoint_regions(stage, ckpt_paths)
     _record_model_names(model, cut.stages)
     liveness = compute_liveness(cut.input_names, cut.arg_names, cut.defined_by)
     buffers = tuple(
