@@ -16,13 +16,15 @@ after training. ``--save DIR`` also writes the trained model (``save_pretrained`
 two-stage pipeline: each replica reads every other batch, so a step sees the samples a single
 process sees with twice the accumulation steps (``--reference --accumulation 4``).
 
+``--bf16`` trains in Trainer's bf16 (``torch.autocast`` over fp32 weights, on every stage);
 ``--gradient-checkpointing`` recomputes the model's layers in backward (the same numbers);
 ``--eval`` evaluates every 2 steps with ``compute_metrics`` (token accuracy and mean log-prob),
 saves a checkpoint there (keeping the last 2) and loads the best one at the end; the JSON line
-then also has every evaluation. Both runs take the same arguments:
+then also has every evaluation. ``--resume DIR`` resumes from a checkpoint folder (either
+trainer's: each resumes the other's). Both runs take the same arguments:
 
-    torchrun --nproc_per_node 2 examples/hf_trainer.py --gradient-checkpointing --eval
-    python examples/hf_trainer.py --reference --gradient-checkpointing --eval
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --bf16 --gradient-checkpointing --eval
+    python examples/hf_trainer.py --reference --bf16 --gradient-checkpointing --eval
 """
 
 from __future__ import annotations
@@ -110,11 +112,12 @@ def training_arguments(
     cls: type[transformers.TrainingArguments] = transformers.TrainingArguments,
     checkpointing: bool = False,
     evaluation: bool = False,
+    bf16: bool = False,
     **pipeline: Any,
 ) -> transformers.TrainingArguments:
     """What both runs train with: 2 sequences per micro-batch, 2 micro-batches per step
     (``cls`` is plain Trainer's arguments or ``PipelineTrainingArguments`` with ``pipeline``)."""
-    extra: dict[str, Any] = {"save_strategy": "no"}
+    extra: dict[str, Any] = {"save_strategy": "no", "bf16": bf16}
     if checkpointing:
         extra["gradient_checkpointing"] = True
     if evaluation:
@@ -176,12 +179,14 @@ def main() -> None:
     parser.add_argument(
         "--eval", action="store_true", help="evaluate with metrics, checkpoint, load the best"
     )
+    parser.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast)")
+    parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     options = parser.parse_args()
 
     transformers.logging.set_verbosity_error()
     model = build_model(options.family)
     arguments: dict[str, Any] = dict(
-        checkpointing=options.gradient_checkpointing, evaluation=options.eval
+        checkpointing=options.gradient_checkpointing, evaluation=options.eval, bf16=options.bf16
     )
     common: dict[str, Any] = dict(
         model=model,
@@ -209,7 +214,7 @@ def main() -> None:
             **arguments,
         )
         trainer = PipelineTrainer(args=args, **common)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=options.resume)
     metrics = trainer.evaluate()
     if options.save is not None:
         trainer.save_model(options.save)

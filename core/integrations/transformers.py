@@ -213,8 +213,6 @@ class PipelineTrainingArguments(transformers.TrainingArguments):
 REFUSED_TRAINING_ARGUMENTS: dict[str, str] = {
     "fp16": "fp16 needs a gradient scaler whose scale, unscale and skip span every stage; "
     "train in fp32 or bf16",
-    "bf16": "Trainer's bf16 is autocast over fp32 weights, which the captured stages do not "
-    "run; train in fp32",
     "bf16_full_eval": "it casts the model for evaluation, and the stages hold its parameters",
     "fp16_full_eval": "it casts the model for evaluation, and the stages hold its parameters",
     "torch_compile": "the stages are captured graphs; compiling them is not implemented",
@@ -284,7 +282,6 @@ def _refused(trainer: PipelineTrainer) -> list[str]:
     _, checkpointing_kwargs = _checkpointing(a)
     found = {
         "fp16": a.fp16,
-        "bf16": a.bf16,
         "bf16_full_eval": a.bf16_full_eval,
         "fp16_full_eval": a.fp16_full_eval,
         "torch_compile": a.torch_compile,
@@ -746,6 +743,14 @@ class PipelineTrainer(transformers.Trainer):
                 "pad the rows to one length in the data set",
                 argument="train_dataset",
             )
+        too_long = sorted(k for k in sequence if fixed is not None and max(seen[k]) > fixed)
+        if too_long:
+            raise TrainingArgumentError(
+                f"pad_to_length={fixed}, but the rows' {too_long[0]!r} are up to "
+                f"{max(seen[too_long[0]])} long, longer than every batch is padded to; set "
+                f"pad_to_length >= {max(seen[too_long[0]])}, or truncate the rows",
+                argument="pad_to_length",
+            )
         keys = sorted(set(varying) | (sequence if fixed is not None else set()))
         chosen = {k: fixed if fixed is not None else -(-max(seen[k]) // 8) * 8 for k in keys}
         pads = {**_PAD_VALUES, "input_ids": self._pad_token()}
@@ -853,6 +858,8 @@ class PipelineTrainer(transformers.Trainer):
         """Capture and cut the model on the first collated micro-batch."""
         recompute = self._recompute()
         extra: dict[str, Any] = {} if recompute is None else {"recompute": recompute}
+        if self.args.bf16:  # Trainer's (accelerate's) bf16: autocast over fp32 weights
+            extra["autocast"] = torch.bfloat16
         return partition(
             self.unsplit_model,
             example_inputs=self._example_inputs(),

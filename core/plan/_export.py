@@ -30,6 +30,17 @@ splitter, liveness and tie analysis are shared ([Note: own splitter] in ``_fx``)
   where its value is computed, so that it happens in the stage that computes it;
 - the output keeps the model's structure when it is made of tuples, lists, dicts and None.
 
+[Note: stages under autocast]
+Mixed precision as ``torch.autocast`` (and so accelerate and Hugging Face's ``Trainer``) means
+it keeps fp32 parameters and runs eligible ops in bf16. The capture stays fp32;
+:func:`autocast_stage` then makes each stage run its whole body (both modes' graphs) inside
+``torch.autocast(<its inputs' device>, dtype)``, outlined into one region as the recomputed
+ones are. Autocast decides per op at run time, as in the unsplit model; what the capture fixed
+are the dtypes the model's Python read (``x.to(h.dtype)`` with ``h`` fp32 at capture), which
+autocast's casts of the next matmul make no difference to in the models tested (Llama and
+Qwen2: the logits equal the unsplit model's under autocast bit for bit). A recomputed region
+inside keeps the autocast state (the checkpoint restores it when recomputing).
+
 [Note: recomputed regions]
 The exported graph has no module calls to route through a checkpoint (``_fx`` [Note:
 recomputed calls]), but every node records the modules whose forward ran it. So after the cut,
@@ -696,30 +707,7 @@ def _outline(stage: fx.GraphModule, graph: fx.Graph, path: str, name: str) -> bo
         region.append(node)
     for node in region:
         _refuse_writes(path, node, set(region))
-    members = set(region)
-    inputs: list[fx.Node] = []
-    for node in region:
-        for used in node.all_input_nodes:
-            if used not in members and used not in inputs:
-                inputs.append(used)
-    outputs = [n for n in region if any(u not in members for u in n.users)]
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for value in inputs:
-        env[value] = sub.placeholder(value.name)
-    for node in region:
-        env[node] = sub.node_copy(node, lambda n: env[n])
-    sub.output(tuple(env[n] for n in outputs))
-    stage.add_submodule(name, fx.GraphModule(nn.Module(), sub))
-    with graph.inserting_before(region[0]):
-        holder = graph.get_attr(name)
-        call = graph.call_function(recomputed_region, (holder, *inputs))
-        results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
-    for node, result in zip(outputs, results, strict=True):
-        result.meta = {k: v for k, v in node.meta.items() if k != "nn_module_stack"}
-        node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
-    for node in reversed(region):
-        graph.erase_node(node)
+    _replace_region(stage, graph, region, name, recomputed_region, ())
     return True
 
 
@@ -738,3 +726,71 @@ def _refuse_writes(path: str, node: fx.Node, members: set[fx.Node]) -> None:
                 "it did not compute: recomputing it would write it twice; drop "
                 f"{path!r} from recompute="
             )
+
+
+def _replace_region(
+    stage: fx.GraphModule,
+    graph: fx.Graph,
+    region: list[fx.Node],
+    name: str,
+    target: Callable[..., Any],
+    leading: tuple[Any, ...],
+) -> None:
+    """Move ``region`` (consecutive nodes of ``graph``) into ``stage``'s parameterless
+    submodule ``name``, called as ``target(submodule, *leading, *inputs)``."""
+    members = set(region)
+    inputs: list[fx.Node] = []
+    for node in region:
+        for used in node.all_input_nodes:
+            if used not in members and used not in inputs:
+                inputs.append(used)
+    outputs = [n for n in region if any(u not in members for u in n.users)]
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for value in inputs:
+        env[value] = sub.placeholder(value.name)
+    for node in region:
+        env[node] = sub.node_copy(node, lambda n: env[n])
+    sub.output(tuple(env[n] for n in outputs))
+    stage.add_submodule(name, fx.GraphModule(nn.Module(), sub))
+    with graph.inserting_before(region[0]):
+        holder = graph.get_attr(name)
+        call = graph.call_function(target, (holder, *leading, *inputs))
+        results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+    for node, result in zip(outputs, results, strict=True):
+        result.meta = {k: v for k, v in node.meta.items() if k != "nn_module_stack"}
+        node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
+    for node in reversed(region):
+        graph.erase_node(node)
+
+
+# -- stages under autocast ([Note: stages under autocast]) ----------------------------------
+
+
+def autocast_region(region: nn.Module, dtype: torch.dtype, *args: Any) -> Any:
+    """Run a stage's outlined body under ``torch.autocast`` on its inputs' device."""
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    with torch.autocast(device, dtype=dtype):
+        return region(*args)
+
+
+def autocast_stage(stage: fx.GraphModule, graphs: Sequence[fx.Graph], dtype: torch.dtype) -> None:
+    """Make ``stage`` run every op of ``graphs`` (its train- and eval-mode graphs) under
+    ``torch.autocast(dtype)``: its body becomes one region called through
+    :func:`autocast_region` ([Note: stages under autocast])."""
+    for number, graph in enumerate(graphs):
+        nodes = list(graph.nodes)
+        body = [n for n in nodes if n.op not in ("placeholder", "output")]
+        for node in body:
+            if node.op == "get_attr":
+                body[0].prepend(node)
+        region = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+        if any(n.op != "call_function" for n in region):
+            raise CaptureError(
+                "autocast stages need the torch.export capture (example_inputs=), whose stage "
+                "graphs call functions only"
+            )
+        if region:
+            _replace_region(stage, graph, region, f"autocast_{number}", autocast_region, (dtype,))
+    stage.graph.lint()
+    stage.recompile()

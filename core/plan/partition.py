@@ -203,6 +203,9 @@ class PipelinePlan:
     #: ``None`` default is not here: the capture traced the input as a value, so an input that
     #: may be left out is fixed with ``concrete_args`` instead.
     input_defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: The dtype every stage runs its ops under ``torch.autocast`` in (``partition(...,
+    #: autocast=)``: fp32 parameters, eligible ops in that dtype), or None.
+    autocast: torch.dtype | None = None
     #: What :meth:`verify` saw of each boundary value: shape, dtype, bytes, output paths
     #: ([Note: boundary values]).
     _seen: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
@@ -313,6 +316,8 @@ class PipelinePlan:
             lines.append(f"Captured with {self.param_dtype} parameters (torch.export)")
         if self.recomputed:
             lines.append(f"Recomputed in backward: {list(self.recomputed)}")
+        if self.autocast is not None:
+            lines.append(f"Every stage runs under torch.autocast({self.autocast})")
         if self.costs is not None:
             lines.extend(self.costs.describe_lines())
         return "\n".join(lines)
@@ -378,6 +383,7 @@ def partition(
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     example_inputs: Mapping[str, Any] | Sequence[Any] | None = None,
     dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
     verify: bool = True,
 ) -> PipelinePlan:
     """Cut ``model`` into pipeline stages, after the given or the chosen split points.
@@ -436,6 +442,11 @@ def partition(
             (torch.export writes dtypes into the graphs, [Note: export precision] in
             ``_export``). Default: the parameters' own. The torch.fx capture ignores it: its
             stages follow the parameters' dtype.
+        autocast: with ``example_inputs``, a dtype (``torch.bfloat16``) every stage runs its
+            ops under ``torch.autocast`` in, over fp32 parameters: mixed precision as
+            accelerate and Hugging Face's ``Trainer`` mean it, where ``dtype=`` is DeepSpeed's
+            ([Note: stages under autocast] in ``_export``). The plan is checked against the
+            model run under the same autocast.
         verify: with ``example_inputs``, whether to check the plan on them (default: yes).
 
     The model is left exactly as it was: buffers, Python attributes and train/eval flags of
@@ -477,6 +488,14 @@ def partition(
         )
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if autocast is not None and not (
+        isinstance(autocast, torch.dtype) and autocast.is_floating_point and named_inputs
+    ):
+        raise ConfigError(
+            f"autocast= takes a floating-point torch.dtype together with example_inputs (the "
+            f"torch.export capture), got {autocast!r}"
+            + ("" if named_inputs is not None else " without example_inputs")
+        )
     ckpt_paths = _resolve_recompute(model, recompute)
     capture_dtype = dtype if named_inputs is not None else None
     snapshot = _state.StateSnapshot(model)
@@ -497,6 +516,7 @@ def partition(
                 leaf_modules=leaf_modules,
                 named_inputs=named_inputs,
                 capture_dtype=capture_dtype,
+                autocast=autocast,
             )
     finally:
         snapshot.restore()
@@ -522,6 +542,7 @@ def _partition(
     leaf_modules: Sequence[str | type[nn.Module]] | None,
     named_inputs: Mapping[str, Any] | None,
     capture_dtype: torch.dtype | None,
+    autocast: torch.dtype | None = None,
 ) -> PipelinePlan:
     """:func:`partition` once its arguments are checked; the caller restores the model."""
     training = model.training
@@ -628,6 +649,9 @@ def _partition(
                 _fx.checkpoint_calls(stage, frozenset(ckpt_paths))
             else:
                 _export.checkpoint_regions(stage, ckpt_paths)
+    if autocast is not None:
+        for stage in cut.stages:
+            _export.autocast_stage(stage, _fx.stage_graphs(stage), autocast)
     _record_model_names(model, cut.stages)
     liveness = compute_liveness(cut.input_names, cut.arg_names, cut.defined_by)
     buffers = tuple(
@@ -655,6 +679,7 @@ def _partition(
         recomputed=tuple(ckpt_paths),
         buffers=buffers,
         param_dtype=None if named_inputs is None else (capture_dtype or _param_dtype(model)),
+        autocast=autocast,
         input_defaults=_input_defaults(model, cut.input_names),
     )
 
