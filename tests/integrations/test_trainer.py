@@ -12,7 +12,6 @@ local dialect.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -424,12 +423,29 @@ def _last_line(argv: list[str], cwd: Path) -> dict[str, Any]:
     return result
 
 
-@functools.cache
-def _reference(family: str, where: str, accumulation: int = 2) -> dict[str, Any]:
-    out = Path(where)
-    argv = [sys.executable, str(EXAMPLE), "--reference", "--family", family]
-    argv += ["--accumulation", str(accumulation)]
-    return _last_line([*argv, "--out", str(out / "out"), "--save", str(out / "final")], out)
+def run_example(*argv: str) -> dict[str, Any]:
+    """examples/hf_trainer.py's ``main()`` in this process, with ``argv``; its JSON line."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    old = sys.argv
+    try:
+        sys.argv = [str(EXAMPLE), *argv]
+        with contextlib.redirect_stdout(out):
+            example.main()
+    finally:
+        sys.argv = old
+    result: dict[str, Any] = json.loads(out.getvalue().strip().splitlines()[-1])
+    return result
+
+
+def _reference(where: Path, *flags: str) -> dict[str, Any]:
+    """Plain Trainer through the example (``--reference``) in this process, saving into
+    ``where/final``."""
+    return run_example(
+        "--reference", *flags, "--out", str(where / "out"), "--save", str(where / "final")
+    )
 
 
 def _torchrun(nproc: int, *args: str) -> list[str]:
@@ -446,21 +462,66 @@ def _torchrun(nproc: int, *args: str) -> list[str]:
     ]
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("dialect", ["torch", "deepspeed"])
-def test_the_example_under_torchrun_equals_plain_trainer(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, dialect: str, family: str
+#: The example's flags per launch: each dialect trains each family once, with Trainer's bf16,
+#: gradient checkpointing and --eval (metrics, checkpoints, the best model) spread over them.
+LAUNCHES = {
+    "torch-llama": ("--bf16", "--gradient-checkpointing", "--eval"),
+    "deepspeed-qwen2": ("--gradient-checkpointing", "--eval"),
+    "deepspeed-llama": ("--bf16",),
+    "torch-qwen2": (),
+}
+
+
+def assert_same_eval(
+    run: dict[str, Any], ref: dict[str, Any], rel: float = REL, *, same_dir: bool = True
 ) -> None:
-    where = tmp_path_factory.getbasetemp() / f"reference-{family}"
-    where.mkdir(exist_ok=True)
-    ref = _reference(family, str(where))
-    argv = _torchrun(2, "--dialect", dialect, "--family", family)
-    run = _last_line(
-        [*argv, "--out", str(tmp_path / "out"), "--save", str(tmp_path / "final")], tmp_path
-    )
-    assert_same_run(run, ref)
-    assert_same_weights(tmp_path / "final", where / "final", family)
+    """Every evaluation's loss and metrics, the best checkpoint and (``same_dir``: both
+    runs wrote every checkpoint into their own output_dir) the checkpoints kept."""
+    assert len(run["evals"]) == len(ref["evals"])
+    for ours, theirs in zip(run["evals"], ref["evals"], strict=True):
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert _rel(ours[key], value) <= rel, (key, ours, theirs)
+    assert run["best_checkpoint"] == ref["best_checkpoint"]
+    if same_dir:
+        assert run["checkpoints"] == ref["checkpoints"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_the_example_under_torchrun_equals_plain_trainer(tmp_path: Path, launch: str) -> None:
+    """Two processes, one stage each; Trainer's bf16 within the bound of
+    test_trainer_features.py (BF16_REL), everything else within rel 1e-5. After the --eval
+    launch of DeepSpeed, plain Trainer resumes the pipeline's checkpoint-2 and finishes as the
+    uninterrupted run (optimizer, schedule and step from the folder)."""
+    from test_trainer_features import BF16_REL
+
+    dialect, family = launch.split("-")
+    flags = ("--family", family, *LAUNCHES[launch])
+    ref = _reference(tmp_path / "ref", *flags)
+    argv = _torchrun(2, "--dialect", dialect, *flags)
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    run = _last_line([*argv, "--out", str(pipe / "out"), "--save", str(pipe / "final")], pipe)
+    if "--bf16" in flags:
+        assert run["losses"][0] == ref["losses"][0]
+        for key in ("losses", "grad_norms"):
+            worst = max(_rel(a, b) for a, b in zip(run[key], ref[key], strict=True))
+            assert worst <= BF16_REL[key], (key, run[key], ref[key])
+        assert _rel(run["eval_loss"], ref["eval_loss"]) <= BF16_REL["eval_loss"]
+    else:
+        assert_same_run(run, ref)
+        assert_same_weights(pipe / "final", tmp_path / "ref" / "final", family)
+    if "--eval" in flags:
+        assert_same_eval(run, ref, BF16_REL["eval_loss"] if "--bf16" in flags else REL)
+        assert len(run["evals"]) == 4 and len(run["final_metrics"]) == 2
+    if launch == "deepspeed-qwen2":
+        resumed = _reference(
+            tmp_path / "plain", *flags, "--resume", str(pipe / "out" / "checkpoint-2")
+        )
+        assert resumed["losses"][2:] == pytest.approx(ref["losses"][2:], rel=REL)
+        assert resumed["learning_rates"] == ref["learning_rates"]
+        assert_same_eval(resumed, ref, same_dir=False)  # checkpoint-2 is the pipeline's
 
 
 @pytest.mark.distributed
@@ -470,13 +531,35 @@ def test_two_replicas_of_two_stages_equal_plain_trainer_with_twice_the_accumulat
 ) -> None:
     """Four processes, two stages by two replicas: Trainer's loaders are sharded over the
     replicas only (each reads every other batch) and the step's token count is summed over
-    them, so a step trains on what one process trains on with gradient_accumulation_steps 4."""
-    ref = _reference("llama", str(tmp_path), 4)
-    argv = _torchrun(4, "--dialect", dialect, "--stages", "2", "--accumulation", "2")
-    out = ["--out", str(tmp_path / "pipe"), "--save", str(tmp_path / "pipe_final")]
-    run = _last_line([*argv, *out], tmp_path)
+    them, so a step trains on what one process trains on with gradient_accumulation_steps 4;
+    evaluation gathers every replica's batches in Trainer's order for compute_metrics."""
+    ref = _reference(tmp_path / "ref", "--accumulation", "4", "--eval")
+    argv = _torchrun(4, "--dialect", dialect, "--stages", "2", "--accumulation", "2", "--eval")
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    run = _last_line([*argv, "--out", str(pipe / "out"), "--save", str(pipe / "final")], pipe)
     assert_same_run(run, ref)
-    assert_same_weights(tmp_path / "pipe_final", tmp_path / "final", "llama")
+    assert_same_eval(run, ref)
+    assert_same_weights(pipe / "final", tmp_path / "ref" / "final", "llama")
+
+
+@pytest.mark.distributed
+def test_what_can_only_fail_fails_when_the_trainer_is_built_on_every_rank(tmp_path: Path) -> None:
+    """Trainer's default gradient_accumulation_steps=1 under 1F1B over two stages, and three
+    stages on two processes: each a named error on both ranks in PipelineTrainer(...), not at
+    the first step (main: the first at the first step, the second from one rank inside
+    get_train_dataloader)."""
+    import _trainer_workers
+
+    from pipedialect.runtime.launch import launch
+
+    results = launch(_trainer_workers.pipeline_trainer_refusals, 2, str(tmp_path), timeout=600)
+    for micro, world in results:
+        assert micro[0] == "ConfigError", micro
+        assert "gradient_accumulation_steps=1" in micro[1] and "1F1B" in micro[1], micro
+        assert world[0] == "TopologyError", world
+        assert "2 processes cannot run 3 stages" in world[1], world
+    assert results[0] == results[1]
 
 
 def test_a_loader_accelerate_does_not_shard_by_batches_is_refused_under_several_processes(

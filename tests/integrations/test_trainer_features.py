@@ -11,7 +11,6 @@ Everything here runs the local dialect in this process; test_trainer.py runs the
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
@@ -181,21 +180,7 @@ def test_an_eval_set_the_accumulation_does_not_divide_evaluates_as_plain_trainer
 
 def _example(tmp_path: Path, *flags: str) -> dict[str, Any]:
     """examples/hf_trainer.py's main() in this process; its JSON line."""
-    import contextlib
-    import io
-    import sys
-
-    out = io.StringIO()
-    argv = [str(base.EXAMPLE), *flags, "--out", str(tmp_path / "out")]
-    old = sys.argv
-    try:
-        sys.argv = argv
-        with contextlib.redirect_stdout(out):
-            example.main()
-    finally:
-        sys.argv = old
-    result: dict[str, Any] = json.loads(out.getvalue().strip().splitlines()[-1])
-    return result
+    return base.run_example(*flags, "--out", str(tmp_path / "out"))
 
 
 def test_the_example_with_metrics_best_model_and_gradient_checkpointing_equals_plain_trainer(
