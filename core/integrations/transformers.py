@@ -123,7 +123,7 @@ OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME = (
 
 #: The transformers releases this integration is tested with: the oldest (tests/integrations/
 #: test_hf_versions.py) and the major release it stays below (pyproject's ``hf`` extra).
-SUPPORTED_TRANSFORMERS = ("5.0.0", "6")
+SUPPORTED_TRANSFORMERS = ("5.3.0", "6")
 
 #: The ``optim`` values built from parameter groups alone (the others need the model's modules
 #: or per-layer state, which a rank holding some stages does not have).
@@ -395,7 +395,7 @@ def _pp_layers(model: nn.Module) -> tuple[str, str, nn.ModuleList]:
     return root, name, blocks
 
 
-def checkpointed_layers(model: nn.Module) -> list[str]:
+def _checkpointed_layers(model: nn.Module) -> list[str]:
     """The modules Hugging Face's gradient checkpointing recomputes: its
     ``GradientCheckpointingLayer``\\ s (the decoder layers), else the pp plan's layers."""
     layer_cls = getattr(
@@ -852,7 +852,7 @@ class PipelineTrainer(transformers.Trainer):
         if self.args.recompute is not None:
             return list(self.args.recompute)
         on, _ = _checkpointing(self.args)
-        return checkpointed_layers(self.unsplit_model) if on else None
+        return _checkpointed_layers(self.unsplit_model) if on else None
 
     def _partition(self) -> PipelinePlan:
         """Capture and cut the model on the first collated micro-batch."""

@@ -449,8 +449,11 @@ def _reference(where: Path, *flags: str) -> dict[str, Any]:
 
 
 def _torchrun(nproc: int, *args: str) -> list[str]:
+    """torchrun through this interpreter (a venv without its script runs it too)."""
     return [
-        str(BIN / "torchrun"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         "--nproc_per_node",
         str(nproc),
         "--master_addr",
