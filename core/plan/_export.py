@@ -32,14 +32,17 @@ splitter, liveness and tie analysis are shared ([Note: own splitter] in ``_fx``)
 
 [Note: stages under autocast]
 Mixed precision as ``torch.autocast`` (and so accelerate and Hugging Face's ``Trainer``) means
-it keeps fp32 parameters and runs eligible ops in bf16. The capture stays fp32;
-:func:`autocast_stage` then makes each stage run its whole body (both modes' graphs) inside
-``torch.autocast(<its inputs' device>, dtype)``, outlined into one region as the recomputed
-ones are. Autocast decides per op at run time, as in the unsplit model; what the capture fixed
-are the dtypes the model's Python read (``x.to(h.dtype)`` with ``h`` fp32 at capture), which
-autocast's casts of the next matmul make no difference to in the models tested (Llama and
-Qwen2: the logits equal the unsplit model's under autocast bit for bit). A recomputed region
-inside keeps the autocast state (the checkpoint restores it when recomputing).
+it keeps fp32 parameters and runs eligible ops in bf16. Two things make a stage compute what the
+unsplit model computes under autocast. The forward is exported under the same autocast, so the
+dtypes the model's Python reads are autocast's (``x.type_as(h)`` with ``h`` the bf16 output of
+a matmul is a cast to bf16, as in the eager model: Gemma2's norms do this), while the ops are
+recorded as called, before autocast's casts. And :func:`autocast_stage` makes each stage run its
+whole body (both modes' graphs) inside ``torch.autocast(<its inputs' device>, dtype)``, outlined
+into one region as the recomputed ones are, so autocast casts at run time, per op, as in the
+unsplit model. The logits of Llama, Qwen2, Mistral and Gemma2 then equal the unsplit model's
+under autocast bit for bit (an fp32 capture run under autocast is off by a bf16 ulp on Gemma2).
+A recomputed region inside keeps the autocast state (the checkpoint restores it when
+recomputing).
 
 [Note: recomputed regions]
 The exported graph has no module calls to route through a checkpoint (``_fx`` [Note:

@@ -32,6 +32,7 @@ without either they are unknown, and said to be.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import inspect
@@ -590,6 +591,7 @@ def _partition(
                 point_modules,
                 ckpt_paths,
                 snapshot.watch("torch.export"),
+                autocast,
             )
             mine = list(captured.added_attrs)
             if not mode:
@@ -822,11 +824,18 @@ def _capture(
     point_modules: Sequence[nn.Module],
     ckpt_paths: Sequence[str],
     after_forward: Callable[..., None],
+    autocast: torch.dtype | None = None,
 ) -> tuple[_fx.Captured, str, list[str]]:
     """One capture of the model in its current mode: the graph, the capture's name, and the
-    leaf module paths. ``after_forward`` watches the export path's forward."""
+    leaf module paths. ``after_forward`` watches the export path's forward, which runs under
+    ``torch.autocast(autocast)`` when given ([Note: stages under autocast] in ``_export``)."""
     if named_inputs is not None:
-        captured = _export.capture(model, named_inputs, concrete_args or {}, after_forward)
+        region: Any = contextlib.nullcontext()
+        if autocast is not None:
+            tensors = [v for v in named_inputs.values() if isinstance(v, torch.Tensor)]
+            region = torch.autocast(tensors[0].device.type if tensors else "cpu", dtype=autocast)
+        with region:
+            captured = _export.capture(model, named_inputs, concrete_args or {}, after_forward)
         return captured, "torch.export", []
     leaf_ids, leaf_types, leaf_paths = resolve_leaves(model, leaf_modules or ())
     split_ids = frozenset(id(m) for m in point_modules)
