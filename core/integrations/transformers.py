@@ -123,7 +123,7 @@ OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME = (
 
 #: The transformers releases this integration is tested with: the oldest (tests/integrations/
 #: test_hf_versions.py) and the major release it stays below (pyproject's ``hf`` extra).
-SUPPORTED_TRANSFORMERS = ("5.3.0", "6")
+SUPPORTED_TRANSFORMERS = ("5.15.0", "6")
 
 #: The ``optim`` values built from parameter groups alone (the others need the model's modules
 #: or per-layer state, which a rank holding some stages does not have).
@@ -1369,15 +1369,21 @@ def _widen_schedule(state: Mapping[str, Any], groups: int) -> dict[str, Any]:
 
 
 def _check_transformers() -> None:
-    """Refuse a transformers whose Trainer lacks what this integration overrides."""
+    """Refuse a transformers outside :data:`SUPPORTED_TRANSFORMERS` (older ones train other
+    numbers than plain Trainer, docs/huggingface.rst "Versions"), or whose Trainer lacks what
+    this integration overrides."""
+    from packaging.version import Version
+
+    low, high = SUPPORTED_TRANSFORMERS
+    version = Version(transformers.__version__)
     needed = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "get_batch_samples")
     missing = [m for m in needed if not callable(getattr(transformers.Trainer, m, None))]
-    if missing:
-        low, high = SUPPORTED_TRANSFORMERS
+    if not Version(low) <= version < Version(high) or missing:
+        lacks = f" (its Trainer has no {', '.join(missing)})" if missing else ""
         raise ConfigError(
-            f"transformers {transformers.__version__}'s Trainer has no {', '.join(missing)}, "
-            f"which PipelineTrainer overrides; install transformers>={low},<{high} "
-            "(pip install 'pipedialect[hf]')"
+            f"PipelineTrainer supports transformers>={low},<{high}, not "
+            f"{transformers.__version__}{lacks}; install one in that range (pip install "
+            "'pipedialect[hf]')"
         )
 
 

@@ -320,6 +320,20 @@ def test_hf_argument_parser_reads_the_pipeline_fields() -> None:
         PipelineTrainingArguments(output_dir="out", num_stages=0)
 
 
+def test_a_transformers_outside_the_supported_range_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers 5.2's Trainer logs another gradient norm and schedule than the pipeline
+    (docs/huggingface.rst, "Versions"): refused when the trainer is built, not trained."""
+    monkeypatch.setattr(integration.transformers, "__version__", "5.2.0")
+    with pytest.raises(pipedialect.ConfigError, match=r"transformers>=5\.15\.0,<6, not 5\.2\.0"):
+        PipelineTrainer(
+            model=example.build_model("llama"),
+            args=base._arguments(tmp_path, LOCAL),
+            train_dataset=example.TokenData(8, seed=1),
+        )
+
+
 def test_plain_training_arguments_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(TrainingArgumentError, match=r"args=PipelineTrainingArguments") as info:
         PipelineTrainer(
