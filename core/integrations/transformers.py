@@ -123,7 +123,7 @@ OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME = (
 
 #: The transformers releases this integration is tested with: the oldest (tests/integrations/
 #: test_hf_versions.py) and the major release it stays below (pyproject's ``hf`` extra).
-SUPPORTED_TRANSFORMERS = ("5.15.0", "6")
+SUPPORTED_TRANSFORMERS = ("5.24.0", "6")
 
 #: The ``optim`` values built from parameter groups alone (the others need the model's modules
 #: or per-layer state, which a rank holding some stages does not have).

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: What pyproject's ``hf`` extra admits at the bottom, and what that transformers needs beside
 #: it (its ``dependency_versions_table``: huggingface_hub <2, tokenizers <=0.23.0).
-OLDEST = {"transformers": "5.15.0", "accelerate": "1.4.0"}
+OLDEST = {"transformers": "5.24.0", "accelerate": "1.4.0"}
 BESIDE = ["huggingface_hub>=1.5,<2", "tokenizers>=0.22,<=0.23.0"]
 
 

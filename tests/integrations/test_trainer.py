@@ -286,7 +286,6 @@ class _OwnPrediction(PipelineTrainer):
 #: Each refused setting: the TrainingArguments overrides, or the Trainer arguments, that set it.
 REFUSALS: dict[str, dict[str, Any]] = {
     "fp16": {"args": {"fp16": True}},
-    "bf16": {"args": {"bf16": True}},
     "bf16_full_eval": {"args": {"bf16_full_eval": True}},
     "fp16_full_eval": {"args": {"fp16_full_eval": True}},
     "torch_compile": {"args": {"torch_compile": True}},

@@ -326,7 +326,7 @@ def test_a_transformers_outside_the_supported_range_is_refused_by_name(
     """transformers 5.2's Trainer logs another gradient norm and schedule than the pipeline
     (docs/huggingface.rst, "Versions"): refused when the trainer is built, not trained."""
     monkeypatch.setattr(integration.transformers, "__version__", "5.2.0")
-    with pytest.raises(pipedialect.ConfigError, match=r"transformers>=5\.15\.0,<6, not 5\.2\.0"):
+    with pytest.raises(pipedialect.ConfigError, match=r"transformers>=5\.24\.0,<6, not 5\.2\.0"):
         PipelineTrainer(
             model=example.build_model("llama"),
             args=base._arguments(tmp_path, LOCAL),
