@@ -3,8 +3,8 @@
 ``make test`` runs tests/integrations with what ``make setup`` installed: the newest releases
 in the extra's range. This tier (``make compat``; marked ``compat`` and ``packaging``, not in
 ``make test``) builds a virtual environment of its own whose site-packages holds the oldest
-transformers and accelerate (and the huggingface_hub, tokenizers and httpx releases that
-transformers release asks for) and, behind them, ``.venv``'s packages (a ``.pth`` file adds
+transformers and accelerate (and whatever else that transformers release asks for that
+``.venv`` lacks) and, behind them, ``.venv``'s packages (a ``.pth`` file adds
 ``.venv``'s site directory after its own): torch, deepspeed and pipedialect come from
 ``.venv`` and pip never installs torch. Then it runs every test of tests/integrations there.
 """
@@ -22,10 +22,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: What pyproject's ``hf`` extra admits at the bottom, and what that transformers needs beside
-#: it (its ``dependency_versions_table``: huggingface_hub <2, tokenizers <=0.23.0).
+#: What pyproject's ``hf`` extra admits at the bottom (pip resolves what they need beside them
+#: against .venv's packages, which the venv sees: torch is found installed, never fetched).
 OLDEST = {"transformers": "5.24.0", "accelerate": "1.4.0"}
-BESIDE = ["huggingface_hub>=1.5,<2", "tokenizers>=0.22,<=0.23.0"]
 
 
 def test_the_oldest_versions_are_the_extras_lower_bounds() -> None:
@@ -60,7 +59,7 @@ def test_the_hugging_face_tests_pass_with_the_oldest_supported_versions(tmp_path
     pins = [f"{name}=={version}" for name, version in OLDEST.items()]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", *pins, *BESIDE],
+        [str(python), "-m", "pip", "install", "--quiet", *pins],
         capture_output=True,
         text=True,
         env=env,
