@@ -42,7 +42,10 @@ class TorchOptions:
     )
     data_parallel_mode: str | None = field(
         default=None,
-        metadata={"doc": "'ddp' (default, exact gradient averaging); 'fsdp' is refused"},
+        metadata={
+            "doc": "'ddp' (default: whole stages, exact gradient averaging) or 'fsdp' (each "
+            "stage's parameters, gradients and optimizer state sharded over the data axis)"
+        },
     )
 
 
@@ -71,6 +74,7 @@ class TorchDialect(Dialect):
         Capability.MULTI_PROCESS,
         Capability.CHECKPOINTS,
         Capability.DATA_PARALLEL,
+        Capability.SHARDED_DATA_PARALLEL,
         Capability.PORTABLE_CHECKPOINTS,
         Capability.TRACING,
     }
@@ -165,15 +169,24 @@ class TorchDialect(Dialect):
 
         return instrument(engine, recorder)
 
-    def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
+    def make_topology(
+        self, num_stages: int, data_parallel: int = 1, tensor_parallel: int = 1
+    ) -> Topology:
         """A ``pipe`` axis of ``num_stages / stages_per_rank`` ranks (see the class arguments)
-        by a ``data`` axis of ``data_parallel`` replicas, laid out as DeepSpeed lays them out.
+        by a ``data`` axis of ``data_parallel`` replicas by a ``tensor`` axis of
+        ``tensor_parallel`` ranks: ``pipe * data * tensor`` ranks, the pipe axis outermost and
+        the tensor axis innermost (``_replicas`` [Note: the process mesh]).
 
         Raises:
-            TopologyError: ``data_parallel`` is not a positive integer, or the stages do not
-                divide evenly.
+            TopologyError: ``data_parallel`` or ``tensor_parallel`` is not a positive integer,
+                or the stages do not divide evenly.
+            MissingCapabilityError: ``tensor_parallel > 1`` (tensor parallelism is not
+                declared by this dialect yet).
         """
         from pipedialect import GridTopology
+        from pipedialect.dialect import check_tensor_axis
+
+        check_tensor_axis(self, tensor_parallel)
 
         if (
             isinstance(data_parallel, bool)
@@ -195,7 +208,7 @@ class TorchDialect(Dialect):
                 f"schedule {self.schedule!r}; partition the model into a multiple of {per_rank} "
                 "stages"
             )
-        return GridTopology(pipe=ranks, data=data_parallel)
+        return GridTopology(pipe=ranks, data=data_parallel, tensor=tensor_parallel)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.version} schedule={self.schedule!r}>"
