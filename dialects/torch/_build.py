@@ -193,7 +193,11 @@ def _construct(
     placements = replicas.placements(pipe_placement)
     rank = dist.get_rank()
     local = [k for k, r in placements[replicas.line].items() if r == rank]
-    prepare_local_stages(plan, local, where, init_weights)
+    # Sharded with weights to load: shard on the meta device first, so that each rank
+    # materialises its shards only ([Note: FSDP on torch] in ``_fsdp``).
+    shard_first = fsdp and init_weights is not None
+    if not shard_first:
+        prepare_local_stages(plan, local, where, init_weights)
     ties = TieSync.build(plan.tie_groups, stages, placements, line=replicas.line)
     pipeline = TorchPipeline(
         plan,
@@ -203,17 +207,31 @@ def _construct(
         loss_fn=loss_fn,
         config=config,
         ties=ties,
-        device=_device(device),
+        device=where,
         replicas=replicas,
     )
-    replicas.broadcast_state(pipeline)
-    ties.broadcast_weights()
-    if fsdp:
-        precision = precision or Precision()
-        if precision.bf16:  # cast before sharding: FSDP gathers what the engine trains
-            cast_parameters(pipeline, precision.param_dtype)
-        pipeline.fsdp = FsdpStages(
-            pipeline._runners(), replicas.mesh, plan.model, fsdp_reduce_dtype(precision)
-        )
-        pipeline.ties = ties.rebind(stages)
+    if not fsdp:
+        replicas.broadcast_state(pipeline)
+        ties.broadcast_weights()
+        return pipeline
+    precision = precision or Precision()
+    if not shard_first:  # replicas start from replica 0's whole stages
+        replicas.broadcast_state(pipeline)
+        ties.broadcast_weights()
+    if precision.bf16:  # cast before sharding: FSDP gathers what the engine trains
+        cast_parameters(pipeline, precision.param_dtype)
+    sharded = FsdpStages(
+        pipeline._runners(),
+        replicas.mesh,
+        plan.model,
+        fsdp_reduce_dtype(precision),
+        recomputed=plan.recomputed,
+    )
+    pipeline.fsdp = sharded
+    if shard_first:
+        prepare_local_stages(plan, local, where, init_weights, after_empty=sharded.reset_shards)
+    pipeline.ties = ties.rebind(stages)
+    if shard_first:  # every replica loaded the same weights; buffers and ties still agree
+        replicas.broadcast_state(pipeline)
+        pipeline.ties.broadcast_weights()
     return pipeline

@@ -164,20 +164,31 @@ def _under(name: str, path: str) -> bool:
     return name == path or name.startswith(path + ".")
 
 
-def unit_plan(stage: nn.Module, model: nn.Module | None) -> list[Unit]:
+def unit_plan(
+    stage: nn.Module, model: nn.Module | None, recomputed: Sequence[str] = ()
+) -> list[Unit]:
     """The block units of one stage module ([Note: FSDP on torch]); the rest is the root's.
 
     A block is a unit when the stage holds parameters under it, every one of them belongs to a
     module the stage's graph calls (inside the block), and none is also reached otherwise (a
     ``get_attr`` node, another name outside the block). An outer block that qualifies is taken
-    whole; one that does not leaves its inner blocks to be tried.
+    whole; one that does not leaves its inner blocks to be tried. A module the plan recomputes
+    (``recomputed``, the plan's paths) is read by a ``get_attr`` and called by the
+    recomputation, so it counts as called.
     """
     root = stage.mod if isinstance(stage, StageWrapper) else stage
     graph = _graph(stage)
     if graph is None:  # not a graph: its children's forwards are not known to run
         return []
-    called = sorted({str(n.target) for n in graph.nodes if n.op == "call_module"})
-    read = {str(n.target) for n in graph.nodes if n.op == "get_attr"}
+    again = set(recomputed)
+    called = sorted(
+        {
+            str(n.target)
+            for n in graph.nodes
+            if n.op == "call_module" or (n.op == "get_attr" and str(n.target) in again)
+        }
+    )
+    read = {str(n.target) for n in graph.nodes if n.op == "get_attr"} - again
     names_of: dict[int, list[str]] = {}
     for name, param in root.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
@@ -216,6 +227,7 @@ class FsdpStages:
         runners: the stage runners of this rank (each becomes its stage's root unit).
         mesh: the process mesh; its ``"data"`` dimension shards the stages.
         model: the partitioned model (its containers name the blocks), or None.
+        recomputed: the module paths the plan recomputes (``plan.recomputed``).
         reduce_dtype: the dtype gradients are accumulated and reduced in under bf16 (None:
             the parameters' own).
     """
@@ -226,6 +238,7 @@ class FsdpStages:
         mesh: Any,
         model: nn.Module | None,
         reduce_dtype: torch.dtype | None = None,
+        recomputed: Sequence[str] = (),
     ) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -234,10 +247,12 @@ class FsdpStages:
         data_mesh = mesh["data"]
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         self.modules: list[Any] = []
+        #: For each of :attr:`modules`: ``(stage id, its unit's path; "" for the root)``.
+        self.labels: list[tuple[int, str]] = []
         self.units: dict[int, list[Unit]] = {}
         for runner in runners:
             stage = runner.stage
-            units = unit_plan(stage, model)
+            units = unit_plan(stage, model, recomputed)
             root = stage.mod if isinstance(stage, StageWrapper) else stage
             for unit in units:
                 group = [root.get_submodule(path) for path in unit.called]
@@ -248,8 +263,10 @@ class FsdpStages:
                     mp_policy=policy,
                 )
                 self.modules.extend(group)
+                self.labels.extend((int(runner.stage_id), unit.path) for _ in group)
             fully_shard(runner, mesh=data_mesh, reshard_after_forward=False, mp_policy=policy)
             self.modules.append(runner)
+            self.labels.append((int(runner.stage_id), ""))
             self.units[int(runner.stage_id)] = units
             logger.debug(
                 "[Stage %d] FSDP units: %s and the stage root",
@@ -262,37 +279,58 @@ class FsdpStages:
             module.set_force_sum_reduction_for_comms(True)
         self._expected = self._settings()
 
-    def _settings(self) -> list[tuple[bool, float | None, bool]]:
-        """Every unit's (gradient sync, divide factor, sum-only), as the engine set them."""
-        out = []
-        for module in self.modules:
-            state = module._get_fsdp_state()
-            for group in state._fsdp_param_groups:
-                out.append(
-                    (
-                        bool(group.reduce_grads),
-                        group.gradient_divide_factor,
-                        bool(group.force_sum_reduction_for_comms),
-                    )
+    @property
+    def num_units(self) -> int:
+        """FSDP units on this rank: each stage's block units and its root."""
+        return sum(len(units) + 1 for units in self.units.values())
+
+    def _settings(self) -> list[tuple[tuple[bool, float | None, bool], ...]]:
+        """For every module, each of its groups' (gradient sync, divide factor, sum-only)."""
+        return [
+            tuple(
+                (
+                    bool(group.reduce_grads),
+                    group.gradient_divide_factor,
+                    bool(group.force_sum_reduction_for_comms),
                 )
-        return out
+                for group in module._get_fsdp_state()._fsdp_param_groups
+            )
+            for module in self.modules
+        ]
 
     def check_untouched(self) -> None:
         """Refuse a step after a unit's gradient sync or divide factor was changed by hand.
 
         Raises:
-            ConfigError: a unit's setting differs from the one the engine made.
+            ConfigError: a unit's setting differs from the one the engine made (named).
         """
-        if self._settings() != self._expected:
-            raise ConfigError(
-                "an FSDP unit's gradient synchronisation or gradient divide factor was changed "
-                "(set_requires_gradient_sync / set_gradient_divide_factor called on a stage "
-                "module): the torch dialect reduces every unit once per step, after the last "
-                "micro-batch, with the loss already divided by gas x replicas, and a changed "
-                "setting would skip or rescale that reduction without an error. Leave them to "
-                "the engine; accumulate over more micro-batches with "
-                "gradient_accumulation_steps"
-            )
+        now = self._settings()
+        changed = [i for i, (a, b) in enumerate(zip(now, self._expected, strict=True)) if a != b]
+        if not changed:
+            return
+        stage, path = self.labels[changed[0]]
+        sync, factor, _ = next(
+            got
+            for got, want in zip(now[changed[0]], self._expected[changed[0]], strict=True)
+            if got != want
+        )
+        raise ConfigError(
+            f"[Stage {stage}] the FSDP unit {path or '(stage root)'} has gradient "
+            f"synchronisation {'on' if sync else 'off'} and divide factor {factor}, not what "
+            "the engine set (set_requires_gradient_sync / set_gradient_divide_factor called on "
+            "a stage module): the torch dialect reduces every unit once per step, after the "
+            "last micro-batch, with each loss already divided by gas x replicas, and a changed "
+            "setting would skip or rescale that reduction without an error. Leave them to the "
+            "engine; accumulate over more micro-batches with gradient_accumulation_steps"
+        )
+
+    def reset_shards(self) -> None:
+        """Re-bind every unit to the parameters its modules hold now: after ``to_empty`` (a
+        meta stage given storage) each module holds a new ``DTensor`` parameter."""
+        for module in self.modules:
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    param.reset_sharded_param()
 
     def reshard(self) -> None:
         """Free every gathered parameter (after evaluation, or before loading weights)."""

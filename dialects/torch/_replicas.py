@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import ConfigError, Topology
+from pipedialect.runtime.sharded import is_sharded
 
 __all__: list[str] = []
 
@@ -193,7 +194,10 @@ class Replicas:
         """
         if self.data_group is None:
             return
-        tensors = [p.data for p in module.parameters()] + list(module.buffers())
+        # A sharded parameter holds another slice on every replica: nothing to broadcast
+        # (its stage was loaded alike on every replica, ``_fsdp``).
+        tensors = [p.data for p in module.parameters() if not is_sharded(p)]
+        tensors += [b for b in module.buffers() if not is_sharded(b)]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)

@@ -97,7 +97,8 @@ class TorchPipeline(nn.Module):
         self.runners = nn.ModuleList(
             StageRunner(stages[k], k, self.num_stages, self.context, device) for k in self.stage_ids
         )
-        self.runners.to(device)
+        if not any(t.is_meta for t in self.runners.state_dict().values()):
+            self.runners.to(device)  # a meta stage is sharded, then materialised (``_fsdp``)
         #: This rank's stages under FSDP (``_fsdp`` [Note: FSDP on torch]); None otherwise.
         self.fsdp: FsdpStages | None = None
         self._loss = LossAdapter(loss_fn, self.context)
