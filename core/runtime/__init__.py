@@ -28,6 +28,7 @@ from .module_state import UpdatedBuffers, preserved_state, recompute_with_state
 from .sharded import (
     copy_full_into,
     counted_square_norm,
+    gathered,
     is_sharded,
     local_part,
     local_slice,
@@ -65,6 +66,7 @@ __all__ = [
     "first_nonfinite_grad",
     "first_nonfinite_loss",
     "free_port",
+    "gathered",
     "is_sharded",
     "join_process_group",
     "joined_world_size",

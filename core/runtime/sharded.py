@@ -16,7 +16,9 @@ collective that only some ranks reach hangs. These helpers are written once here
 - :func:`copy_full_into`: fill a parameter (sharded or not) from the whole tensor, writing only
   this rank's slice (weights loaded by name, checkpoints read whole);
 - :func:`shard_like`: the whole tensor cut to another tensor's sharding (optimizer state read
-  whole, for a sharded parameter).
+  whole, for a sharded parameter);
+- :func:`gathered`: the whole tensor, gathered from every rank of its mesh (a collective: for
+  tests and reports that compare whole tensors).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 __all__ = [
     "copy_full_into",
     "counted_square_norm",
+    "gathered",
     "is_sharded",
     "local_part",
     "local_slice",
@@ -119,3 +122,13 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         shape=like.shape,
         stride=like.stride(),
     )
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of ``tensor``: gathered from its mesh when sharded (a collective every rank of
+    that mesh must call alike), else ``tensor`` itself."""
+    if is_sharded(tensor):
+        with torch.no_grad():
+            whole: torch.Tensor = tensor.full_tensor()  # type: ignore[attr-defined]
+        return whole
+    return tensor

@@ -59,7 +59,9 @@ class TorchDialect(Dialect):
 
     Args:
         schedule: the default schedule of :meth:`pipe_engine` (see
-            :func:`~pipedialect.dialects.torch.available_schedules`).
+            :func:`~pipedialect.dialects.torch.available_schedules`). An instance whose
+            default schedule places several stages on a rank does not declare
+            ``sharded-data-parallel`` (FSDP runs with GPipe and 1F1B).
         stages_per_rank: the default number of stages per rank; None means 1 for GPipe and
             1F1B and 2 for the looped and V-shaped schedules (used by :meth:`make_topology`;
             :meth:`pipe_engine` derives it from the number of ranks when not given).
@@ -90,6 +92,12 @@ class TorchDialect(Dialect):
                 f"stages_per_rank must be a positive integer, got {stages_per_rank!r}"
             )
         self.stages_per_rank = stages_per_rank
+        if resolve_schedule(self.schedule, installed=False).placement != "single":
+            # Its default schedule puts several stages on a rank, which FSDP does not run
+            # (``_fsdp`` [Note: FSDP on torch]): this instance does not declare it.
+            self.__dict__["capabilities"] = type(self).capabilities - {
+                Capability.SHARDED_DATA_PARALLEL
+            }
 
     def _build_pipeline(self, request: PipelineRequest[TorchOptions]) -> nn.Module:
         """Check torch's own options, then build this rank's stages of the plan.
