@@ -181,11 +181,20 @@ def unit_plan(
     if graph is None:  # not a graph: its children's forwards are not known to run
         return []
     again = set(recomputed)
+    # Only modules holding parameters join a unit: FSDP hands every module of a unit its
+    # inputs as views a custom Function made, which a module updating its input in place
+    # (``nn.ReLU(inplace=True)``) may not modify.
     called = sorted(
         {
             str(n.target)
             for n in graph.nodes
             if n.op == "call_module" or (n.op == "get_attr" and str(n.target) in again)
+        }
+        - {
+            str(n.target)
+            for n in graph.nodes
+            if n.op == "call_module"
+            and not any(True for _ in root.get_submodule(str(n.target)).parameters())
         }
     )
     read = {str(n.target) for n in graph.nodes if n.op == "get_attr"} - again
