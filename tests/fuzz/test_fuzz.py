@@ -469,8 +469,10 @@ def test_torch_dialect_matches_the_unsplit_model_on_random_models() -> None:
 
 #: Torch seeds drawing one stage per rank (1F1B or GPipe, what FSDP runs with), chosen so that
 #: between them: ties, meta-device builds, recomputed blocks, export capture, frozen
-#: parameters, buffers, counters, in-place updates and a buffer shared across stages.
-FSDP_SEEDS = (0, 2, 4, 11, 20, 27, 52, 57)
+#: parameters, buffers, counters, in-place updates and a buffer shared across stages. 107 and
+#: 309 failed on 40122bc, before the fixes of 7dc469b: ``nn.ReLU(inplace=True)`` inside a
+#: block's unit, and an in-place update of the tensor a sharded stage received.
+FSDP_SEEDS = (0, 2, 4, 11, 20, 27, 52, 57, 107, 309)
 
 
 @pytest.mark.distributed
