@@ -58,6 +58,7 @@ from .engine import checkpoint_files as _files
 from .errors import CheckpointError, ConfigError
 from .plan.partition import MODEL_NAMES
 from .runtime.agreement import agree_on_error
+from .runtime.sharded import is_sharded
 
 __all__ = [
     "FORMAT",
@@ -611,17 +612,30 @@ def _read_index(directory: Path) -> dict[str, Any]:
     return index
 
 
+def _shaped_like(spec: Mapping[str, Any], param: torch.Tensor) -> dict[str, Any]:
+    """``spec`` (a saved tensor's shape and dtype), to be read as ``param`` is laid out when
+    ``param`` is sharded and of that shape: DCP then reads only this rank's slice
+    (:mod:`pipedialect.runtime.sharded` [Note: sharded tensors])."""
+    out = dict(spec)
+    if is_sharded(param) and tuple(spec["shape"]) == tuple(param.shape):
+        out["like"] = param
+    return out
+
+
 def _read_tensors(
     directory: Path, wanted: Mapping[str, Mapping[str, Any]], *, alone: bool = False
 ) -> dict[str, Any]:
-    """Read the DCP keys ``wanted`` (``key -> {shape, dtype}``) into new CPU tensors.
+    """Read the DCP keys ``wanted`` (``key -> {shape, dtype}``, and ``like``: a sharded tensor
+    to read its slice of) into new tensors (on the CPU, or laid out as ``like``).
 
     Collective over the process group, if there is one, unless ``alone``.
     """
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     state = {
-        key: torch.empty(tuple(spec["shape"]), dtype=_dtype(spec["dtype"]))
+        key: torch.empty_like(spec["like"], dtype=_dtype(spec["dtype"]))
+        if "like" in spec
+        else torch.empty(tuple(spec["shape"]), dtype=_dtype(spec["dtype"]))
         for key, spec in wanted.items()
     }
     try:
@@ -770,7 +784,7 @@ def _load_plan(
             )
             continue
         keys[id(record.param)] = key
-        wanted[_MODEL + key] = dict(spec)
+        wanted[_MODEL + key] = _shaped_like(spec, record.param)
     for buffer in local.buffers:
         saved = buffers.get(buffer.name)
         if saved is None:
@@ -806,7 +820,8 @@ def _load_plan(
     for record in local.params:
         key = keys[id(record.param)]
         for name, spec in state.get(key, {}).items():
-            wanted[f"{_OPTIM}{key}.{name}"] = {"shape": spec["shape"], "dtype": spec["dtype"]}
+            entry = {"shape": spec["shape"], "dtype": spec["dtype"]}
+            wanted[f"{_OPTIM}{key}.{name}"] = _shaped_like(entry, record.param)
     return _LoadPlan(keys, wanted, _group_hypers(held, optim, keys, directory))
 
 

@@ -75,6 +75,7 @@ __all__ = [
     "LossFn",
     "NoOptions",
     "PipelineRequest",
+    "check_tensor_axis",
     "dialect_of",
     "given_options",
     "option_descriptions",
@@ -315,6 +316,7 @@ class Dialect(abc.ABC):
     ) -> nn.Module:
         if "dynamic_shape" in options:  # DeepSpeed's spelling
             dynamic_shapes = bool(options.pop("dynamic_shape")) or dynamic_shapes
+        _refuse_sharding_options(self, options)
         opts = self.parse_options(options)
         if not isinstance(plan, PipelinePlan):
             raise ConfigError(
@@ -350,6 +352,7 @@ class Dialect(abc.ABC):
                     f"the {self.name} dialect does not declare data-parallel, but the topology "
                     f"has a data axis of {topology.get_dim('data')}; use a topology with data=1"
                 )
+            check_tensor_axis(self, topology.get_dim("tensor") or 1)
         check_plan_agreement(
             plan,
             dialect=self.name,
@@ -541,9 +544,19 @@ class Dialect(abc.ABC):
         """
         return None
 
-    def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
-        """Return a topology with ``num_stages`` pipeline stages and ``data_parallel`` replicas."""
-        return GridTopology(pipe=num_stages, data=data_parallel)
+    def make_topology(
+        self, num_stages: int, data_parallel: int = 1, tensor_parallel: int = 1
+    ) -> Topology:
+        """Return a topology with ``num_stages`` pipeline stages, ``data_parallel`` replicas and
+        a tensor axis of ``tensor_parallel`` ranks (above 1 only for a dialect that declares
+        ``tensor-parallel``).
+
+        Raises:
+            MissingCapabilityError: ``tensor_parallel > 1`` and the dialect does not declare
+                ``tensor-parallel``.
+        """
+        check_tensor_axis(self, tensor_parallel)
+        return GridTopology(pipe=num_stages, data=data_parallel, tensor=tensor_parallel)
 
     def init_distributed(self, backend: str | None = None) -> None:
         """Join the process group described by the usual environment (RANK, WORLD_SIZE, ...).
@@ -619,6 +632,65 @@ def require_capability(engine: Any, capability: Capability, what: str) -> Dialec
             capability=capability.value,
         )
     return dialect
+
+
+def check_tensor_axis(dialect: Dialect, tensor_parallel: object) -> None:
+    """Refuse a tensor axis of more than one rank on a dialect that does not declare
+    ``tensor-parallel``, naming the dialect and the capability.
+
+    Raises:
+        TopologyError: ``tensor_parallel`` is not a positive integer.
+        MissingCapabilityError: it is above 1 and the dialect does not declare it.
+    """
+    if (
+        isinstance(tensor_parallel, bool)
+        or not isinstance(tensor_parallel, int)
+        or tensor_parallel < 1
+    ):
+        raise TopologyError(
+            f"tensor_parallel must be a positive integer (ranks on the tensor axis), got "
+            f"{tensor_parallel!r}"
+        )
+    if tensor_parallel > 1 and Capability.TENSOR_PARALLEL not in dialect.capabilities:
+        raise MissingCapabilityError(
+            f"the {dialect.name} dialect does not declare tensor-parallel, so it cannot shard "
+            f"stages over a tensor axis of {tensor_parallel} ranks; use tensor_parallel=1, or a "
+            "dialect that declares it (see `pipedialect list`), such as 'torch'",
+            dialect=dialect.name,
+            capability=Capability.TENSOR_PARALLEL.value,
+        )
+
+
+#: ``pipe_engine`` options that ask for a sharded layout, and the capability each needs.
+_SHARDING_OPTIONS = (
+    ("data_parallel_mode", "fsdp", Capability.SHARDED_DATA_PARALLEL),
+    ("tensor_parallel", None, Capability.TENSOR_PARALLEL),
+)
+
+
+def _refuse_sharding_options(dialect: Dialect, options: Mapping[str, Any]) -> None:
+    """Refuse ``data_parallel_mode="fsdp"`` or a ``tensor_parallel`` plan on a dialect that
+    does not declare ``sharded-data-parallel`` or ``tensor-parallel``, by capability (rather
+    than as an unknown argument), so that the user learns which dialects run it.
+
+    Raises:
+        MissingCapabilityError: the option asks for a layout the dialect does not declare.
+    """
+    for option, value, capability in _SHARDING_OPTIONS:
+        given = options.get(option)
+        if given is None or capability in dialect.capabilities:
+            continue
+        if value is not None and given != value:
+            continue
+        if value is None and not given:
+            continue
+        raise MissingCapabilityError(
+            f"the {dialect.name} dialect does not declare {capability.value}, so it cannot run "
+            f"{option}={given!r}; use a dialect that declares it (see `pipedialect list`), such "
+            "as 'torch'",
+            dialect=dialect.name,
+            capability=capability.value,
+        )
 
 
 _SHARED_PIPELINE = ("config", "loss_fn", "topology", "dynamic_shapes", "init_weights")

@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="write the trained model here")
     parser.add_argument("--stages", type=int, default=None, help="default: one per process")
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--fsdp", action="store_true", help="shard the stages over the replicas")
     options = parser.parse_args()
 
     transformers.logging.set_verbosity_error()
@@ -141,7 +142,10 @@ def main() -> None:
 
         # The split: the config's base_model_pp_plan over one stage per process (two on local).
         stages = 2 if options.dialect == "local" and options.stages is None else options.stages
-        pipeline = PipelineArguments(dialect=options.dialect, num_stages=stages)
+        mode = "fsdp" if options.fsdp else None
+        pipeline = PipelineArguments(
+            dialect=options.dialect, num_stages=stages, data_parallel_mode=mode
+        )
         trainer = PipelineTrainer(**common, pipeline=pipeline)
     trainer.train()
     metrics = trainer.evaluate()

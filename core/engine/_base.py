@@ -49,6 +49,7 @@ from ..runtime.agreement import (
     nonfinite_grad_error,
     pull_micro_batches,
 )
+from ..runtime.sharded import local_part
 from . import checkpoint_files
 from .checkpoint_files import LATEST_FILE
 from .config import TrainingConfig, build_optimizer, check_one_optimizer
@@ -519,6 +520,7 @@ def _first_nonfinite(grads: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.
     """The first ``(name, gradient)`` with a NaN or infinite element, or None (one sync)."""
     if not grads:
         return None
+    grads = [(name, local_part(g)) for name, g in grads]  # a sharded buffer: this rank's part
     flags = torch.stack([torch.isfinite(g).all() for _, g in grads])
     if bool(flags.all()):
         return None

@@ -113,6 +113,9 @@ class PipelineArguments:
     schedule: str | None = None
     #: Data-parallel replicas of the pipeline; default: the processes over the pipeline ranks.
     data_parallel: int | None = None
+    #: ``"fsdp"`` shards each stage over the replicas (the torch dialect's
+    #: ``data_parallel_mode``); default: whole stages on every replica.
+    data_parallel_mode: str | None = None
 
 
 #: Every Trainer setting refused when the trainer is built, and why.
@@ -546,6 +549,8 @@ class PipelineTrainer(transformers.Trainer):
             options["topology"] = self.topology
         if self.pipeline.schedule is not None:
             options["schedule"] = self.pipeline.schedule
+        if self.pipeline.data_parallel_mode is not None:
+            options["data_parallel_mode"] = self.pipeline.data_parallel_mode
         module = self.pipe_dialect.pipe_engine(
             plan, config=config, loss_fn=self._pipeline_loss, **options
         )

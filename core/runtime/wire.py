@@ -310,9 +310,11 @@ class WireDecoder:
                     # A runtime marks received floats as needing a gradient; do the same for a
                     # detached value, so which outputs need one is decided as in training.
                     t = t.detach().requires_grad_()
-                if t.is_leaf:
+                if t.is_leaf or t._is_view():
                     # In-place operations on it must work as in the unsplit model
-                    # (stage [Note: received tensors updated in place]).
+                    # (stage [Note: received tensors updated in place]); a hook of the
+                    # runtime's (FSDP's on a sharded stage) may hand it over as a view a
+                    # custom Function returned, which autograd refuses to update in place too.
                     t = pass_through(t)
             if layout.kinds[p] == "g":
                 grads.append(t)

@@ -480,15 +480,20 @@ def test_the_example_under_torchrun_equals_plain_trainer(
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dialect", ["torch", "deepspeed"])
+@pytest.mark.parametrize("dialect", ["torch-fsdp", "deepspeed"])
 def test_two_replicas_of_two_stages_equal_plain_trainer_with_twice_the_accumulation(
     tmp_path: Path, dialect: str
 ) -> None:
     """Four processes, two stages by two replicas: Trainer's loaders are sharded over the
     replicas only (each reads every other batch) and the step's token count is summed over
-    them, so a step trains on what one process trains on with gradient_accumulation_steps 4."""
+    them, so a step trains on what one process trains on with gradient_accumulation_steps 4.
+    On torch the stages are sharded over the replicas (FSDP); whole stages on two replicas are
+    DeepSpeed's layout here, and the torch dialect's own in tests/dialects/torch."""
     ref = _reference("llama", str(tmp_path), 4)
-    argv = _torchrun(4, "--dialect", dialect, "--stages", "2", "--accumulation", "2")
+    name, _, mode = dialect.partition("-")
+    argv = _torchrun(4, "--dialect", name, "--stages", "2", "--accumulation", "2")
+    if mode:
+        argv.append("--fsdp")
     out = ["--out", str(tmp_path / "pipe"), "--save", str(tmp_path / "pipe_final")]
     run = _last_line([*argv, *out], tmp_path)
     assert_same_run(run, ref)

@@ -47,6 +47,7 @@ from ...dialect import Dialect
 from ...errors import PipeDialectError
 from ...plan.partition import PipelinePlan, partition
 from ...plugins import get_dialect
+from ...runtime.sharded import gathered
 from ...runtime.stage import StageWrapper
 from ...trace import trace
 from .._options import EngineOptions
@@ -385,9 +386,10 @@ class _Built:
 
     def params(self) -> dict[int, dict[str, torch.Tensor]]:
         """This rank's stages' parameters by their original names (every name of a tied one)."""
+        # A sharded parameter is gathered whole: every rank of its mesh reads it here alike.
         return {
             k: {
-                name: p.detach().cpu().clone()
+                name: gathered(p).detach().cpu().clone()
                 for name, p in self.plan.stages[k].named_parameters(remove_duplicate=False)
             }
             for k in self.local
