@@ -3,7 +3,7 @@
 This module is a leaf of the package: the protocols a dialect implements and the value types
 they exchange (a tie group and its ranks among them). The codec, the stage wrapper, tie analysis
 and the :class:`~pipedialect.dialect.Dialect` base all depend on it, and it imports nothing of
-ours (tests/test_layout.py checks it, counting ``TYPE_CHECKING`` imports).
+ours (tests/project/test_layout.py checks it, counting ``TYPE_CHECKING`` imports).
 """
 
 from __future__ import annotations

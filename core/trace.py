@@ -241,10 +241,6 @@ class Timeline:
         """Draw the schedule of ``step`` (default: the last training step), ranks as rows."""
         return _draw(self, Path(path), step)
 
-    def to_records(self) -> list[dict[str, Any]]:
-        """The spans as plain dicts (what the ranks exchange)."""
-        return [asdict(s) for s in self.spans]
-
 
 def _meta(what: str, pid: int, tid: int, name: str) -> dict[str, Any]:
     return {"name": what, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}

@@ -322,11 +322,6 @@ class EngineBase:
         self._data_iterator = iterator
 
     @staticmethod
-    def next_pair(data_iter: Iterator[Any]) -> tuple[Any, Any]:
-        """Pull one ``(inputs, labels)`` micro-batch, refusing anything else by name."""
-        return EngineBase.check_pair(next(data_iter), 0)
-
-    @staticmethod
     def check_pair(batch: Any, index: int) -> tuple[Any, Any]:
         """``batch`` as an ``(inputs, labels)`` pair; anything else is refused by name."""
         if not isinstance(batch, tuple | list) or len(batch) != 2:

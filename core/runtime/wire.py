@@ -64,11 +64,6 @@ class WireLayout:
     #: Whether the sender froze this layout: it sends no other until reset ([Note: wire state]).
     final: bool = False
 
-    @property
-    def num_grad(self) -> int:
-        """How many wire tensors carry a gradient."""
-        return self.kinds.count("g")
-
     def dumps(self) -> str:
         """Serialise the layout (the receiver needs nothing else)."""
         return json.dumps(
