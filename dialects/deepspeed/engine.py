@@ -40,7 +40,7 @@ from torch import nn
 
 from pipedialect import ConfigError, DataError, PipeDialectError, StageWrapper
 from pipedialect.engine import checkpoint_files
-from pipedialect.engine.config import check_one_optimizer
+from pipedialect.engine.config import check_config_keys, check_one_optimizer
 from pipedialect.engine.param_groups import ParamGroupsFn, resolve_param_groups
 from pipedialect.plan.batches import input_spec
 from pipedialect.runtime.agreement import (
@@ -54,6 +54,8 @@ from pipedialect.runtime.agreement import (
     pull_micro_batches,
     root_nonfinite,
 )
+
+from .pipeline import without_slapo_keys
 
 __all__ = [
     "PASSED_INITIALIZE_ARGS",
@@ -402,7 +404,10 @@ def init_ds_engine(
     ``model`` is what :func:`~pipedialect.dialects.deepspeed.pipeline.deepspeed_pipe_engine`
     returned (any ``PipelineModule`` works). ``config`` is the DeepSpeed config (a dict or a JSON
     path); ``config_params`` (its old name) or ``args.deepspeed_config`` may give it instead, as
-    in ``deepspeed.initialize``. The optimizer steps ``model_parameters`` (tensors, or dicts of
+    in ``deepspeed.initialize``. A key DeepSpeed does not know is refused
+    (:class:`~pipedialect.errors.UnknownConfigKeyError`), except Slapo's
+    (:data:`~pipedialect.dialects.deepspeed.pipeline.SLAPO_CONFIG_KEYS`), left out as DeepSpeed
+    would ignore them. The optimizer steps ``model_parameters`` (tensors, or dicts of
     parameter groups as torch optimizers take them) or the groups ``param_groups`` builds from
     this rank's parameters under the model's names (:mod:`pipedialect.engine.param_groups`; a tied
     weight once, under its name on this stage), by default every trainable parameter: either
@@ -418,6 +423,7 @@ def init_ds_engine(
     tied weight's groups across its stages).
 
     Raises:
+        UnknownConfigKeyError: a config key DeepSpeed does not know, other than Slapo's.
         ConfigError: an argument refused or unknown, two sources of the config, ``optimizer``
             with a config ``optimizer`` section (``pipedialect.engine`` [Note: client
             optimizer]), ZeRO stage 2 or 3, batch sizes DeepSpeed would assert on, groups that
@@ -442,6 +448,10 @@ def init_ds_engine(
             f"unknown argument(s) {unknown} for the DeepSpeed runtime engine; accepted: {accepted}"
         )
     source, checked = _resolve_config(config, config_params, args)
+    checked = without_slapo_keys(checked)  # Slapo's engine set-up takes its configs as they are
+    check_config_keys(checked)
+    if source is not None:
+        source = checked
     check_zero_stage(checked)
     _check_args(args)
     optimizer = kwargs.get("optimizer")
