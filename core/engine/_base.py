@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..contracts import EngineState, HeldStage
+from ..contracts import AttributeCounters, EngineState, HeldStage
 from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError, PipeDialectError
 from ..plan.batches import input_spec
 from ..plan.ties import tie_keys
@@ -192,7 +192,7 @@ class EngineBase:
             lr_scheduler=self.lr_scheduler,
             tie_keys=tie_keys(plan.tie_groups, [(s.stage_id, s.module) for s in stages]),
             buffer_owners=plan.buffer_owners(),
-            counters=("global_steps", "skipped_steps"),
+            counters=AttributeCounters(self, ("global_steps", "skipped_steps")),
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             train_batch_size=self.train_batch_size(),
         )
