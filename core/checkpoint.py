@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,8 +79,6 @@ INDEX_FILE = "pipedialect_index.pt"
 _LATEST = _files.LATEST_FILE
 _MODEL = "model."
 _OPTIM = "optim."
-#: The step counters a checkpoint knows how to derive when the saving engine did not keep one.
-_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 #: At most this many names are listed in a mismatch error.
 _SHOW = 5
 
@@ -104,13 +102,12 @@ class _Holdings:
     ties: dict[int, str]
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    engine: Any
     #: The number of stages of the whole pipeline.
     num_stages: int
     #: Buffer name -> the stage that writes it: its value is taken from that stage only.
     buffer_owners: dict[str, int] = field(default_factory=dict)
-    #: The engine's step counters (attribute names).
-    counters: tuple[str, ...] = ()
+    #: The engine's step counters, live (:attr:`~pipedialect.contracts.EngineState.counters`).
+    counters: MutableMapping[str, int] = field(default_factory=dict)
     gradient_accumulation_steps: int = 1
     train_batch_size: int = 0
 
@@ -152,10 +149,9 @@ def _holdings(engine: Any) -> _Holdings:
         ties=dict(state.tie_keys),
         optimizer=optimizer,
         scheduler=state.lr_scheduler,
-        engine=engine,
         num_stages=int(state.num_stages),
         buffer_owners=dict(state.buffer_owners),
-        counters=tuple(state.counters),
+        counters=state.counters,
         gradient_accumulation_steps=int(state.gradient_accumulation_steps),
         train_batch_size=int(state.train_batch_size),
     )
@@ -489,8 +485,7 @@ def save(
 
 
 def _counters(held: _Holdings) -> dict[str, int]:
-    engine = held.engine
-    out = {name: int(getattr(engine, name)) for name in held.counters if hasattr(engine, name)}
+    out = {name: int(value) for name, value in held.counters.items()}
     out["gradient_accumulation_steps"] = held.gradient_accumulation_steps
     out["train_batch_size"] = held.train_batch_size
     return out
@@ -878,7 +873,6 @@ def _read_extras(directory: Path, want_loader: bool) -> dict[str, Any]:
 
 def _restore_counters(held: _Holdings, saved: Mapping[str, int]) -> None:
     """Set the engine's step counters; what the saving engine did not keep is derived."""
-    engine = held.engine
     steps = int(saved.get("global_steps", 0))
     gas = held.gradient_accumulation_steps
     batch = held.train_batch_size
@@ -891,11 +885,11 @@ def _restore_counters(held: _Holdings, saved: Mapping[str, int]) -> None:
         else steps * gas,
         "skipped_steps": int(saved.get("skipped_steps", 0)),
     }
-    for name in held.counters:
+    for name in list(held.counters):
         if name in derived:
-            setattr(engine, name, derived[name])
+            held.counters[name] = derived[name]
         elif name in saved:  # a counter of the dialect's own
-            setattr(engine, name, int(saved[name]))
+            held.counters[name] = int(saved[name])
 
 
 def _load_optimizer(

@@ -34,13 +34,14 @@ import typing
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar, final
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, final, runtime_checkable
 
 from torch import nn
 from torch.optim import Optimizer
 
 from .contracts import (
     Capability,
+    CheckpointingEngine,
     EngineState,
     Instrumented,
     RuntimeEngine,
@@ -412,8 +413,10 @@ class Dialect(abc.ABC):
         [Note: client optimizer]); ``options`` are this dialect's own (:attr:`engine_options`).
 
         Raises:
-            ConfigError: a mistyped or unknown argument, or a config key DeepSpeed does not
-                know (:class:`~pipedialect.errors.UnknownConfigKeyError`).
+            ConfigError: a mistyped or unknown argument, a config key DeepSpeed does not know
+                (:class:`~pipedialect.errors.UnknownConfigKeyError`), or an engine without the
+                methods its capabilities promise (``checkpoints``:
+                :class:`~pipedialect.contracts.CheckpointingEngine`).
             RankFailedError: building failed on another rank (see :meth:`pipe_engine`).
         """
         with self._agreed("runtime_engine"):
@@ -473,7 +476,9 @@ class Dialect(abc.ABC):
             options=opts,
             optimizer=optimizer,
         )
-        return self._build_engine(request)
+        engine = self._build_engine(request)
+        _check_engine_protocols(self, engine)
+        return engine
 
     @abc.abstractmethod
     def _build_pipeline(self, request: PipelineRequest[Any]) -> nn.Module:
@@ -577,6 +582,13 @@ class Dialect(abc.ABC):
         return f"<{type(self).__name__} {self.name!r} {self.version}>"
 
 
+@runtime_checkable
+class _HoldsModule(Protocol):
+    """An engine over the module it trains, as ``engine.module`` (DeepSpeed's engines)."""
+
+    module: Any
+
+
 #: What built each pipeline module and engine: read by :func:`dialect_of`.
 _BUILT_BY: weakref.WeakKeyDictionary[Any, Dialect] = weakref.WeakKeyDictionary()
 
@@ -596,7 +608,8 @@ def dialect_of(engine: Any, what: str) -> Dialect:
     Raises:
         ConfigError: no dialect built ``engine`` or its module.
     """
-    for candidate in (engine, getattr(engine, "module", None)):
+    held = engine.module if isinstance(engine, _HoldsModule) else None
+    for candidate in (engine, held):
         if candidate is None:
             continue
         try:
@@ -691,6 +704,33 @@ def _refuse_sharding_options(dialect: Dialect, options: Mapping[str, Any]) -> No
             dialect=dialect.name,
             capability=capability.value,
         )
+
+
+#: What an engine must answer to for each capability that promises engine methods, and what
+#: those methods are.
+_ENGINE_PROTOCOLS: Mapping[Capability, tuple[type[RuntimeEngine], str]] = {
+    Capability.CHECKPOINTS: (
+        CheckpointingEngine,
+        "save_checkpoint(save_dir, tag=None, **kwargs) and load_checkpoint(load_dir, tag=None, "
+        "**kwargs)",
+    ),
+}
+
+
+def _check_engine_protocols(dialect: Dialect, engine: RuntimeEngine) -> None:
+    """Refuse an engine that lacks the methods its dialect's capabilities promise, so that what
+    uses them (the conformance suite, a training loop) never has to look for them.
+
+    Raises:
+        ConfigError: the engine is not an instance of a promised protocol.
+    """
+    for capability, (protocol, methods) in _ENGINE_PROTOCOLS.items():
+        if capability in dialect.capabilities and not isinstance(engine, protocol):
+            raise ConfigError(
+                f"the {dialect.name} dialect declares {capability.value}, but its engine "
+                f"({type(engine).__name__}) is not a pipedialect.contracts.{protocol.__name__}: "
+                f"it needs {methods}. Implement them, or do not declare {capability.value}"
+            )
 
 
 _SHARED_PIPELINE = ("config", "loss_fn", "topology", "dynamic_shapes", "init_weights")

@@ -44,7 +44,7 @@ from .topology import (
     join_process_group,
     joined_world_size,
 )
-from .wire import pass_through
+from .wire import pass_through, read_layout
 
 __all__ = [
     "ARRIVAL_SECONDS",
@@ -77,6 +77,7 @@ __all__ = [
     "pass_through",
     "preserved_state",
     "pull_micro_batches",
+    "read_layout",
     "recompute_with_state",
     "root_nonfinite",
     "shard_like",

@@ -94,11 +94,6 @@ def build_pipeline(
     grid = _grid(topology)
     data = 1 if grid is None else grid[1]
     config = parse_config(request.config, world_size=data)
-    if request.dynamic_shapes:
-        raise ConfigError(
-            "torch.distributed.pipelining fixes boundary shapes at the first micro-batch; the "
-            "torch dialect does not support dynamic_shapes (pad boundary values to one shape)"
-        )
     spec = resolve_schedule(schedule)
     check_split_backward_stages(spec, request.stages)
     if mode == "fsdp":
