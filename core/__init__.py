@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import errors as _errors
 from .contracts import Capability, RuntimeEngine, TensorCodec, TieAnalyzer, TieGroup, Topology
 from .dialect import Dialect
 from .errors import *  # every exception and warning: errors.__all__
@@ -29,53 +30,21 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
+#: The package's own names; every exception and warning is added from ``errors.__all__``.
 __all__ = [
-    "BrokenPluginError",
     "Capability",
-    "CaptureError",
-    "CheckpointError",
-    "CodecError",
-    "ConfigError",
-    "ConnectionLostError",
-    "DataError",
-    "DataExhaustedError",
     "DefaultTieAnalyzer",
     "Dialect",
     "DialectInfo",
-    "DialectNotFoundError",
-    "DuplicateDialectError",
-    "ExtensionBuildError",
     "GridTopology",
-    "LaunchError",
-    "MetadataError",
-    "MissingCapabilityError",
-    "NonFiniteError",
-    "PartitionError",
-    "PipeDialectError",
-    "PipeDialectWarning",
     "PipelinePlan",
-    "PlanDisagreementError",
-    "PlanMismatchError",
-    "PluginError",
-    "PluginWarning",
-    "RankFailedError",
-    "RecomputeError",
     "RuntimeEngine",
     "SchemaCodec",
-    "SplitPointError",
     "StageWrapper",
-    "StructureChangedError",
     "TensorCodec",
     "TieAnalyzer",
-    "TieError",
     "TieGroup",
     "Topology",
-    "TopologyError",
-    "TrainingArgumentError",
-    "UnknownConfigKeyError",
-    "UnsupportedValueError",
-    "WeightsError",
-    "WireError",
     "__version__",
     "analyze_tie_ranks",
     "find_tie_groups",
@@ -87,3 +56,5 @@ __all__ = [
     "plan_layout",
     "trace",
 ]
+__all__ += _errors.__all__
+__all__.sort()

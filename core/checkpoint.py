@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ from .engine import checkpoint_files as _files
 from .errors import CheckpointError, ConfigError
 from .plan.partition import MODEL_NAMES
 from .runtime.agreement import agree_on_error
+from .runtime.sharded import is_sharded
 
 __all__ = [
     "FORMAT",
@@ -79,8 +80,6 @@ INDEX_FILE = "pipedialect_index.pt"
 _LATEST = _files.LATEST_FILE
 _MODEL = "model."
 _OPTIM = "optim."
-#: The step counters a checkpoint knows how to derive when the saving engine did not keep one.
-_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 #: At most this many names are listed in a mismatch error.
 _SHOW = 5
 
@@ -104,13 +103,12 @@ class _Holdings:
     ties: dict[int, str]
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    engine: Any
     #: The number of stages of the whole pipeline.
     num_stages: int
     #: Buffer name -> the stage that writes it: its value is taken from that stage only.
     buffer_owners: dict[str, int] = field(default_factory=dict)
-    #: The engine's step counters (attribute names).
-    counters: tuple[str, ...] = ()
+    #: The engine's step counters, live (:attr:`~pipedialect.contracts.EngineState.counters`).
+    counters: MutableMapping[str, int] = field(default_factory=dict)
     gradient_accumulation_steps: int = 1
     train_batch_size: int = 0
 
@@ -152,10 +150,9 @@ def _holdings(engine: Any) -> _Holdings:
         ties=dict(state.tie_keys),
         optimizer=optimizer,
         scheduler=state.lr_scheduler,
-        engine=engine,
         num_stages=int(state.num_stages),
         buffer_owners=dict(state.buffer_owners),
-        counters=tuple(state.counters),
+        counters=state.counters,
         gradient_accumulation_steps=int(state.gradient_accumulation_steps),
         train_batch_size=int(state.train_batch_size),
     )
@@ -489,8 +486,7 @@ def save(
 
 
 def _counters(held: _Holdings) -> dict[str, int]:
-    engine = held.engine
-    out = {name: int(getattr(engine, name)) for name in held.counters if hasattr(engine, name)}
+    out = {name: int(value) for name, value in held.counters.items()}
     out["gradient_accumulation_steps"] = held.gradient_accumulation_steps
     out["train_batch_size"] = held.train_batch_size
     return out
@@ -612,17 +608,30 @@ def _read_index(directory: Path) -> dict[str, Any]:
     return index
 
 
+def _shaped_like(spec: Mapping[str, Any], param: torch.Tensor) -> dict[str, Any]:
+    """``spec`` (a saved tensor's shape and dtype), to be read as ``param`` is laid out when
+    ``param`` is sharded and of that shape: DCP then reads only this rank's slice
+    (:mod:`pipedialect.runtime.sharded` [Note: sharded tensors])."""
+    out = dict(spec)
+    if is_sharded(param) and tuple(spec["shape"]) == tuple(param.shape):
+        out["like"] = param
+    return out
+
+
 def _read_tensors(
     directory: Path, wanted: Mapping[str, Mapping[str, Any]], *, alone: bool = False
 ) -> dict[str, Any]:
-    """Read the DCP keys ``wanted`` (``key -> {shape, dtype}``) into new CPU tensors.
+    """Read the DCP keys ``wanted`` (``key -> {shape, dtype}``, and ``like``: a sharded tensor
+    to read its slice of) into new tensors (on the CPU, or laid out as ``like``).
 
     Collective over the process group, if there is one, unless ``alone``.
     """
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     state = {
-        key: torch.empty(tuple(spec["shape"]), dtype=_dtype(spec["dtype"]))
+        key: torch.empty_like(spec["like"], dtype=_dtype(spec["dtype"]))
+        if "like" in spec
+        else torch.empty(tuple(spec["shape"]), dtype=_dtype(spec["dtype"]))
         for key, spec in wanted.items()
     }
     try:
@@ -771,7 +780,7 @@ def _load_plan(
             )
             continue
         keys[id(record.param)] = key
-        wanted[_MODEL + key] = dict(spec)
+        wanted[_MODEL + key] = _shaped_like(spec, record.param)
     for buffer in local.buffers:
         saved = buffers.get(buffer.name)
         if saved is None:
@@ -807,7 +816,8 @@ def _load_plan(
     for record in local.params:
         key = keys[id(record.param)]
         for name, spec in state.get(key, {}).items():
-            wanted[f"{_OPTIM}{key}.{name}"] = {"shape": spec["shape"], "dtype": spec["dtype"]}
+            entry = {"shape": spec["shape"], "dtype": spec["dtype"]}
+            wanted[f"{_OPTIM}{key}.{name}"] = _shaped_like(entry, record.param)
     return _LoadPlan(keys, wanted, _group_hypers(held, optim, keys, directory))
 
 
@@ -864,7 +874,6 @@ def _read_extras(directory: Path, want_loader: bool) -> dict[str, Any]:
 
 def _restore_counters(held: _Holdings, saved: Mapping[str, int]) -> None:
     """Set the engine's step counters; what the saving engine did not keep is derived."""
-    engine = held.engine
     steps = int(saved.get("global_steps", 0))
     gas = held.gradient_accumulation_steps
     batch = held.train_batch_size
@@ -877,11 +886,11 @@ def _restore_counters(held: _Holdings, saved: Mapping[str, int]) -> None:
         else steps * gas,
         "skipped_steps": int(saved.get("skipped_steps", 0)),
     }
-    for name in held.counters:
+    for name in list(held.counters):
         if name in derived:
-            setattr(engine, name, derived[name])
+            held.counters[name] = derived[name]
         elif name in saved:  # a counter of the dialect's own
-            setattr(engine, name, int(saved[name]))
+            held.counters[name] = int(saved[name])
 
 
 def _load_optimizer(

@@ -2,9 +2,9 @@
 
 - ``pipedialect list [--json]`` shows the installed dialects: name, version, distribution,
   capabilities and status (a broken plugin is listed with the reason it failed).
-- ``pipedialect demo [--dialect D] [--stages N] [--dp N] [--steps N] [--meta] [--trace PATH]``
-  trains a small GPT over pipeline stages and compares every step's loss with the unsplit model
-  in one process.
+- ``pipedialect demo [--dialect D] [--stages N] [--dp N] [--steps N] [--meta] [--trace PATH]
+  [--bf16] [--fsdp]`` trains a small GPT over pipeline stages and compares every step's loss
+  with the unsplit model in one process.
 - ``pipedialect plan --model M --world-size N --memory X --global-batch B --bandwidth Y ...``
   predicts every layout the dialect offers and prints the fastest that fits (see
   ``pipedialect.planner``).
@@ -16,12 +16,16 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ._cli_check import add_check_parser
 from ._cli_plan import add_plan_parser
 from .plugins import DialectInfo, list_dialects
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from .demo import DemoSettings
+
+__all__ = ["demo_settings", "main"]
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -59,21 +63,30 @@ def _table(infos: Sequence[DialectInfo]) -> str:
     return "\n".join(lines)
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoFailedError, DemoSettings, check_settings, run_demo
-    from .errors import ConfigError, DialectNotFoundError
+def demo_settings(args: argparse.Namespace) -> DemoSettings:
+    """The demo's settings from its command line; ``--fsdp`` alone runs the torch dialect (the
+    one that shards stages) over two replicas."""
+    from .demo import DemoSettings
 
-    settings = DemoSettings(
-        dialect=args.dialect,
+    return DemoSettings(
+        dialect=args.dialect or ("torch" if args.fsdp else "deepspeed"),
         stages=args.stages,
-        dp=args.dp,
+        dp=args.dp if args.dp is not None else (2 if args.fsdp else 1),
         steps=args.steps,
         output=None if args.no_plot else args.output,
         cpu=args.cpu,
         meta=args.meta,
         trace=args.trace,
         bf16=args.bf16,
+        fsdp=args.fsdp,
     )
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoFailedError, check_settings, run_demo
+    from .errors import ConfigError, DialectNotFoundError
+
+    settings = demo_settings(args)
     try:
         check_settings(settings)
     except (ConfigError, DialectNotFoundError) as exc:
@@ -111,9 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         "stages in processes the demo starts, then compare every step's loss with the unsplit "
         "model trained in one process.",
     )
-    p_demo.add_argument("--dialect", default="deepspeed", help="dialect to train with")
+    p_demo.add_argument(
+        "--dialect", default=None, help="dialect to train with (deepspeed; torch with --fsdp)"
+    )
     p_demo.add_argument("--stages", type=int, default=2, help="pipeline stages (1-8)")
-    p_demo.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p_demo.add_argument(
+        "--dp", type=int, default=None, help="data-parallel replicas (1; 2 with --fsdp)"
+    )
     p_demo.add_argument("--steps", type=int, default=30, help="training steps")
     p_demo.add_argument("--output", default="pipedialect-demo.png", help="loss-curve PNG to write")
     p_demo.add_argument("--no-plot", action="store_true", help="write no PNG")
@@ -128,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_demo.add_argument(
         "--bf16", action="store_true", help="train in bf16 and show its curve beside fp32"
+    )
+    p_demo.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard each stage over the replicas (FSDP2; torch dialect, 2 replicas by default)",
     )
     p_demo.set_defaults(func=_cmd_demo, parser=p_demo)
     add_check_parser(sub)

@@ -3,7 +3,7 @@
 This module is a leaf of the package: the protocols a dialect implements and the value types
 they exchange (a tie group and its ranks among them). The codec, the stage wrapper, tie analysis
 and the :class:`~pipedialect.dialect.Dialect` base all depend on it, and it imports nothing of
-ours (tests/test_layout.py checks it, counting ``TYPE_CHECKING`` imports).
+ours (tests/project/test_layout.py checks it, counting ``TYPE_CHECKING`` imports).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
@@ -20,7 +20,9 @@ from torch import nn
 
 __all__ = [
     "BOUNDARY_CAPABILITIES",
+    "AttributeCounters",
     "Capability",
+    "CheckpointingEngine",
     "EngineState",
     "HeldStage",
     "Instrumented",
@@ -61,7 +63,7 @@ class Capability(enum.StrEnum):
     #: Modules inside a stage may be sharded over a tensor axis
     #: (``pipe_engine(..., tensor_parallel={glob: style})``).
     TENSOR_PARALLEL = "tensor-parallel"
-    #: Engines can save a checkpoint and resume from it.
+    #: Engines can save a checkpoint and resume from it (:class:`CheckpointingEngine`).
     CHECKPOINTS = "checkpoints"
     #: ``Dialect.engine_state`` says what an engine trains, under the model's names, so that
     #: :mod:`pipedialect.checkpoint` saves it for, and resumes it from, any dialect and layout.
@@ -277,6 +279,20 @@ class TrainerEngine(RuntimeEngine, Protocol):
         ...
 
 
+@runtime_checkable
+class CheckpointingEngine(RuntimeEngine, Protocol):
+    """An engine that saves and resumes checkpoints, with DeepSpeed's signatures: what a dialect
+    declaring :attr:`Capability.CHECKPOINTS` returns from ``runtime_engine`` (checked there)."""
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
+        """Save everything training needs to resume into ``save_dir`` under ``tag``."""
+        ...
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
+        """Resume from the checkpoint ``tag`` (by default the latest) in ``load_dir``."""
+        ...
+
+
 @dataclass(frozen=True)
 class HeldStage:
     """One stage an engine runs in this process (part of :class:`EngineState`)."""
@@ -315,14 +331,44 @@ class EngineState:
     #: Buffer name -> the stage that writes it (:attr:`pipedialect.PipelinePlan.buffers`): a
     #: buffer several stages hold is saved from that stage only.
     buffer_owners: Mapping[str, int] = field(default_factory=dict)
-    #: The engine's step counters, its attributes of these names (DeepSpeed's
-    #: ``global_steps``, ``global_samples``, ``micro_steps``, ``skipped_steps``): saved and set
-    #: again on resume; a counter the saving engine did not keep is derived.
-    counters: tuple[str, ...] = ("global_steps",)
+    #: The engine's step counters by name, live (DeepSpeed's ``global_steps``,
+    #: ``global_samples``, ``micro_steps``, ``skipped_steps``): read when a checkpoint is saved
+    #: and written on resume; a counter the saving engine did not keep is derived. An engine
+    #: that keeps them as attributes gives :class:`AttributeCounters`.
+    counters: MutableMapping[str, int] = field(default_factory=dict)
     #: Micro-batches per optimizer step.
     gradient_accumulation_steps: int = 1
     #: Samples per optimizer step (over every replica).
     train_batch_size: int = 0
+
+
+class AttributeCounters(MutableMapping[str, int]):
+    """The step counters ``owner`` keeps as int attributes of the given names, as the live
+    mapping :attr:`EngineState.counters` is: what a dialect hands over for an engine that counts
+    ``self.global_steps += 1``."""
+
+    def __init__(self, owner: Any, names: Sequence[str]) -> None:
+        self._owner = owner
+        self._names = tuple(names)
+
+    def __getitem__(self, name: str) -> int:
+        if name not in self._names:
+            raise KeyError(name)
+        return int(getattr(self._owner, name))
+
+    def __setitem__(self, name: str, value: int) -> None:
+        if name not in self._names:
+            raise KeyError(f"{name!r} is not one of the counters {list(self._names)}")
+        setattr(self._owner, name, int(value))
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("an engine's step counters cannot be removed")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ activations, fp32 master weights: :mod:`pipedialect.engine.precision`) and the d
 its curve beside the fp32 unsplit model's, with the largest relative gap between them: bf16
 rounds every activation to 8 significant bits, so the curves agree to a few percent, not to
 float rounding.
+
+With ``fsdp`` (the torch dialect, two or more replicas) each stage's parameters, gradients and
+Adam state are sharded over the replicas (``data_parallel_mode="fsdp"``), and the curve is still
+the unsplit model's.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class DemoSettings:
     trace: str | None = None
     #: Train the pipeline in bf16 (``"bf16": {"enabled": true}``) and compare it with fp32.
     bf16: bool = False
+    #: Shard each stage over the replicas (``data_parallel_mode="fsdp"``).
+    fsdp: bool = False
 
 
 #: The largest relative gap between the bf16 and the fp32 loss curve that ``demo --bf16``
@@ -144,6 +150,8 @@ def _rank_worker(settings: DemoSettings, progress: str, backend: str) -> list[fl
     topology = dialect.make_topology(settings.stages, settings.dp)
     config = demo_config(settings.dp, settings.bf16)
     kwargs: dict[str, Any] = {}
+    if settings.fsdp:
+        kwargs["data_parallel_mode"] = "fsdp"
     if settings.meta:
         from .plan.weights import from_state_dict
 
@@ -313,6 +321,14 @@ def check_settings(settings: DemoSettings) -> Dialect:
             f"the {settings.dialect!r} dialect runs every stage in one process, so it has no "
             f"data-parallel replicas: use --dp 1 (or a multi-process dialect such as deepspeed)"
         )
+    if settings.fsdp:
+        if Capability.SHARDED_DATA_PARALLEL not in dialect.capabilities:
+            raise ConfigError(
+                f"--fsdp shards the stages over the replicas, which the {settings.dialect!r} "
+                "dialect does not declare (sharded-data-parallel): use --dialect torch"
+            )
+        if settings.dp < 2:
+            raise ConfigError("--fsdp shards the stages over the replicas: use --dp 2 or more")
     return dialect
 
 
@@ -346,7 +362,8 @@ def run_demo(settings: DemoSettings, out: TextIO | None = None) -> float:
     print(
         f"pipedialect demo: TinyGPT ({BLOCKS} blocks, dim {DIM}, vocab {VOCAB}, embedding tied to "
         f"the LM head)\n  dialect {settings.dialect!r}: {settings.stages} stage(s) x "
-        f"{settings.dp} replica(s) on {where}; {settings.steps} steps of {GAS} micro-batches",
+        f"{settings.dp} replica(s){' sharding each stage (FSDP)' if settings.fsdp else ''} on "
+        f"{where}; {settings.steps} steps of {GAS} micro-batches",
         file=out,
     )
     # Kept when a rank fails: its log is what the user reads next.
@@ -395,6 +412,8 @@ def run_demo(settings: DemoSettings, out: TextIO | None = None) -> float:
         )
     if settings.output:
         label = f"{settings.dialect}, {settings.stages} stages x {settings.dp}"
+        if settings.fsdp:
+            label += " (FSDP)"
         if settings.bf16:
             label += ", bf16"
         reference_label = "unsplit model, one process" + (", fp32" if settings.bf16 else "")

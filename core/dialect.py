@@ -34,13 +34,14 @@ import typing
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar, final
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, final, runtime_checkable
 
 from torch import nn
 from torch.optim import Optimizer
 
 from .contracts import (
     Capability,
+    CheckpointingEngine,
     EngineState,
     Instrumented,
     RuntimeEngine,
@@ -75,6 +76,7 @@ __all__ = [
     "LossFn",
     "NoOptions",
     "PipelineRequest",
+    "check_tensor_axis",
     "dialect_of",
     "given_options",
     "option_descriptions",
@@ -315,6 +317,7 @@ class Dialect(abc.ABC):
     ) -> nn.Module:
         if "dynamic_shape" in options:  # DeepSpeed's spelling
             dynamic_shapes = bool(options.pop("dynamic_shape")) or dynamic_shapes
+        _refuse_sharding_options(self, options)
         opts = self.parse_options(options)
         if not isinstance(plan, PipelinePlan):
             raise ConfigError(
@@ -350,6 +353,7 @@ class Dialect(abc.ABC):
                     f"the {self.name} dialect does not declare data-parallel, but the topology "
                     f"has a data axis of {topology.get_dim('data')}; use a topology with data=1"
                 )
+            check_tensor_axis(self, topology.get_dim("tensor") or 1)
         check_plan_agreement(
             plan,
             dialect=self.name,
@@ -409,8 +413,10 @@ class Dialect(abc.ABC):
         [Note: client optimizer]); ``options`` are this dialect's own (:attr:`engine_options`).
 
         Raises:
-            ConfigError: a mistyped or unknown argument, or a config key DeepSpeed does not
-                know (:class:`~pipedialect.errors.UnknownConfigKeyError`).
+            ConfigError: a mistyped or unknown argument, a config key DeepSpeed does not know
+                (:class:`~pipedialect.errors.UnknownConfigKeyError`), or an engine without the
+                methods its capabilities promise (``checkpoints``:
+                :class:`~pipedialect.contracts.CheckpointingEngine`).
             RankFailedError: building failed on another rank (see :meth:`pipe_engine`).
         """
         with self._agreed("runtime_engine"):
@@ -470,7 +476,9 @@ class Dialect(abc.ABC):
             options=opts,
             optimizer=optimizer,
         )
-        return self._build_engine(request)
+        engine = self._build_engine(request)
+        _check_engine_protocols(self, engine)
+        return engine
 
     @abc.abstractmethod
     def _build_pipeline(self, request: PipelineRequest[Any]) -> nn.Module:
@@ -541,9 +549,19 @@ class Dialect(abc.ABC):
         """
         return None
 
-    def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
-        """Return a topology with ``num_stages`` pipeline stages and ``data_parallel`` replicas."""
-        return GridTopology(pipe=num_stages, data=data_parallel)
+    def make_topology(
+        self, num_stages: int, data_parallel: int = 1, tensor_parallel: int = 1
+    ) -> Topology:
+        """Return a topology with ``num_stages`` pipeline stages, ``data_parallel`` replicas and
+        a tensor axis of ``tensor_parallel`` ranks (above 1 only for a dialect that declares
+        ``tensor-parallel``).
+
+        Raises:
+            MissingCapabilityError: ``tensor_parallel > 1`` and the dialect does not declare
+                ``tensor-parallel``.
+        """
+        check_tensor_axis(self, tensor_parallel)
+        return GridTopology(pipe=num_stages, data=data_parallel, tensor=tensor_parallel)
 
     def init_distributed(self, backend: str | None = None) -> None:
         """Join the process group described by the usual environment (RANK, WORLD_SIZE, ...).
@@ -562,6 +580,13 @@ class Dialect(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.version}>"
+
+
+@runtime_checkable
+class _HoldsModule(Protocol):
+    """An engine over the module it trains, as ``engine.module`` (DeepSpeed's engines)."""
+
+    module: Any
 
 
 #: What built each pipeline module and engine: read by :func:`dialect_of`.
@@ -583,7 +608,8 @@ def dialect_of(engine: Any, what: str) -> Dialect:
     Raises:
         ConfigError: no dialect built ``engine`` or its module.
     """
-    for candidate in (engine, getattr(engine, "module", None)):
+    held = engine.module if isinstance(engine, _HoldsModule) else None
+    for candidate in (engine, held):
         if candidate is None:
             continue
         try:
@@ -619,6 +645,92 @@ def require_capability(engine: Any, capability: Capability, what: str) -> Dialec
             capability=capability.value,
         )
     return dialect
+
+
+def check_tensor_axis(dialect: Dialect, tensor_parallel: object) -> None:
+    """Refuse a tensor axis of more than one rank on a dialect that does not declare
+    ``tensor-parallel``, naming the dialect and the capability.
+
+    Raises:
+        TopologyError: ``tensor_parallel`` is not a positive integer.
+        MissingCapabilityError: it is above 1 and the dialect does not declare it.
+    """
+    if (
+        isinstance(tensor_parallel, bool)
+        or not isinstance(tensor_parallel, int)
+        or tensor_parallel < 1
+    ):
+        raise TopologyError(
+            f"tensor_parallel must be a positive integer (ranks on the tensor axis), got "
+            f"{tensor_parallel!r}"
+        )
+    if tensor_parallel > 1 and Capability.TENSOR_PARALLEL not in dialect.capabilities:
+        raise MissingCapabilityError(
+            f"the {dialect.name} dialect does not declare tensor-parallel, so it cannot shard "
+            f"stages over a tensor axis of {tensor_parallel} ranks; use tensor_parallel=1, or a "
+            "dialect that declares it (see `pipedialect list`), such as 'torch'",
+            dialect=dialect.name,
+            capability=Capability.TENSOR_PARALLEL.value,
+        )
+
+
+#: ``pipe_engine`` options that ask for a sharded layout, and the capability each needs.
+_SHARDING_OPTIONS = (
+    ("data_parallel_mode", "fsdp", Capability.SHARDED_DATA_PARALLEL),
+    ("tensor_parallel", None, Capability.TENSOR_PARALLEL),
+)
+
+
+def _refuse_sharding_options(dialect: Dialect, options: Mapping[str, Any]) -> None:
+    """Refuse ``data_parallel_mode="fsdp"`` or a ``tensor_parallel`` plan on a dialect that
+    does not declare ``sharded-data-parallel`` or ``tensor-parallel``, by capability (rather
+    than as an unknown argument), so that the user learns which dialects run it.
+
+    Raises:
+        MissingCapabilityError: the option asks for a layout the dialect does not declare.
+    """
+    for option, value, capability in _SHARDING_OPTIONS:
+        given = options.get(option)
+        if given is None or capability in dialect.capabilities:
+            continue
+        if value is not None and given != value:
+            continue
+        if value is None and not given:
+            continue
+        raise MissingCapabilityError(
+            f"the {dialect.name} dialect does not declare {capability.value}, so it cannot run "
+            f"{option}={given!r}; use a dialect that declares it (see `pipedialect list`), such "
+            "as 'torch'",
+            dialect=dialect.name,
+            capability=capability.value,
+        )
+
+
+#: What an engine must answer to for each capability that promises engine methods, and what
+#: those methods are.
+_ENGINE_PROTOCOLS: Mapping[Capability, tuple[type[RuntimeEngine], str]] = {
+    Capability.CHECKPOINTS: (
+        CheckpointingEngine,
+        "save_checkpoint(save_dir, tag=None, **kwargs) and load_checkpoint(load_dir, tag=None, "
+        "**kwargs)",
+    ),
+}
+
+
+def _check_engine_protocols(dialect: Dialect, engine: RuntimeEngine) -> None:
+    """Refuse an engine that lacks the methods its dialect's capabilities promise, so that what
+    uses them (the conformance suite, a training loop) never has to look for them.
+
+    Raises:
+        ConfigError: the engine is not an instance of a promised protocol.
+    """
+    for capability, (protocol, methods) in _ENGINE_PROTOCOLS.items():
+        if capability in dialect.capabilities and not isinstance(engine, protocol):
+            raise ConfigError(
+                f"the {dialect.name} dialect declares {capability.value}, but its engine "
+                f"({type(engine).__name__}) is not a pipedialect.contracts.{protocol.__name__}: "
+                f"it needs {methods}. Implement them, or do not declare {capability.value}"
+            )
 
 
 _SHARED_PIPELINE = ("config", "loss_fn", "topology", "dynamic_shapes", "init_weights")

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .contracts import Capability, HeldStage, Instrumented
+from .contracts import Capability, HeldStage, Instrumented, RuntimeEngine
 from .dialect import Dialect, require_capability
 from .errors import ConfigError
 
@@ -240,10 +240,6 @@ class Timeline:
     def write_png(self, path: str | Path, *, step: int | None = None) -> Path:
         """Draw the schedule of ``step`` (default: the last training step), ranks as rows."""
         return _draw(self, Path(path), step)
-
-    def to_records(self) -> list[dict[str, Any]]:
-        """The spans as plain dicts (what the ranks exchange)."""
-        return [asdict(s) for s in self.spans]
 
 
 def _meta(what: str, pid: int, tid: int, name: str) -> dict[str, Any]:
@@ -567,12 +563,14 @@ class Trace:
         self._undo.extend(p.remove for p in probes)
         for handle in _param_hooks(recorder, stages):
             self._undo.append(handle.remove)
-        for method in ("train_batch", "eval_batch"):
-            original = getattr(self.engine, method, None)
-            if callable(original):
-                self._undo.append(
-                    patch_attribute(self.engine, method, _step_method(recorder, original, method))
-                )
+        engine: RuntimeEngine = self.engine
+        for method, original in (
+            ("train_batch", engine.train_batch),
+            ("eval_batch", engine.eval_batch),
+        ):
+            self._undo.append(
+                patch_attribute(engine, method, _step_method(recorder, original, method))
+            )
         instrumented = dialect.instrument(self.engine, recorder)
         if instrumented is not None and not isinstance(instrumented, Instrumented):
             raise ConfigError(

@@ -181,6 +181,7 @@ def main() -> None:
     )
     parser.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast)")
     parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
+    parser.add_argument("--fsdp", action="store_true", help="shard the stages over the replicas")
     options = parser.parse_args()
 
     transformers.logging.set_verbosity_error()
@@ -211,6 +212,7 @@ def main() -> None:
             cls=PipelineTrainingArguments,
             dialect=options.dialect,
             num_stages=stages,
+            data_parallel_mode="fsdp" if options.fsdp else None,
             **arguments,
         )
         trainer = PipelineTrainer(args=args, **common)

@@ -470,11 +470,34 @@ def assert_wire_state_matches(results: list[Any], cases: tuple[str, ...]) -> Non
     assert seen == {(c, s) for c in cases for s in (0, 1)}
 
 
+class SendCounter:
+    """Counts the tensors DeepSpeed's point-to-point layer sends while active (the DeepSpeed
+    dialect's engine sends a boundary's metadata tensor once: [Note: metadata sent once])."""
+
+    def __init__(self) -> None:
+        import deepspeed.runtime.pipe.p2p as p2p
+
+        self.p2p = p2p
+        self.original = p2p.send
+        self.count = 0
+
+    def __enter__(self) -> SendCounter:
+        def counting_send(tensor: torch.Tensor, dest_stage: int, async_op: bool = False) -> Any:
+            self.count += 1
+            return self.original(tensor, dest_stage, async_op)
+
+        self.p2p.send = counting_send
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.p2p.send = self.original
+
+
 def wire_state_run(
     dialect_name: str, only: tuple[str, ...] | None = None, gas: int = 2
 ) -> list[dict[str, Any]]:
     """The cases of :data:`WIRE_STATE_CASES` (or those named in ``only``) on a real engine,
-    one after the other."""
+    one after the other; on DeepSpeed, with the tensors each step sent."""
     dialect = pipedialect.get_dialect(dialect_name)
     dialect.init_distributed()
     results = []
@@ -490,6 +513,7 @@ def wire_state_run(
         module = dialect.pipe_engine(plan, config=config, loss_fn=loss_fn, **extra)
         engine = dialect.runtime_engine(module, config=config)
         losses: list[float] = []
+        sends: list[int] = []
         for steps, seed, length, reset in phases:
             if reset:
                 engine.reset_activation_shape()
@@ -497,10 +521,21 @@ def wire_state_run(
             for i, step in enumerate(steps):
                 chunk = iter(batches[i * gas : (i + 1) * gas])
                 run = engine.train_batch if step == "t" else engine.eval_batch
-                losses.append(float(run(chunk)))
+                if dialect_name != "deepspeed":
+                    losses.append(float(run(chunk)))
+                    continue
+                with SendCounter() as counter:
+                    losses.append(float(run(chunk)))
+                sends.append(counter.count)
         (stage,) = dialect.local_stages(engine)
         results.append(
-            {"case": name, "stage": stage, "losses": losses, "params": local_params(plan, stage)}
+            {
+                "case": name,
+                "stage": stage,
+                "losses": losses,
+                "params": local_params(plan, stage),
+                "sends": sends,
+            }
         )
     return results
 

@@ -7,7 +7,12 @@ on the meta device, each rank then filling the stages it runs from the state of 
 model), partitions it (split points, recomputed blocks) and runs the spec's train/eval
 schedule on the dialect; it returns the losses, and the parameters and buffers of the stages it
 ran, by their original names, and what ``partition()`` changed on the model (it must change
-nothing). :func:`compare` runs the unsplit reference in the test process and compares. A named
+nothing). With ``fsdp`` the torch dialect runs each model on two stages sharded over two
+replicas (four ranks, ``data_parallel_mode="fsdp"``) that read the same micro-batches: the
+replicas' mean gradient is then the unsplit model's on those micro-batches, and every buffer
+sees what the unsplit model's sees, so the reference is unchanged while the sharding, the
+units, the reduction and the loss scale are all exercised (parameters are reported whole).
+:func:`compare` runs the unsplit reference in the test process and compares. A named
 pipedialect error while building or in the first call is returned as a refusal (every rank must
 refuse alike); one in a later call, or any other exception, fails the launch.
 """
@@ -21,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 import pipedialect
+from pipedialect.runtime.sharded import gathered
 
 
-def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
+def _one(dialect: Any, spec: fm.FuzzSpec, fsdp: bool = False) -> dict[str, Any]:
     model = fm.build_model(spec)  # on the meta device when spec.meta: each rank fills its own
     batches = fm.micro_batches(spec)
     initial = fm.buffer_values(fm.FuzzModel(spec))
@@ -36,7 +42,18 @@ def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
     phase = "build"
     losses = []
     try:
-        if dialect.name == "deepspeed":
+        if fsdp:
+            config["train_batch_size"] *= 2  # two replicas, each reading the same batches
+            module = dialect.pipe_engine(
+                plan,
+                config=config,
+                loss_fn=fm.fuzz_loss,
+                schedule=spec.pipe_schedule,
+                topology=dialect.make_topology(plan.num_stages, 2),
+                data_parallel_mode="fsdp",
+                init_weights=fm.init_weights(spec, plan),
+            )
+        elif dialect.name == "deepspeed":
             module = dialect.pipe_engine(
                 plan,
                 config=config,
@@ -64,7 +81,7 @@ def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
         return {"refused": f"{type(exc).__name__}: {exc}", "phase": phase, "changed": changed}
     stages = list(dialect.local_stages(engine))
     params = {
-        n: p.detach().cpu().clone()
+        n: gathered(p).detach().cpu().clone()  # a shard gathered whole (every rank, alike)
         for k in stages
         for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
     }
@@ -83,8 +100,11 @@ def _one(dialect: Any, spec: fm.FuzzSpec) -> dict[str, Any]:
     }
 
 
-def run_specs(dialect_name: str, cases: list[int | fm.FuzzSpec]) -> list[dict[str, Any]]:
-    """Train every case (a seed, or a spec to replay) in turn on this rank; one result each."""
+def run_specs(
+    dialect_name: str, cases: list[int | fm.FuzzSpec], fsdp: bool = False
+) -> list[dict[str, Any]]:
+    """Train every case (a seed, or a spec to replay) in turn on this rank; one result each
+    (``fsdp``: sharded over two replicas, see the module note)."""
     torch.set_num_threads(1)
     dialect = pipedialect.get_dialect(dialect_name)
     dialect.init_distributed()
@@ -92,7 +112,7 @@ def run_specs(dialect_name: str, cases: list[int | fm.FuzzSpec]) -> list[dict[st
     for case in cases:
         spec = case if isinstance(case, fm.FuzzSpec) else fm.spec_from_seed(case, dialect_name)  # type: ignore[arg-type]
         try:
-            results.append(_one(dialect, spec))
+            results.append(_one(dialect, spec, fsdp))
         except Exception as exc:  # the launch fails with this rank's traceback: name the model
             exc.add_note(f"while training on {dialect_name}:\n{spec.describe()}")
             raise

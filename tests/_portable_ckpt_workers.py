@@ -8,8 +8,10 @@ every layout trains on the same samples per step. A :class:`Position` is the dat
 position the checkpoints carry.
 
 - :func:`save_on_deepspeed_pp4`: DeepSpeed, PP=4, 3 steps, then ``pipedialect.checkpoint.save``.
-- :func:`resume_on_four_ranks`: in one process group of 4, DeepSpeed PP=2 x DP=2 and torch
-  PP=2 x DP=2 each load that checkpoint and train 3 more steps.
+- :func:`resume_on_four_ranks`: in one process group of 4, DeepSpeed PP=2 x DP=2, torch
+  PP=2 x DP=2 and torch PP=2 x FSDP=2 each load that checkpoint and train 3 more steps; the
+  FSDP run saves again after its first step, and DeepSpeed PP=2 x DP=2 and torch PP=4 resume
+  that one.
 - :func:`killed_in_save`: a local save SIGKILLed midway (the crash-test hook).
 """
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 import pipedialect
 import pipedialect.checkpoint as ckpt
 from pipedialect.plan.partition import partition
+from pipedialect.runtime.sharded import is_sharded
 
 MODEL = "skiptied"
 MICRO, SAMPLES_PER_STEP, CLIP, LR = 2, 8, 0.05, 1e-2
@@ -70,8 +73,11 @@ class Position:
         self.step = int(state["step"])
 
 
-def build(dialect_name: str, stages: int, dp: int, seed: int = 0) -> tuple[Any, Any, int]:
-    """The plan, the engine and this rank's replica (``seed``: the initial weights)."""
+def build(
+    dialect_name: str, stages: int, dp: int, seed: int = 0, **options: Any
+) -> tuple[Any, Any, int]:
+    """The plan, the engine and this rank's replica (``seed``: the initial weights;
+    ``options``: the dialect's own ``pipe_engine`` options)."""
     spec = _ds_workers.spec_for(MODEL)
     dialect = pipedialect.get_dialect(dialect_name)
     dialect.init_distributed()
@@ -84,15 +90,15 @@ def build(dialect_name: str, stages: int, dp: int, seed: int = 0) -> tuple[Any, 
         topology = dialect.make_topology(stages, dp)
         kwargs["topology"] = topology
         replica = int(topology.get_coord(dist.get_rank()).data)
-    engine = dialect.runtime_engine(dialect.pipe_engine(plan, **kwargs), config=cfg)
+    engine = dialect.runtime_engine(dialect.pipe_engine(plan, **kwargs, **options), config=cfg)
     return plan, engine, replica
 
 
 def params(plan: Any, engine: Any, dialect_name: str) -> dict[str, torch.Tensor]:
-    """This rank's parameters by every name they have."""
+    """This rank's parameters by every name they have (a sharded one whole: a collective)."""
     dialect = pipedialect.get_dialect(dialect_name)
     return {
-        n: p.detach().cpu().clone()
+        n: (p.full_tensor() if is_sharded(p) else p).detach().cpu().clone()
         for k in dialect.local_stages(engine)
         for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
     }
@@ -117,10 +123,19 @@ def save_on_deepspeed_pp4(ckpt_dir: str) -> dict[str, Any]:
     }
 
 
-def _resume(dialect_name: str, ckpt_dir: str) -> dict[str, Any]:
+def _resume(
+    dialect_name: str,
+    ckpt_dir: str,
+    *,
+    stages: int = 2,
+    dp: int = 2,
+    save_to: str | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Resume ``ckpt_dir`` and train to the end (saving into ``save_to`` after one step)."""
     # Other initial weights (seed 9): everything must come from the checkpoint.
-    plan, engine, replica = build(dialect_name, 2, 2, seed=9)
-    loader = Position(replica, 2)
+    plan, engine, replica = build(dialect_name, stages, dp, seed=9, **options)
+    loader = Position(replica, dp)
     ckpt.load(engine, ckpt_dir, dataloader=loader)
     loaded = {
         "global_steps": int(engine.global_steps),
@@ -130,7 +145,10 @@ def _resume(dialect_name: str, ckpt_dir: str) -> dict[str, Any]:
         "lr": engine.get_lr(),
         "params": params(plan, engine, dialect_name),
     }
-    losses = train(engine, loader, STEPS - SAVED_AT)
+    losses = train(engine, loader, 1)
+    if save_to is not None:
+        ckpt.save(engine, save_to, dataloader=loader)
+    losses += train(engine, loader, STEPS - int(loaded["global_steps"]) - 1)
     return {
         "loaded": loaded,
         "losses": losses,
@@ -141,13 +159,21 @@ def _resume(dialect_name: str, ckpt_dir: str) -> dict[str, Any]:
     }
 
 
-def resume_on_four_ranks(ckpt_dir: str) -> dict[str, Any]:
-    """DeepSpeed PP=2 x DP=2, then torch PP=2 x DP=2, each resumed from ``ckpt_dir``."""
+def resume_on_four_ranks(ckpt_dir: str, fsdp_dir: str) -> dict[str, Any]:
+    """DeepSpeed PP=2 x DP=2, torch PP=2 x DP=2 and torch PP=2 x FSDP=2, each resumed from
+    ``ckpt_dir``; the FSDP run saves into ``fsdp_dir`` after one step, and DeepSpeed
+    PP=2 x DP=2 and torch PP=4 resume that checkpoint."""
     out: dict[str, Any] = {"rank": 0}
     out["deepspeed"] = _resume("deepspeed", ckpt_dir)
     out["rank"] = dist.get_rank()
     dist.barrier()
     out["torch"] = _resume("torch", ckpt_dir)
+    dist.barrier()
+    out["fsdp"] = _resume("torch", ckpt_dir, save_to=fsdp_dir, data_parallel_mode="fsdp")
+    dist.barrier()
+    out["deepspeed from fsdp"] = _resume("deepspeed", fsdp_dir)
+    dist.barrier()
+    out["torch pp4 from fsdp"] = _resume("torch", fsdp_dir, stages=4, dp=1)
     return out
 
 

@@ -6,7 +6,10 @@ Slapo's own DeepSpeed pipeline test (its PR #105) builds 12 ``Linear(10, 10)`` l
 on a ``RepeatingLoader([(tuple(inputs), labels)])`` and compares the loss with the unsplit
 model's. Here the layer at the cut is a block returning ``(h, [tanh(h), None], 3, 0.5)``: a
 list, which the seed's path codec gives back as a tuple, a ``None`` the code after it tests,
-and two Python numbers it computes with.
+and two Python numbers it computes with. The config is the one Slapo's ``get_ds_config`` writes
+for that test, keys Slapo adds and DeepSpeed does not know included (``help``,
+``pipeline.sequence_parallel``), given to the seed's ``deepspeed_pipe_engine`` and, as Slapo's
+engine set-up does, to ``init_ds_engine``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from _ds_workers import ds_config
 from torch import nn
 
 import pipedialect
@@ -31,8 +33,29 @@ DIM = 10
 BATCH = 4
 SPLIT = "layers.5"
 DATA_SEED = 105
+
+
+def slapo_ds_config(batch_size: int, micro_batch_size_per_gpu: int) -> dict[str, Any]:
+    """What Slapo's ``get_ds_config(batch_size, micro_batch_size_per_gpu, fp16=False)`` returns
+    (``slapo.framework_dialect.deepspeed.pipeline`` on the branch of its pipeline tests), with
+    one change: torch's AdamW (``torch_adam``), the same maths as DeepSpeed's FusedAdam, which a
+    CPU would first compile for minutes."""
+    return {
+        "help": "",
+        "steps_per_print": 10,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.0001, "torch_adam": True}},
+        "fp16": {"enabled": False, "initial_scale_power": 12},
+        "bf16": {"enabled": False},
+        "gradient_clipping": 1.0,
+        "train_batch_size": batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size_per_gpu,
+        "pipeline": {"sequence_parallel": False},
+        "wall_clock_breakdown": False,
+    }
+
+
 #: Slapo's test evaluates one batch: one micro-batch of the whole batch.
-CONFIG = ds_config("sgd", gas=1, micro=BATCH, dp=1)
+CONFIG = slapo_ds_config(BATCH, BATCH)
 
 
 class SplitBlock(nn.Module):
@@ -101,13 +124,15 @@ def seed_api_eval() -> dict[str, Any]:
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
     from deepspeed.utils import RepeatingLoader
 
+    from pipedialect.dialects.deepspeed.engine import init_ds_engine
+
     dialect = pipedialect.get_dialect("deepspeed")
     dialect.init_distributed()
     plan = partition(TwelveLinears(), [SPLIT])
     stages = seed_stages(plan)
     topology = PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=1)
     model = deepspeed_pipe_engine(plan, stages, config=CONFIG, loss_fn=loss_fn, topology=topology)
-    engine = dialect.runtime_engine(model, config=CONFIG)
+    engine = init_ds_engine(model, config=CONFIG)
     inputs, labels = batch()
     loss = engine.eval_batch(RepeatingLoader([((inputs,), labels)]))
     stage = int(engine.stage_id)

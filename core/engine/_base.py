@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..contracts import EngineState, HeldStage
+from ..contracts import AttributeCounters, EngineState, HeldStage
 from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError, PipeDialectError
 from ..plan.batches import input_spec
 from ..plan.ties import tie_keys
@@ -49,6 +49,7 @@ from ..runtime.agreement import (
     nonfinite_grad_error,
     pull_micro_batches,
 )
+from ..runtime.sharded import local_part
 from . import checkpoint_files
 from .checkpoint_files import LATEST_FILE
 from .config import TrainingConfig, build_optimizer, check_one_optimizer
@@ -192,7 +193,7 @@ class EngineBase:
             lr_scheduler=self.lr_scheduler,
             tie_keys=tie_keys(plan.tie_groups, [(s.stage_id, s.module) for s in stages]),
             buffer_owners=plan.buffer_owners(),
-            counters=("global_steps", "skipped_steps"),
+            counters=AttributeCounters(self, ("global_steps", "skipped_steps")),
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             train_batch_size=self.train_batch_size(),
         )
@@ -320,11 +321,6 @@ class EngineBase:
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """Set the iterator ``train_batch()`` uses when called without one."""
         self._data_iterator = iterator
-
-    @staticmethod
-    def next_pair(data_iter: Iterator[Any]) -> tuple[Any, Any]:
-        """Pull one ``(inputs, labels)`` micro-batch, refusing anything else by name."""
-        return EngineBase.check_pair(next(data_iter), 0)
 
     @staticmethod
     def check_pair(batch: Any, index: int) -> tuple[Any, Any]:
@@ -519,6 +515,7 @@ def _first_nonfinite(grads: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.
     """The first ``(name, gradient)`` with a NaN or infinite element, or None (one sync)."""
     if not grads:
         return None
+    grads = [(name, local_part(g)) for name, g in grads]  # a sharded buffer: this rank's part
     flags = torch.stack([torch.isfinite(g).all() for _, g in grads])
     if bool(flags.all()):
         return None

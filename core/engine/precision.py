@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..runtime.sharded import counted_square_norm, local_part
 
 __all__ = ["CASTABLE_DTYPES", "BF16Master", "Precision", "cast_parameters", "parse_precision"]
 
@@ -294,15 +295,16 @@ class BF16Master:
 
     def local_norm_sq(self, skip: set[int] | None = None) -> torch.Tensor:
         """The sum of the squared fp32 norms of the buffers, skipping the parameters (by ``id``)
-        whose gradient another rank counts."""
-        norms = [
-            g.detach().float().norm(2)
+        whose gradient another rank counts; of a sharded buffer, the elements this rank counts
+        (:mod:`pipedialect.runtime.sharded` [Note: sharded tensors])."""
+        squares = [
+            counted_square_norm(g)
             for p, g in zip(self.params, self.grads, strict=True)
             if skip is None or id(p) not in skip
         ]
-        if not norms:
+        if not squares:
             return torch.zeros(())
-        return torch.stack(norms).pow(2).sum()
+        return torch.stack(squares).sum()
 
     def step(
         self,
@@ -332,7 +334,7 @@ class BF16Master:
                 coef = max_norm / (norm + 1e-6)
                 if float(coef) < 1.0:
                     for grad in self.grads:
-                        grad.mul_(coef)
+                        local_part(grad).mul_(coef)
             for master, grad in zip(self.masters, self.grads, strict=True):
                 master.grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
             optimizer.step()

@@ -180,6 +180,13 @@ class PipelineTrainingArguments(transformers.TrainingArguments):
         default=None,
         metadata={"help": "Data-parallel replicas of the pipeline; default: processes / stages."},
     )
+    data_parallel_mode: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "fsdp shards each stage over the replicas (the torch dialect's "
+            "data_parallel_mode); default: whole stages on every replica."
+        },
+    )
     recompute: list[str] | None = dataclasses.field(
         default=None,
         metadata={
@@ -891,6 +898,8 @@ class PipelineTrainer(transformers.Trainer):
             options["topology"] = self.topology
         if args.pipeline_schedule is not None:
             options["schedule"] = args.pipeline_schedule
+        if args.data_parallel_mode is not None:
+            options["data_parallel_mode"] = args.data_parallel_mode
         module = self.pipe_dialect.pipe_engine(
             plan, config=config, loss_fn=self._pipeline_loss, **options
         )

@@ -61,7 +61,7 @@ class CheckedPlan(Protocol):
     """What the check reads of a :class:`~pipedialect.plan.partition.PipelinePlan`.
 
     Written out here so that this module, which ``partition`` imports, does not import it back
-    (tests/test_layout.py counts ``TYPE_CHECKING`` imports too).
+    (tests/project/test_layout.py counts ``TYPE_CHECKING`` imports too).
     """
 
     @property

@@ -497,7 +497,7 @@ def partition(
             f"torch.export capture), got {autocast!r}"
             + ("" if named_inputs is not None else " without example_inputs")
         )
-    ckpt_paths = _resolve_recompute(model, recompute)
+    recompute_paths = _resolve_recompute(model, recompute)
     capture_dtype = dtype if named_inputs is not None else None
     snapshot = _state.StateSnapshot(model)
     try:
@@ -512,7 +512,7 @@ def partition(
                 balance_inputs=balance_inputs,
                 candidates=candidates,
                 bandwidth=bandwidth,
-                ckpt_paths=ckpt_paths,
+                recompute_paths=recompute_paths,
                 concrete_args=concrete_args,
                 leaf_modules=leaf_modules,
                 named_inputs=named_inputs,
@@ -538,7 +538,7 @@ def _partition(
     balance_inputs: Mapping[str, Any] | None,
     candidates: Sequence[str] | None,
     bandwidth: float | None,
-    ckpt_paths: Sequence[str],
+    recompute_paths: Sequence[str],
     concrete_args: Mapping[str, Any] | None,
     leaf_modules: Sequence[str | type[nn.Module]] | None,
     named_inputs: Mapping[str, Any] | None,
@@ -564,7 +564,7 @@ def _partition(
             micro_batches,
             balance_inputs if balance_inputs is not None else named_inputs,
             concrete_args,
-            [*(leaf_modules or ()), *ckpt_paths],
+            [*(leaf_modules or ()), *recompute_paths],
             candidates,
             bandwidth,
         )
@@ -574,7 +574,7 @@ def _partition(
     canonical = {id(m): name for name, m in model.named_modules()}
     point_modules = [_resolve_split_point(model, path) for path in points]
     targets = [canonical[id(m)] for m in point_modules]
-    _check_checkpoint_nesting(points, targets, ckpt_paths)
+    _check_recompute_nesting(points, targets, recompute_paths)
     count = len(points) + 1
     names = _state.BufferNames(model)
     added: list[str] = []
@@ -589,7 +589,7 @@ def _partition(
                 concrete_args,
                 leaf_modules,
                 point_modules,
-                ckpt_paths,
+                recompute_paths,
                 snapshot.watch("torch.export"),
                 autocast,
             )
@@ -605,7 +605,8 @@ def _partition(
                 if named_inputs is not None:
                     split_nodes = _export.locate(graph, points, targets, model)
                 else:
-                    split_nodes = _locate(model, graph, points, targets, [*leaf_paths, *ckpt_paths])
+                    leaves = [*leaf_paths, *recompute_paths]
+                    split_nodes = _locate(model, graph, points, targets, leaves)
             except SplitPointError as exc:
                 if mode:
                     raise
@@ -619,10 +620,10 @@ def _partition(
                     f"split point {points[-1]!r} is the last computation in forward: the stage "
                     f"after it would compute nothing. Drop {points[-1]!r} from split_points."
                 )
-            if mode and ckpt_paths and named_inputs is not None:
-                _export.check_recomputed_called(graph, ckpt_paths)
-            elif mode and ckpt_paths:
-                _check_checkpoint_called(model, graph, ckpt_paths, leaf_paths)
+            if mode and recompute_paths and named_inputs is not None:
+                _export.check_recomputed_called(graph, recompute_paths)
+            elif mode and recompute_paths:
+                _check_recompute_called(model, graph, recompute_paths, leaf_paths)
             uses.append(
                 _state.analyze(graph, stage_of, names, mode, count - 1, captured.buffer_writes)
             )
@@ -645,12 +646,12 @@ def _partition(
         )
     finally:
         _fx.remove_attrs(model, added)
-    if ckpt_paths:
+    if recompute_paths:
         for stage in cut.stages:
             if named_inputs is None:
-                _fx.checkpoint_calls(stage, frozenset(ckpt_paths))
+                _fx.checkpoint_calls(stage, frozenset(recompute_paths))
             else:
-                _export.checkpoint_regions(stage, ckpt_paths)
+                _export.checkpoint_regions(stage, recompute_paths)
     if autocast is not None:
         for stage in cut.stages:
             _export.autocast_stage(stage, _fx.stage_graphs(stage), autocast)
@@ -678,7 +679,7 @@ def _partition(
         model=model,
         concrete_args=dict(concrete_args or {}),
         costs=costs,
-        recomputed=tuple(ckpt_paths),
+        recomputed=tuple(recompute_paths),
         buffers=buffers,
         param_dtype=None if named_inputs is None else (capture_dtype or _param_dtype(model)),
         autocast=autocast,
@@ -822,7 +823,7 @@ def _capture(
     concrete_args: Mapping[str, Any] | None,
     leaf_modules: Sequence[str | type[nn.Module]] | None,
     point_modules: Sequence[nn.Module],
-    ckpt_paths: Sequence[str],
+    recompute_paths: Sequence[str],
     after_forward: Callable[..., None],
     autocast: torch.dtype | None = None,
 ) -> tuple[_fx.Captured, str, list[str]]:
@@ -839,14 +840,14 @@ def _capture(
         return captured, "torch.export", []
     leaf_ids, leaf_types, leaf_paths = resolve_leaves(model, leaf_modules or ())
     split_ids = frozenset(id(m) for m in point_modules)
-    ckpt_ids = frozenset(id(model.get_submodule(p)) for p in ckpt_paths)
+    recompute_ids = frozenset(id(model.get_submodule(p)) for p in recompute_paths)
     captured = _fx.capture(
         model,
-        leaf_ids=split_ids | leaf_ids | ckpt_ids,
+        leaf_ids=split_ids | leaf_ids | recompute_ids,
         leaf_types=leaf_types,
         concrete_args=concrete_args,
         split_ids=split_ids,
-        checkpoint_ids=ckpt_ids,
+        checkpoint_ids=recompute_ids,
     )
     return captured, "torch.fx", leaf_paths
 
@@ -984,11 +985,11 @@ def _resolve_recompute(model: nn.Module, recompute: Sequence[str] | str | None) 
     return outermost
 
 
-def _check_checkpoint_nesting(
-    points: Sequence[str], targets: Sequence[str], ckpt_paths: Sequence[str]
+def _check_recompute_nesting(
+    points: Sequence[str], targets: Sequence[str], recompute_paths: Sequence[str]
 ) -> None:
     for path, target in zip(points, targets, strict=True):
-        for outer in ckpt_paths:
+        for outer in recompute_paths:
             if target.startswith(outer + "."):
                 raise RecomputeError(
                     f"split point {path!r} is inside recomputed module {outer!r}, which runs "
@@ -997,11 +998,11 @@ def _check_checkpoint_nesting(
                 )
 
 
-def _check_checkpoint_called(
-    model: nn.Module, graph: fx.Graph, ckpt_paths: Sequence[str], leaf_paths: Sequence[str]
+def _check_recompute_called(
+    model: nn.Module, graph: fx.Graph, recompute_paths: Sequence[str], leaf_paths: Sequence[str]
 ) -> None:
     called = {str(n.target) for n in graph.nodes if n.op == "call_module"}
-    for path in ckpt_paths:
+    for path in recompute_paths:
         if path not in called:
             raise RecomputeError(
                 f"recomputed module {path!r}: "

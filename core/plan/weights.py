@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from ..errors import WeightsError
+from ..runtime.sharded import copy_full_into, is_sharded, local_part
 from ..runtime.stage import StageWrapper
 from .partition import MODEL_NAMES, PipelinePlan
 
@@ -169,10 +170,16 @@ class _Loader:
                 stage=stage,
                 parameter=missing[0],
             )
-        values = self._source.read(sorted(set(wanted.values())))
+        sharded = any(is_sharded(t) for t in targets.values())
+        # A sharded stage reads one whole tensor at a time: only the shards stay.
+        values = {} if sharded else self._source.read(sorted(set(wanted.values())))
         with torch.no_grad():
             for name, tensor in targets.items():
-                value = values[wanted[name]] if name in wanted else given[name]
+                if name in wanted:
+                    key = wanted[name]
+                    value = values[key] if key in values else self._source.read([key])[key]
+                else:
+                    value = given[name]
                 if tuple(value.shape) != tuple(tensor.shape):
                     raise WeightsError(
                         f"{where}{name!r} has shape {tuple(tensor.shape)} in the stage but "
@@ -181,7 +188,7 @@ class _Loader:
                         stage=stage,
                         parameter=name,
                     )
-                tensor.copy_(value)
+                copy_full_into(tensor, value)
         logger.debug("%sloaded %d tensors from %s", where, len(targets), self._what)
 
     def _is_non_persistent(self, module: nn.Module, name: str) -> bool:
@@ -474,13 +481,23 @@ def materialise_stages(
     stage_ids: Iterable[int],
     device: torch.device | str,
     init_weights: InitWeights | Callable[[nn.Module], None],
+    *,
+    after_empty: Callable[[], None] | None = None,
 ) -> None:
     """Give the stages ``stage_ids`` of ``plan`` storage on ``device`` and fill them.
 
     Only these stages are touched (the others stay on the meta device, costing nothing). After
     ``to_empty``, a Parameter or buffer the stages shared is one object again (``to_empty``
-    makes a new one per owner), then ``init_weights(stage)`` runs for each stage in order and
-    must write every tensor (in place, or by assigning a new one).
+    makes a new one per owner), ``after_empty()`` runs if given, then ``init_weights(stage)``
+    runs for each stage in order and must write every tensor (in place, or by assigning a new
+    one).
+
+    A stage sharded on the meta device (a dialect's FSDP or tensor parallelism) gets storage
+    for its shards only: ``to_empty`` allocates each ``DTensor``'s local part, ``after_empty``
+    is where the dialect re-binds its shards, and the loaders of this module write each rank's
+    slice of every tensor, reading one whole tensor at a time
+    (:mod:`pipedialect.runtime.sharded` [Note: sharded tensors]); a hand-written
+    ``init_weights`` must then write the sharded parameters itself (``copy_full_into``).
 
     Raises:
         WeightsError: ``init_weights`` left a parameter or buffer of these stages unwritten or
@@ -496,6 +513,8 @@ def materialise_stages(
     for stage in stages:
         stage.to_empty(device=device)
     _retie(owners)
+    if after_empty is not None:
+        after_empty()
     for k, stage in zip(ids, stages, strict=True):
         empty = {n: _mark(t) for n, t in _named_state(stage).items()}
         try:
@@ -521,6 +540,8 @@ def prepare_local_stages(
     stage_ids: Iterable[int],
     device: torch.device | str,
     init_weights: InitWeights | Callable[[nn.Module], None] | None,
+    *,
+    after_empty: Callable[[], None] | None = None,
 ) -> None:
     """The step every dialect's ``pipe_engine(..., init_weights=fn)`` runs on its local stages.
 
@@ -541,7 +562,7 @@ def prepare_local_stages(
                 f"init_weights must be a callable(stage_module), got {init_weights!r}; see "
                 "pipedialect.plan.weights.from_state_dict / from_safetensors / from_pretrained"
             )
-        materialise_stages(plan, ids, device, init_weights)
+        materialise_stages(plan, ids, device, init_weights, after_empty=after_empty)
         return
     for k in ids:
         on_meta = [n for n, t in _named_state(plan.stages[k]).items() if t.is_meta]
@@ -557,8 +578,10 @@ def prepare_local_stages(
 
 
 def _mark(tensor: torch.Tensor) -> tuple[int, int, int]:
-    """Identity, storage and in-place version: unchanged means nothing wrote the tensor."""
-    return id(tensor), tensor.data_ptr(), tensor._version
+    """Identity, storage and in-place version: unchanged means nothing wrote the tensor (a
+    sharded tensor's local part is what is written)."""
+    local = local_part(tensor)
+    return id(tensor), local.data_ptr(), local._version
 
 
 def _owners(stages: Sequence[nn.Module]) -> list[list[tuple[nn.Module, str, bool]]]:

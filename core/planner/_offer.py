@@ -16,7 +16,8 @@ dialect declares, so that a layout appears as soon as a dialect declares it:
   options declare ``stages_per_rank``;
 - data parallelism: the ``data-parallel`` capability (DDP-style replicas);
 - sharded data parallelism (FSDP): the ``sharded-data-parallel`` capability and a
-  ``data_parallel_mode`` option;
+  ``data_parallel_mode`` option; the schedules it runs with are its package's
+  ``sharded_schedules()`` when it has one (the torch dialect: one stage per rank), else all;
 - tensor parallelism: the ``tensor-parallel`` capability and a ``tensor_parallel`` option;
 - several processes at all: ``multi-process`` (without it every stage runs in one process and
   there is no layout to plan).
@@ -60,6 +61,12 @@ class Offer:
     split_first_stage: bool
     #: Lines saying what the planner leaves out, and why.
     not_offered: tuple[str, ...] = ()
+    #: The schedules FSDP runs with (None: every schedule).
+    fsdp_schedules: tuple[str, ...] | None = None
+
+    def runs(self, mode: str, schedule: str) -> bool:
+        """Whether the dialect runs data-parallel ``mode`` under ``schedule``."""
+        return mode != "fsdp" or self.fsdp_schedules is None or schedule in self.fsdp_schedules
 
     def stages_per_rank(self, schedule: str, most: int) -> tuple[int, ...]:
         """The stages-per-rank values ``schedule`` runs, up to ``most``."""
@@ -97,13 +104,16 @@ class Offer:
         return tuple(options)
 
 
-def _package_schedules(dialect: Any) -> tuple[str, ...] | None:
-    """``available_schedules()`` of the package of the dialect's class, or of the nearest base
-    class whose package has one (a subclass of the torch dialect runs its schedules)."""
+def _package_schedules(
+    dialect: Any, function: str = "available_schedules"
+) -> tuple[str, ...] | None:
+    """``available_schedules()`` (or ``function``) of the package of the dialect's class, or of
+    the nearest base class whose package has one (a subclass of the torch dialect runs its
+    schedules)."""
     for cls in type(dialect).__mro__:
         package = cls.__module__.rpartition(".")[0] or cls.__module__
         try:
-            found = getattr(importlib.import_module(package), "available_schedules", None)
+            found = getattr(importlib.import_module(package), function, None)
         except ImportError:
             continue
         if callable(found):
@@ -190,4 +200,5 @@ def offer_of(dialect: Any, schedules: Sequence[str] | None = None) -> Offer:
         stages_per_rank_option="stages_per_rank" in options,
         split_first_stage=not _is_torch(dialect),
         not_offered=tuple(notes),
+        fsdp_schedules=_package_schedules(dialect, "sharded_schedules") if fsdp else None,
     )

@@ -306,6 +306,8 @@ def enumerate_layouts(
             per_replica = global_batch // d
             for mode in modes:
                 for schedule in offer.schedules:
+                    if not offer.runs(mode, schedule):
+                        continue
                     for v in offer.stages_per_rank(schedule, max_stages_per_rank):
                         n = p * v
                         counts = (

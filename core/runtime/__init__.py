@@ -25,6 +25,15 @@ from .agreement import (
 from .codec import SchemaCodec
 from .launch import free_port
 from .module_state import UpdatedBuffers, preserved_state, recompute_with_state
+from .sharded import (
+    copy_full_into,
+    counted_square_norm,
+    gathered,
+    is_sharded,
+    local_part,
+    local_slice,
+    shard_like,
+)
 from .stage import StageWrapper
 from .topology import (
     GridCoord,
@@ -35,7 +44,7 @@ from .topology import (
     join_process_group,
     joined_world_size,
 )
-from .wire import pass_through
+from .wire import pass_through, read_layout
 
 __all__ = [
     "ARRIVAL_SECONDS",
@@ -52,16 +61,24 @@ __all__ = [
     "check_topology",
     "check_topology_object",
     "check_world_size",
+    "copy_full_into",
+    "counted_square_norm",
     "first_nonfinite_grad",
     "first_nonfinite_loss",
     "free_port",
+    "gathered",
+    "is_sharded",
     "join_process_group",
     "joined_world_size",
+    "local_part",
+    "local_slice",
     "nonfinite_grad_error",
     "nonfinite_loss_error",
     "pass_through",
     "preserved_state",
     "pull_micro_batches",
+    "read_layout",
     "recompute_with_state",
     "root_nonfinite",
+    "shard_like",
 ]

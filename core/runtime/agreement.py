@@ -78,6 +78,7 @@ from ..errors import (
     RankFailedError,
     TieError,
 )
+from .sharded import local_part
 
 __all__ = [
     "ARRIVAL_SECONDS",
@@ -676,8 +677,11 @@ def first_nonfinite_loss(losses: Sequence[torch.Tensor]) -> int | None:
 def first_nonfinite_grad(
     named: Iterable[tuple[str, nn.Parameter]],
 ) -> tuple[str, torch.Tensor] | None:
-    """The first ``(name, gradient)`` with a NaN or infinite element, or None (one sync)."""
-    grads = [(name, p.grad) for name, p in named if p.grad is not None]
+    """The first ``(name, gradient)`` with a NaN or infinite element, or None (one sync).
+
+    A sharded gradient is checked on this rank's part (``sharded`` [Note: sharded tensors]).
+    """
+    grads = [(name, local_part(p.grad)) for name, p in named if p.grad is not None]
     if not grads:
         return None
     flags = torch.stack([torch.isfinite(g).all().to(grads[0][1].device) for _, g in grads])

@@ -18,10 +18,12 @@ A runtime hands a stage the tensors it received as leaves that need a gradient (
 pipelining does; DeepSpeed clones them first), and autograd refuses an in-place operation on such
 a leaf ("a leaf Variable that requires grad is being used in an in-place operation"), which the
 unsplit model, where the same value is an intermediate result, runs: ``nn.ReLU(inplace=True)``
-right after a split point, ``h.add_(...)``. So the decoder passes each received leaf that needs a
-gradient on through an identity autograd node (:func:`pass_through`): a new tensor on the same
-memory, not a leaf, so in-place operations are recorded on it as in the unsplit model and the
-gradient still reaches the runtime's leaf. Nothing is copied. A value this stage forwards to a
+right after a split point, ``h.add_(...)``. A runtime's hook may also hand them over as views a
+custom Function returned (FSDP2's, on a sharded stage), which autograd refuses to update in place
+as well. So the decoder passes each such received tensor that needs a gradient on through an
+identity autograd node (:func:`pass_through`): a new tensor on the same memory, neither a leaf
+nor a view, so in-place operations are recorded on it as in the unsplit model and the gradient
+still reaches the runtime's tensor. Nothing is copied. A value this stage forwards to a
 later one is sent as the stage holds it, after its in-place updates, as the unsplit model would
 use it.
 """

@@ -37,35 +37,41 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class GridTopology:
-    """A row-major ``pipe`` x ``data`` grid, for dialects that need no runtime topology class.
+    """A row-major ``pipe`` x ``data`` x ``tensor`` grid, for dialects that need no runtime
+    topology class.
 
-    Ranks are laid out as DeepSpeed's ``PipeDataParallelTopology`` lays them out: the data axis
-    varies fastest, so the ranks of one pipeline stage are contiguous.
+    Ranks are laid out as DeepSpeed's ``PipeModelDataParallelTopology`` lays out its ``pipe``,
+    ``data`` and ``model`` axes: the pipe axis is outermost and the tensor axis innermost, so
+    the rank at ``(pipe=p, data=d, tensor=t)`` is ``(p * data + d) * tensor + t`` and the ranks
+    of one stage are contiguous. ``tensor`` is 1 unless a dialect runs tensor parallelism.
     """
 
-    def __init__(self, pipe: int, data: int = 1) -> None:
-        if pipe < 1 or data < 1:
-            raise TopologyError(f"pipe ({pipe}) and data ({data}) must both be at least 1")
-        self._dims = {"pipe": pipe, "data": data}
+    def __init__(self, pipe: int, data: int = 1, tensor: int = 1) -> None:
+        if pipe < 1 or data < 1 or tensor < 1:
+            raise TopologyError(
+                f"pipe ({pipe}), data ({data}) and tensor ({tensor}) must all be at least 1"
+            )
+        self._dims = {"pipe": pipe, "data": data, "tensor": tensor}
 
     def get_dim(self, axis: str) -> int:
         """Return the size of ``axis``; 0 for an axis the grid does not have."""
         return self._dims.get(axis, 0)
 
     def world_size(self) -> int:
-        """Return ``pipe * data``."""
-        return self._dims["pipe"] * self._dims["data"]
+        """Return ``pipe * data * tensor``."""
+        return self._dims["pipe"] * self._dims["data"] * self._dims["tensor"]
 
     def get_coord(self, rank: int) -> GridCoord:
-        """Return the ``(pipe, data)`` coordinate of ``rank``."""
+        """Return the ``(pipe, data, tensor)`` coordinate of ``rank``."""
         if not 0 <= rank < self.world_size():
             raise TopologyError(f"rank {rank} is outside a grid of {self.world_size()} ranks")
-        pipe, data = divmod(rank, self._dims["data"])
-        return GridCoord(pipe=pipe, data=data)
+        rest, tensor = divmod(rank, self._dims["tensor"])
+        pipe, data = divmod(rest, self._dims["data"])
+        return GridCoord(pipe=pipe, data=data, tensor=tensor)
 
-    def get_rank(self, *, pipe: int, data: int = 0) -> int:
-        """Return the global rank at ``(pipe, data)``."""
-        return pipe * self._dims["data"] + data
+    def get_rank(self, *, pipe: int, data: int = 0, tensor: int = 0) -> int:
+        """Return the global rank at ``(pipe, data, tensor)``."""
+        return (pipe * self._dims["data"] + data) * self._dims["tensor"] + tensor
 
     def filter_match(self, **filter_kwargs: int) -> list[int]:
         """Return the ranks whose coordinates match every ``axis=value`` given, in order."""
@@ -79,16 +85,19 @@ class GridTopology:
         ]
 
     def __repr__(self) -> str:
-        return f"GridTopology(pipe={self._dims['pipe']}, data={self._dims['data']})"
+        tensor = f", tensor={self._dims['tensor']}" if self._dims["tensor"] > 1 else ""
+        return f"GridTopology(pipe={self._dims['pipe']}, data={self._dims['data']}{tensor})"
 
 
 class GridCoord(NamedTuple):
-    """A ``(pipe, data)`` coordinate with named fields, like DeepSpeed's ProcessCoord."""
+    """A ``(pipe, data, tensor)`` coordinate with named fields, like DeepSpeed's ProcessCoord."""
 
     #: The pipeline stage.
     pipe: int
     #: The data-parallel replica.
     data: int
+    #: The position on the tensor-parallel axis (0 without tensor parallelism).
+    tensor: int = 0
 
 
 def join_process_group(

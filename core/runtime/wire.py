@@ -43,7 +43,7 @@ import torch
 from ..contracts import TensorCodec
 from ..errors import MetadataError, StructureChangedError, WireError
 
-__all__ = ["pass_through"]
+__all__ = ["pass_through", "read_layout"]
 
 _BITCAST = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _WIRE_VERSION = 2
@@ -63,11 +63,6 @@ class WireLayout:
     casts: tuple[torch.dtype | None, ...]
     #: Whether the sender froze this layout: it sends no other until reset ([Note: wire state]).
     final: bool = False
-
-    @property
-    def num_grad(self) -> int:
-        """How many wire tensors carry a gradient."""
-        return self.kinds.count("g")
 
     def dumps(self) -> str:
         """Serialise the layout (the receiver needs nothing else)."""
@@ -287,7 +282,7 @@ class WireDecoder:
             raise MetadataError(f"{self.prefix} received no tensors; expected at least metadata")
         layout = self.layout
         if layout is None:
-            layout = WireLayout.loads(_read_text(wire[-1], self.prefix))
+            layout = read_layout(wire[-1], self.prefix)
             if self.frozen and layout.final:
                 self.layout = layout
         body = wire[:-1]
@@ -310,9 +305,11 @@ class WireDecoder:
                     # A runtime marks received floats as needing a gradient; do the same for a
                     # detached value, so which outputs need one is decided as in training.
                     t = t.detach().requires_grad_()
-                if t.is_leaf:
+                if t.is_leaf or t._is_view():
                     # In-place operations on it must work as in the unsplit model
-                    # (stage [Note: received tensors updated in place]).
+                    # (stage [Note: received tensors updated in place]); a hook of the
+                    # runtime's (FSDP's on a sharded stage) may hand it over as a view a
+                    # custom Function returned, which autograd refuses to update in place too.
                     t = pass_through(t)
             if layout.kinds[p] == "g":
                 grads.append(t)
@@ -340,6 +337,12 @@ def pass_through(value: torch.Tensor) -> torch.Tensor:
     in-place operation on it is allowed where autograd refuses one on a leaf that needs a
     gradient (stage [Note: received tensors updated in place]). Nothing is copied."""
     return cast(torch.Tensor, _PassThrough.apply(value))  # type: ignore[no-untyped-call]
+
+
+def read_layout(metadata: torch.Tensor, prefix: str = "") -> WireLayout:
+    """The layout the metadata tensor (the last wire tensor) describes; reading it copies it to
+    the host. Raises :class:`MetadataError` if it is not a wire layout."""
+    return WireLayout.loads(_read_text(metadata, prefix))
 
 
 def _read_text(t: torch.Tensor, prefix: str) -> str:

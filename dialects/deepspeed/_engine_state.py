@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pipedialect import ConfigError
-from pipedialect.contracts import EngineState, HeldStage
+from pipedialect.contracts import AttributeCounters, EngineState, HeldStage
 from pipedialect.runtime.stage import StageWrapper
 
 __all__ = ["deepspeed_engine_state"]
@@ -49,7 +49,7 @@ def deepspeed_engine_state(engine: Any) -> EngineState:
         optimizer=getattr(engine, "optimizer", None),
         lr_scheduler=getattr(engine, "lr_scheduler", None),
         tie_keys=_tie_keys(module, held),
-        counters=_COUNTERS,
+        counters=AttributeCounters(engine, _COUNTERS),
         gradient_accumulation_steps=int(engine.gradient_accumulation_steps()),
         train_batch_size=int(engine.train_batch_size()),
     )

@@ -19,7 +19,13 @@ from pipedialect.contracts import (
     Instrumented,
     SpanRecorder,
 )
-from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, PipelineRequest, given_options
+from pipedialect.dialect import (
+    ENGINE_FEATURES,
+    EngineRequest,
+    PipelineRequest,
+    check_tensor_axis,
+    given_options,
+)
 
 from ._stage import DeepSpeedStageWrapper
 
@@ -204,9 +210,18 @@ class DeepSpeedDialect(Dialect):
 
         return instrument(engine, recorder)
 
-    def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
-        """``PipeModelDataParallelTopology(num_pp=num_stages, num_mp=1, num_dp=data_parallel)``."""
+    def make_topology(
+        self, num_stages: int, data_parallel: int = 1, tensor_parallel: int = 1
+    ) -> Topology:
+        """``PipeModelDataParallelTopology(num_pp=num_stages, num_mp=1, num_dp=data_parallel)``.
+
+        Raises:
+            MissingCapabilityError: ``tensor_parallel > 1``: this dialect does not declare
+                tensor-parallel.
+        """
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        check_tensor_axis(self, tensor_parallel)
 
         topology: Topology = PipeModelDataParallelTopology(
             num_pp=num_stages, num_mp=1, num_dp=data_parallel

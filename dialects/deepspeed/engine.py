@@ -1,7 +1,7 @@
 """The DeepSpeed runtime engine: ``deepspeed.initialize`` over the pipeline module.
 
 :func:`init_ds_engine` calls ``deepspeed.initialize`` and returns DeepSpeed's own
-``PipelineEngine``, specialised by two methods. Receive buffers are pooled per position *and
+``PipelineEngine``, specialised by a few methods. Receive buffers are pooled per position *and
 dtype*: upstream pools them per position only and reuses a slot in its old dtype when it is big
 enough; a middle stage that sends more gradient-carrying floats than it receives (an
 encoder-decoder stage forwarding the encoder output next to its own activation) would then get a
@@ -17,6 +17,23 @@ iterator that runs out is a :class:`~pipedialect.DataExhaustedError` on every ra
 the timers DeepSpeed started (so the next call can start them again) and drops the gradients.
 With ``check_finite`` the micro-batch losses and the gradients are checked at the optimizer
 step, on every rank alike, before DeepSpeed steps.
+
+[Note: metadata sent once]
+A stage wrapper's wire tuple ends with the layout's metadata tensor
+(``pipedialect.runtime.wire`` [Note: wire layout]), and DeepSpeed sends every tensor of the tuple
+as a message of its own: one more point-to-point message per micro-batch than a hand-written
+pipeline sends, which costs a round trip on every boundary (measured at about 5% of a step on a
+loaded two-core machine, far more than every check of the stage wrappers together). Once a
+boundary's layout is frozen its metadata cannot change until ``reset_activation_shape()``, and
+the receiver keeps it, so it crosses once: the sending engine sends the metadata tensor with the
+first micro-batch whose layout is final and leaves it out of every later message; the receiving
+engine reads the metadata of each message until one is final, keeps that tensor, and from then on
+receives one tensor less and hands the kept one to the stage wrapper in its place. Both ends
+decide from the same messages, so they always agree on how many tensors travel; neither does it
+with dynamic shapes (DeepSpeed's tensor metadata is sent every time then) or when DeepSpeed
+converts the last tensor itself (``has_attention_mask``, ``has_bool_tensors``). A frozen layout
+sent again with new metadata is refused by name (it could only come from resetting a wrapper
+without the engine). ``reset_activation_shape()`` forgets both ends' state with the layouts.
 
 Importing this module imports deepspeed.
 """
@@ -38,9 +55,16 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.utils import clip_grad_norm_
 from torch import nn
 
-from pipedialect import ConfigError, DataError, PipeDialectError, StageWrapper
+from pipedialect import (
+    ConfigError,
+    DataError,
+    MetadataError,
+    PipeDialectError,
+    StageWrapper,
+    WireError,
+)
 from pipedialect.engine import checkpoint_files
-from pipedialect.engine.config import check_one_optimizer
+from pipedialect.engine.config import check_config_keys, check_one_optimizer
 from pipedialect.engine.param_groups import ParamGroupsFn, resolve_param_groups
 from pipedialect.plan.batches import input_spec
 from pipedialect.runtime.agreement import (
@@ -54,6 +78,9 @@ from pipedialect.runtime.agreement import (
     pull_micro_batches,
     root_nonfinite,
 )
+from pipedialect.runtime.wire import read_layout
+
+from .pipeline import without_slapo_keys
 
 __all__ = [
     "PASSED_INITIALIZE_ARGS",
@@ -90,10 +117,12 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
         """Accept new boundary shapes from the next batch on; call it on every rank at once.
 
         Forgets the buffer shapes (as upstream does, so tensor metadata is sent again), this
-        engine's buffer pool, and every local stage wrapper's frozen wire layout and shapes.
+        engine's buffer pool, the wire metadata sent and received ([Note: metadata sent once]),
+        and every local stage wrapper's frozen wire layout and shapes.
         """
         super().reset_activation_shape()
-        self.__dict__.pop("_pipedialect_buffers", None)
+        for key in ("buffers", "metadata_out", "metadata_in"):
+            self.__dict__.pop(f"_pipedialect_{key}", None)
         for layer in self.module.forward_funcs:
             if isinstance(layer, StageWrapper):
                 layer.reset_wire_state()
@@ -307,11 +336,74 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
             placeholder.grad = torch.zeros_like(placeholder)
         PipelineEngine._exec_backward_pass(self, buffer_id)
 
+    # -- the wire's metadata tensor, sent once ([Note: metadata sent once]) ---------------------
+
+    def _carries_wire(self) -> bool:
+        """Whether this stage's activations are stage wrappers' wire tuples whose metadata
+        tensor may be left out: static shapes, and no tensor DeepSpeed re-casts."""
+        found: bool | None = self.__dict__.get("_pipedialect_wire")
+        if found is None:
+            found = (
+                not self.dynamic_shape
+                and not (self.has_attention_mask or self.has_bool_tensors)
+                and any(isinstance(f, StageWrapper) for f in self.module.forward_funcs)
+            )
+            self.__dict__["_pipedialect_wire"] = found
+        return found
+
+    def _exec_send_activations(self, buffer_id: int) -> None:
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if not (self._carries_wire() and isinstance(outputs, tuple) and outputs):
+            PipelineEngine._exec_send_activations(self, buffer_id)
+            return
+        metadata = outputs[-1]
+        sent: torch.Tensor | None = self.__dict__.get("_pipedialect_metadata_out")
+        if sent is None:
+            PipelineEngine._exec_send_activations(self, buffer_id)
+            if _is_final_layout(metadata):
+                self.__dict__["_pipedialect_metadata_out"] = metadata
+            return
+        if metadata is not sent:
+            # The same layout may come as another tensor (evaluation detaches what it sends):
+            # compare the bytes once, then follow the new tensor.
+            if not (isinstance(metadata, torch.Tensor) and torch.equal(metadata, sent)):
+                raise WireError(
+                    f"[Stage {self.stage_id}] the layout of the values sent to stage "
+                    f"{self.stage_id + 1} changed after the first micro-batch fixed it, and that "
+                    "stage no longer receives it; call the engine's reset_activation_shape() on "
+                    "every rank before such a change"
+                )
+            self.__dict__["_pipedialect_metadata_out"] = metadata
+        self.pipe_buffers["outputs"][buffer_id] = outputs[:-1]
+        try:
+            PipelineEngine._exec_send_activations(self, buffer_id)
+        finally:
+            self.pipe_buffers["outputs"][buffer_id] = outputs
+
+    def _exec_recv_activations(self, buffer_id: int) -> None:
+        kept: torch.Tensor | None = self.__dict__.get("_pipedialect_metadata_in")
+        buffers: Any = self.pipe_recv_buf  # type: ignore[has-type]
+        if kept is None or not isinstance(buffers, tuple):
+            PipelineEngine._exec_recv_activations(self, buffer_id)
+            received = self.pipe_buffers["inputs"][buffer_id]
+            wire = self._carries_wire() and isinstance(received, tuple) and bool(received)
+            if wire and _is_final_layout(received[-1]):
+                self.__dict__["_pipedialect_metadata_in"] = received[-1]
+            return
+        self.pipe_recv_buf = buffers[:-1]
+        try:
+            PipelineEngine._exec_recv_activations(self, buffer_id)
+        finally:
+            self.pipe_recv_buf = buffers
+        self.pipe_buffers["inputs"][buffer_id] = (*self.pipe_buffers["inputs"][buffer_id], kept)
+
     _INSTRUCTION_MAP: ClassVar[dict[type, Any]] = {
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ForwardPass: _exec_forward_pass,
         schedule.BackwardPass: _exec_backward_pass,
         schedule.OptimizerStep: _exec_optimizer_step,
+        schedule.SendActivation: _exec_send_activations,
+        schedule.RecvActivation: _exec_recv_activations,
     }
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -359,6 +451,16 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
         return result
 
 
+def _is_final_layout(metadata: Any) -> bool:
+    """Whether ``metadata`` is a wire metadata tensor of a layout its sender froze."""
+    if not isinstance(metadata, torch.Tensor) or metadata.dtype != torch.uint8:
+        return False
+    try:
+        return read_layout(metadata).final
+    except MetadataError:
+        return False
+
+
 #: ``deepspeed.initialize`` arguments a pipeline cannot take, each with the reason.
 REFUSED_INITIALIZE_ARGS: dict[str, str] = {
     "mpu": (
@@ -402,7 +504,10 @@ def init_ds_engine(
     ``model`` is what :func:`~pipedialect.dialects.deepspeed.pipeline.deepspeed_pipe_engine`
     returned (any ``PipelineModule`` works). ``config`` is the DeepSpeed config (a dict or a JSON
     path); ``config_params`` (its old name) or ``args.deepspeed_config`` may give it instead, as
-    in ``deepspeed.initialize``. The optimizer steps ``model_parameters`` (tensors, or dicts of
+    in ``deepspeed.initialize``. A key DeepSpeed does not know is refused
+    (:class:`~pipedialect.errors.UnknownConfigKeyError`), except Slapo's
+    (:data:`~pipedialect.dialects.deepspeed.pipeline.SLAPO_CONFIG_KEYS`), left out as DeepSpeed
+    would ignore them. The optimizer steps ``model_parameters`` (tensors, or dicts of
     parameter groups as torch optimizers take them) or the groups ``param_groups`` builds from
     this rank's parameters under the model's names (:mod:`pipedialect.engine.param_groups`; a tied
     weight once, under its name on this stage), by default every trainable parameter: either
@@ -418,6 +523,7 @@ def init_ds_engine(
     tied weight's groups across its stages).
 
     Raises:
+        UnknownConfigKeyError: a config key DeepSpeed does not know, other than Slapo's.
         ConfigError: an argument refused or unknown, two sources of the config, ``optimizer``
             with a config ``optimizer`` section (``pipedialect.engine`` [Note: client
             optimizer]), ZeRO stage 2 or 3, batch sizes DeepSpeed would assert on, groups that
@@ -442,6 +548,10 @@ def init_ds_engine(
             f"unknown argument(s) {unknown} for the DeepSpeed runtime engine; accepted: {accepted}"
         )
     source, checked = _resolve_config(config, config_params, args)
+    checked = without_slapo_keys(checked)  # Slapo's engine set-up takes its configs as they are
+    check_config_keys(checked)
+    if source is not None:
+        source = checked
     check_zero_stage(checked)
     _check_args(args)
     optimizer = kwargs.get("optimizer")

@@ -51,7 +51,10 @@ The pipeline engine
 ===================
 
 :func:`deepspeed_pipe_engine` is the DeepSpeed dialect's ``pipe_engine`` under the seed's
-signature: the same checks, the same ``PipelineModule`` (see docs/deepspeed.rst).
+signature: the same checks, the same ``PipelineModule`` (see docs/deepspeed.rst). It takes the
+config dicts Slapo's ``get_ds_config`` writes: the two keys they carry that DeepSpeed does not
+know (:data:`SLAPO_CONFIG_KEYS`) are left out, as DeepSpeed and Slapo's public fork ignore them;
+any other key DeepSpeed does not know is refused, as everywhere.
 :class:`DeepSpeedPipeStageWrapper` is the dialect's stage wrapper with the seed's constructor;
 :func:`analyze_pipeline_module` gives a plan's tables in the seed's format for it (Slapo's
 function of the same name). :func:`analyze_tie_ranks` maps tied parameters onto ranks. Unlike
@@ -86,6 +89,7 @@ from ._plugin import DeepSpeedDialect
 from ._stage import DeepSpeedStageWrapper
 
 __all__ = [
+    "SLAPO_CONFIG_KEYS",
     "DeepSpeedPipeStageWrapper",
     "PathCodec",
     "WrappedTypeCode",
@@ -98,7 +102,9 @@ __all__ = [
     "flatten",
     "get_simple_nested_list_str",
     "unflatten",
+    "without_slapo_keys",
 ]
+
 
 #: The seed's ``stage_id_2_arg_names`` key for the model's inputs (in data-loader order).
 _INPUTS = -1
@@ -191,6 +197,43 @@ def analyze_pipeline_module(
     return arg_names, names, liveness
 
 
+#: The keys Slapo's DeepSpeed configs carry that DeepSpeed does not know, by path, with what
+#: each is for. Slapo's ``get_ds_config`` (in its examples' ``utils.py``, and in
+#: ``slapo.framework_dialect.deepspeed.pipeline`` on the branch of its DeepSpeed pipeline tests)
+#: writes both into every config; DeepSpeed and Slapo's public fork read neither.
+SLAPO_CONFIG_KEYS: Mapping[tuple[str, ...], str] = {
+    ("help",): "a free-text description of the config (get_ds_config's desc=)",
+    ("pipeline", "sequence_parallel"): (
+        "read by Slapo's own engine set-up, which then turns off DeepSpeed's partitioning of "
+        "activations and gradients over the tensor-parallel group; a pipeline here has no "
+        "tensor-parallel axis (the topology check refuses one), so there is nothing to turn off"
+    ),
+}
+
+
+def without_slapo_keys(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``config`` without the :data:`SLAPO_CONFIG_KEYS` it holds (the caller's dicts
+    are left as they are)."""
+    out = dict(config)
+    for path in SLAPO_CONFIG_KEYS:
+        _drop(out, path)
+    return out
+
+
+def _drop(section: dict[str, Any], path: Sequence[str]) -> None:
+    """Remove ``path`` from ``section``, copying each dict on the way."""
+    head, *rest = path
+    if head not in section:
+        return
+    if not rest:
+        del section[head]
+        return
+    inner = section[head]
+    if isinstance(inner, Mapping):
+        section[head] = dict(inner)
+        _drop(section[head], rest)
+
+
 def deepspeed_pipe_engine(
     sch_metadata: PipelinePlan, stage_modules: Sequence[nn.Module], **kwargs: Any
 ) -> nn.Module:
@@ -203,7 +246,8 @@ def deepspeed_pipe_engine(
         sch_metadata: the :class:`~pipedialect.PipelinePlan` the stages come from (the seed's
             schedule metadata); its tie groups are registered with DeepSpeed.
         stage_modules: one stage wrapper per pipeline stage, in stage order.
-        **kwargs: ``config`` (the DeepSpeed config), ``loss_fn(outputs, labels)`` and
+        **kwargs: ``config`` (the DeepSpeed config: a dict may carry
+            :data:`SLAPO_CONFIG_KEYS`), ``loss_fn(outputs, labels)`` and
             ``topology`` (a DeepSpeed ``ProcessTopology`` whose pipe axis has one entry per
             stage) are required; ``fp16`` / ``bf16`` must agree with the config;
             ``dynamic_shapes`` (or DeepSpeed's ``dynamic_shape``) lets boundary shapes change
@@ -217,9 +261,13 @@ def deepspeed_pipe_engine(
     Raises:
         ConfigError: a required argument is missing or unknown, ``sch_metadata`` is not a
             plan, or the process group is not initialised.
+        UnknownConfigKeyError: a config key DeepSpeed does not know, other than Slapo's.
         TopologyError: the topology's pipe axis differs from the number of stages, it has a
             model-parallel axis, or it does not match the world size.
         TieError: a tie cannot be honoured (two different Parameter objects on one stage).
         PlanDisagreementError: the ranks built different plans, topologies or options.
     """
+    config = kwargs.get("config")
+    if isinstance(config, Mapping):
+        kwargs["config"] = without_slapo_keys(config)
     return DeepSpeedDialect().pipe_engine(sch_metadata, stage_modules, **kwargs)

@@ -8,7 +8,7 @@ kept in sync across ranks. Importing this package does not import
 """
 
 from ._plugin import TorchDialect, register_dialects
-from ._schedules import available_schedules
+from ._schedules import available_schedules, sharded_schedules
 from .engine import TorchEngine, TorchPipeline
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "TorchPipeline",
     "available_schedules",
     "register_dialects",
+    "sharded_schedules",
 ]

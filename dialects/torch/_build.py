@@ -17,8 +17,10 @@ from torch import nn
 
 from pipedialect import ConfigError, Topology, TopologyError
 from pipedialect.engine.config import parse_config
+from pipedialect.engine.precision import Precision
 from pipedialect.runtime.topology import check_topology, check_world_size, joined_world_size
 
+from ._fsdp import check_fsdp_schedule, fsdp_reduce_dtype
 from ._replicas import check_data_parallel_mode
 from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
 
@@ -88,17 +90,15 @@ def build_pipeline(
     The shared arguments were checked by :meth:`pipedialect.Dialect.pipe_engine`.
     """
     plan, topology = request.plan, request.topology
-    check_data_parallel_mode(data_parallel_mode)
+    mode = check_data_parallel_mode(data_parallel_mode)
     grid = _grid(topology)
     data = 1 if grid is None else grid[1]
-    parse_config(request.config, world_size=data)
-    if request.dynamic_shapes:
-        raise ConfigError(
-            "torch.distributed.pipelining fixes boundary shapes at the first micro-batch; the "
-            "torch dialect does not support dynamic_shapes (pad boundary values to one shape)"
-        )
+    config = parse_config(request.config, world_size=data)
     spec = resolve_schedule(schedule)
     check_split_backward_stages(spec, request.stages)
+    if mode == "fsdp":
+        check_fsdp_schedule(spec)
+        fsdp_reduce_dtype(config.precision)
     num_stages = plan.num_stages
     if grid is not None:
         placement = resolve_placement(spec, num_stages, grid[0], stages_per_rank)
@@ -118,6 +118,8 @@ def build_pipeline(
         topology,
         data,
         request.init_weights,
+        fsdp=mode == "fsdp",
+        precision=config.precision,
     )
 
 
@@ -164,33 +166,67 @@ def _construct(
     topology: Topology | None,
     data: int,
     init_weights: Callable[[nn.Module], None] | None = None,
+    *,
+    fsdp: bool = False,
+    precision: Precision | None = None,
 ) -> TorchPipeline:
     import torch.distributed as dist
 
+    from pipedialect.engine.precision import cast_parameters
     from pipedialect.plan.weights import prepare_local_stages
 
+    from ._fsdp import FsdpStages
     from ._replicas import Replicas
     from ._ties import TieSync
     from .engine import TorchPipeline
 
     pipe = len(set(pipe_placement.values()))
-    replicas = Replicas(pipe, data, topology if data > 1 else None)
+    where = _device(device)
+    replicas = Replicas(
+        pipe, data, topology if data > 1 else None, mesh=fsdp, device_type=where.type
+    )
     placements = replicas.placements(pipe_placement)
     rank = dist.get_rank()
-    local = [k for k, r in placements[replicas.replica].items() if r == rank]
-    prepare_local_stages(plan, local, _device(device), init_weights)
-    ties = TieSync.build(plan.tie_groups, stages, placements, replica=replicas.replica)
+    local = [k for k, r in placements[replicas.line].items() if r == rank]
+    # Sharded with weights to load: shard on the meta device first, so that each rank
+    # materialises its shards only ([Note: FSDP on torch] in ``_fsdp``).
+    shard_first = fsdp and init_weights is not None
+    if not shard_first:
+        prepare_local_stages(plan, local, where, init_weights)
+    ties = TieSync.build(plan.tie_groups, stages, placements, line=replicas.line)
     pipeline = TorchPipeline(
         plan,
         stages,
         spec=spec,
-        placement=placements[replicas.replica],
+        placement=placements[replicas.line],
         loss_fn=loss_fn,
         config=config,
         ties=ties,
-        device=_device(device),
+        device=where,
         replicas=replicas,
     )
-    replicas.broadcast_state(pipeline)
-    ties.broadcast_weights()
+    if not fsdp:
+        replicas.broadcast_state(pipeline)
+        ties.broadcast_weights()
+        return pipeline
+    precision = precision or Precision()
+    if not shard_first:  # replicas start from replica 0's whole stages
+        replicas.broadcast_state(pipeline)
+        ties.broadcast_weights()
+    if precision.bf16:  # cast before sharding: FSDP gathers what the engine trains
+        cast_parameters(pipeline, precision.param_dtype)
+    sharded = FsdpStages(
+        pipeline._runners(),
+        replicas.mesh,
+        plan.model,
+        fsdp_reduce_dtype(precision),
+        recomputed=plan.recomputed,
+    )
+    pipeline.fsdp = sharded
+    if shard_first:
+        prepare_local_stages(plan, local, where, init_weights, after_empty=sharded.reset_shards)
+    pipeline.ties = ties.rebind(stages)
+    if shard_first:  # every replica loaded the same weights; buffers and ties still agree
+        replicas.broadcast_state(pipeline)
+        pipeline.ties.broadcast_weights()
     return pipeline

@@ -42,7 +42,10 @@ class TorchOptions:
     )
     data_parallel_mode: str | None = field(
         default=None,
-        metadata={"doc": "'ddp' (default, exact gradient averaging); 'fsdp' is refused"},
+        metadata={
+            "doc": "'ddp' (default: whole stages, exact gradient averaging) or 'fsdp' (each "
+            "stage's parameters, gradients and optimizer state sharded over the data axis)"
+        },
     )
 
 
@@ -56,7 +59,9 @@ class TorchDialect(Dialect):
 
     Args:
         schedule: the default schedule of :meth:`pipe_engine` (see
-            :func:`~pipedialect.dialects.torch.available_schedules`).
+            :func:`~pipedialect.dialects.torch.available_schedules`). An instance whose
+            default schedule places several stages on a rank does not declare
+            ``sharded-data-parallel`` (FSDP runs with GPipe and 1F1B).
         stages_per_rank: the default number of stages per rank; None means 1 for GPipe and
             1F1B and 2 for the looped and V-shaped schedules (used by :meth:`make_topology`;
             :meth:`pipe_engine` derives it from the number of ranks when not given).
@@ -71,6 +76,7 @@ class TorchDialect(Dialect):
         Capability.MULTI_PROCESS,
         Capability.CHECKPOINTS,
         Capability.DATA_PARALLEL,
+        Capability.SHARDED_DATA_PARALLEL,
         Capability.PORTABLE_CHECKPOINTS,
         Capability.TRACING,
         Capability.TRAINER_LOOP,
@@ -87,6 +93,12 @@ class TorchDialect(Dialect):
                 f"stages_per_rank must be a positive integer, got {stages_per_rank!r}"
             )
         self.stages_per_rank = stages_per_rank
+        if resolve_schedule(self.schedule, installed=False).placement != "single":
+            # Its default schedule puts several stages on a rank, which FSDP does not run
+            # (``_fsdp`` [Note: FSDP on torch]): this instance does not declare it.
+            self.__dict__["capabilities"] = type(self).capabilities - {
+                Capability.SHARDED_DATA_PARALLEL
+            }
 
     def _build_pipeline(self, request: PipelineRequest[TorchOptions]) -> nn.Module:
         """Check torch's own options, then build this rank's stages of the plan.
@@ -166,15 +178,24 @@ class TorchDialect(Dialect):
 
         return instrument(engine, recorder)
 
-    def make_topology(self, num_stages: int, data_parallel: int = 1) -> Topology:
+    def make_topology(
+        self, num_stages: int, data_parallel: int = 1, tensor_parallel: int = 1
+    ) -> Topology:
         """A ``pipe`` axis of ``num_stages / stages_per_rank`` ranks (see the class arguments)
-        by a ``data`` axis of ``data_parallel`` replicas, laid out as DeepSpeed lays them out.
+        by a ``data`` axis of ``data_parallel`` replicas by a ``tensor`` axis of
+        ``tensor_parallel`` ranks: ``pipe * data * tensor`` ranks, the pipe axis outermost and
+        the tensor axis innermost (``_replicas`` [Note: the process mesh]).
 
         Raises:
-            TopologyError: ``data_parallel`` is not a positive integer, or the stages do not
-                divide evenly.
+            TopologyError: ``data_parallel`` or ``tensor_parallel`` is not a positive integer,
+                or the stages do not divide evenly.
+            MissingCapabilityError: ``tensor_parallel > 1`` (tensor parallelism is not
+                declared by this dialect yet).
         """
         from pipedialect import GridTopology
+        from pipedialect.dialect import check_tensor_axis
+
+        check_tensor_axis(self, tensor_parallel)
 
         if (
             isinstance(data_parallel, bool)
@@ -196,7 +217,7 @@ class TorchDialect(Dialect):
                 f"schedule {self.schedule!r}; partition the model into a multiple of {per_rank} "
                 "stages"
             )
-        return GridTopology(pipe=ranks, data=data_parallel)
+        return GridTopology(pipe=ranks, data=data_parallel, tensor=tensor_parallel)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.version} schedule={self.schedule!r}>"

@@ -1,12 +1,23 @@
-"""Data parallelism on the torch dialect: pipeline replicas and their gradient averaging.
+"""Data parallelism on the torch dialect: the process mesh, pipeline replicas and their
+gradient averaging.
+
+[Note: the process mesh]
+A topology of ``pipe`` x ``data`` x ``tensor`` ranks is laid out as DeepSpeed lays out its
+``pipe``, ``data`` and ``model`` axes: the pipe axis outermost, the tensor axis innermost, so the
+rank at ``(pipe=p, data=d, tensor=t)`` is ``(p * data + d) * tensor + t`` (``make_topology``'s
+:class:`~pipedialect.GridTopology`; a caller's topology may lay ranks out otherwise, and its
+``filter_match`` is read instead). ``analyze_tie_ranks`` and every tool that reads a DeepSpeed
+topology read this one too. When any axis but the pipe axis has more than one rank, or the
+stages are sharded, one ``DeviceMesh`` with the dimensions ``("pipe", "data", "tensor")`` is
+built over exactly that layout, once, and every axis takes its process group from it: the
+pipeline sends and receives (``"pipe"``), the replicas' gradient sums or FSDP's collectives
+(``"data"``) and tensor parallelism (``"tensor"``). The ranks at one ``(data, tensor)``
+coordinate are one pipeline (a *line*), whose ``PipelineStage`` objects talk over its pipe
+group only, so the pipelines never see each other.
 
 [Note: data parallel on torch]
-A topology of ``pipe`` x ``data`` ranks is laid out as DeepSpeed lays it out (the data axis
-varies fastest: the rank at ``(pipe=p, data=d)`` is ``p * data + d``), so ``analyze_tie_ranks``
-and every tool that reads a DeepSpeed topology reads this one too. Replica ``d`` is one whole
-pipeline: its ranks form a process group, which its ``PipelineStage`` objects use for their
-sends and receives, so the replicas' pipelines never see each other. The ranks running pipeline
-position ``p`` in every replica form that position's data-parallel group.
+Replica ``d`` is one whole pipeline; the ranks running pipeline position ``p`` in every replica
+form that position's data-parallel group.
 
 When the engine is built, replica 0's parameters and buffers are broadcast to the other
 replicas (as DeepSpeed's engine broadcasts the model), so they start equal even if each rank
@@ -26,12 +37,10 @@ stages' squares over its own group (ties counted once, ``_ties``), and every rep
 same norm. The loss ``train_batch`` returns is the mean over replicas of each replica's mean
 micro-batch loss, gathered from each replica's last stage in replica order, on every rank.
 
-``data_parallel_mode="ddp"`` (the default and, for now, the only mode) is this explicit,
-exact averaging: every replica keeps whole stages, so tied weights, gradient clipping and the
-per-rank checkpoints work unchanged, and the numbers are the unsplit model's. FSDP2
-(``fully_shard``) would shard each stage's parameters over the data axis to save memory; its
-sharded ``DTensor`` parameters do not fit the tied-weight synchronisation and the checkpoints of
-this dialect yet, so ``"fsdp"`` is refused by name rather than run half-right.
+``data_parallel_mode="ddp"`` (the default) is this explicit, exact averaging: every replica
+keeps whole stages. ``data_parallel_mode="fsdp"`` shards each stage's parameters, gradients and
+optimizer state over the data axis instead (``_fsdp`` [Note: FSDP on torch]); the loss scaling
+and the meaning of the returned loss are the same.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import ConfigError, Topology
+from pipedialect.runtime.sharded import is_sharded
 
 __all__: list[str] = []
 
@@ -52,13 +62,16 @@ logger = logging.getLogger(__name__)
 
 #: The values of ``data_parallel_mode``.
 DATA_PARALLEL_MODES = ("ddp", "fsdp")
+#: The names of the mesh's dimensions, outermost first ([Note: the process mesh]).
+MESH_DIMS = ("pipe", "data", "tensor")
 
 
 def check_data_parallel_mode(mode: object) -> str:
-    """Return ``mode`` if this dialect runs it; see [Note: data parallel on torch].
+    """Return ``mode`` (``"ddp"`` when None) if this dialect runs it; see [Note: data parallel
+    on torch] and ``_fsdp`` [Note: FSDP on torch].
 
     Raises:
-        ConfigError: an unknown mode, or ``"fsdp"``.
+        ConfigError: an unknown mode.
     """
     if mode is None:
         return "ddp"
@@ -67,62 +80,109 @@ def check_data_parallel_mode(mode: object) -> str:
             f"data_parallel_mode must be one of {', '.join(map(repr, DATA_PARALLEL_MODES))}, "
             f"got {mode!r}"
         )
-    if mode == "fsdp":
-        raise ConfigError(
-            "data_parallel_mode='fsdp' is not supported by the torch dialect yet: FSDP2 shards "
-            "each stage's parameters into DTensors, which its tied-weight synchronisation and "
-            "per-rank checkpoints do not handle; use data_parallel_mode='ddp' (the default), "
-            "which averages gradients exactly across the replicas"
-        )
     return mode
 
 
-def _rank_at(topology: Topology | None, pipe: int, data: int, data_size: int) -> int:
-    """The global rank at ``(pipe, data)``: the topology's, else DeepSpeed's layout."""
+def _rank_at(
+    topology: Topology | None, pipe: int, data: int, tensor: int, data_size: int, tensor_size: int
+) -> int:
+    """The global rank at ``(pipe, data, tensor)``: the topology's, else the grid's layout."""
     if topology is None:
-        return pipe * data_size + data
-    coords = {"pipe": pipe, "data": data} if topology.get_dim("data") else {"pipe": pipe}
+        return (pipe * data_size + data) * tensor_size + tensor
+    coords = {"pipe": pipe}
+    if topology.get_dim("data"):
+        coords["data"] = data
+    if topology.get_dim("tensor"):
+        coords["tensor"] = tensor
     return int(topology.filter_match(**coords)[0])
 
 
 class Replicas:
-    """The ``data`` replicas of a ``pipe``-rank pipeline; see [Note: data parallel on torch].
+    """The pipelines of a ``pipe`` x ``data`` x ``tensor`` grid; see [Note: data parallel on
+    torch] and [Note: the process mesh].
 
-    ``placements[d]`` maps every stage to the global rank running it in replica ``d``. Building
-    one creates the process groups, a collective every rank takes part in alike.
+    A *line* is one pipeline: the ranks at one ``(data, tensor)`` coordinate, ``line = data *
+    tensor_size + tensor``. ``placements[line]`` maps every stage to the global rank running it
+    in that line. Building one creates the process groups (the device mesh), a collective every
+    rank takes part in alike.
+
+    Args:
+        pipe: pipeline ranks per line.
+        data: data-parallel replicas.
+        topology: the caller's topology (its rank layout), or None for the grid's own.
+        tensor: ranks on the tensor axis.
+        mesh: build the device mesh even when ``data`` and ``tensor`` are 1 (a sharded mode).
+        device_type: the mesh's device type (``"cpu"`` under gloo, ``"cuda"`` under NCCL).
     """
 
-    def __init__(self, pipe: int, data: int, topology: Topology | None) -> None:
+    def __init__(
+        self,
+        pipe: int,
+        data: int,
+        topology: Topology | None,
+        *,
+        tensor: int = 1,
+        mesh: bool = False,
+        device_type: str = "cpu",
+    ) -> None:
         self.pipe = pipe
         self.data = data
-        #: ``ranks[d][p]``: the global rank at pipeline position ``p`` of replica ``d``.
+        self.tensor = tensor
+        #: ``ranks[line][p]``: the global rank at pipeline position ``p`` of ``line``.
         self.ranks = tuple(
-            tuple(_rank_at(topology, p, d, data) for p in range(pipe)) for d in range(data)
+            tuple(_rank_at(topology, p, d, t, data, tensor) for p in range(pipe))
+            for d in range(data)
+            for t in range(tensor)
         )
         rank = dist.get_rank()
-        (self.replica, self.position) = next(
-            (d, p) for d in range(data) for p in range(pipe) if self.ranks[d][p] == rank
+        (self.line, self.position) = next(
+            (line, p)
+            for line in range(len(self.ranks))
+            for p in range(pipe)
+            if self.ranks[line][p] == rank
         )
+        #: This rank's data-parallel replica and tensor-parallel position.
+        self.replica, self.tensor_rank = divmod(self.line, tensor)
+        #: The one device mesh of every axis (None for a plain pipeline).
+        self.mesh: Any = None
         self.pipeline_group: Any = None
         self.data_group: Any = None
-        if data > 1:
-            # Every rank creates every group, in the same order (new_group is a collective).
-            pipelines = [dist.new_group(ranks=list(ranks)) for ranks in self.ranks]
-            columns = [
-                dist.new_group(ranks=[self.ranks[d][p] for d in range(data)]) for p in range(pipe)
-            ]
-            self.pipeline_group = pipelines[self.replica]
-            self.data_group = columns[self.position]
+        if data > 1 or tensor > 1 or mesh:
+            self.mesh = self._build_mesh(device_type)
+            self.pipeline_group = self.mesh.get_group("pipe")
+            if data > 1:
+                self.data_group = self.mesh.get_group("data")
             logger.debug(
-                "replica %d of %d, pipeline ranks %s", self.replica, data, self.ranks[self.replica]
+                "replica %d of %d, tensor rank %d of %d, pipeline ranks %s",
+                self.replica,
+                data,
+                self.tensor_rank,
+                tensor,
+                self.ranks[self.line],
             )
+
+    def _build_mesh(self, device_type: str) -> Any:
+        """The ``(pipe, data, tensor)`` device mesh over the grid's ranks (a collective)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        grid = torch.tensor(
+            [
+                [
+                    [self.ranks[d * self.tensor + t][p] for t in range(self.tensor)]
+                    for d in range(self.data)
+                ]
+                for p in range(self.pipe)
+            ],
+            dtype=torch.int64,
+        )
+        return DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS)
 
     def position_of(self, rank: int) -> int:
         """The pipeline position of global ``rank`` in this rank's replica."""
-        return self.ranks[self.replica].index(rank)
+        return self.ranks[self.line].index(rank)
 
     def placements(self, pipe_placement: Mapping[int, int]) -> list[dict[int, int]]:
-        """Every replica's stage -> global rank map, from the stage -> position map."""
+        """Every line's stage -> global rank map, from the stage -> position map."""
         return [{k: ranks[p] for k, p in pipe_placement.items()} for ranks in self.ranks]
 
     def broadcast_state(self, module: nn.Module) -> None:
@@ -134,11 +194,14 @@ class Replicas:
         """
         if self.data_group is None:
             return
-        tensors = [p.data for p in module.parameters()] + list(module.buffers())
+        # A sharded parameter holds another slice on every replica: nothing to broadcast
+        # (its stage was loaded alike on every replica, ``_fsdp``).
+        tensors = [p.data for p in module.parameters() if not is_sharded(p)]
+        tensors += [b for b in module.buffers() if not is_sharded(b)]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
-        src = self.ranks[0][self.position]
+        src = self.ranks[self.tensor_rank][self.position]
         with torch.no_grad():
             for group in by_dtype.values():
                 flat = torch.cat([t.reshape(-1) for t in group])
@@ -187,9 +250,12 @@ class Replicas:
         if self.data == 1:
             dist.broadcast(mine, src=self.ranks[0][last_position])
             return mine
-        gathered = [torch.zeros((), device=device) for _ in range(dist.get_world_size())]
+        gathered = [
+            torch.zeros((), device=device, dtype=torch.float32)
+            for _ in range(dist.get_world_size())
+        ]
         dist.all_gather(gathered, mine)
         total = gathered[self.ranks[0][last_position]].clone()
         for d in range(1, self.data):
-            total += gathered[self.ranks[d][last_position]]
+            total += gathered[self.ranks[d * self.tensor][last_position]]
         return total / self.data

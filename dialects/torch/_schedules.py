@@ -25,6 +25,7 @@ __all__ = [
     "ScheduleSpec",
     "available_schedules",
     "resolve_schedule",
+    "sharded_schedules",
     "stage_to_rank",
 ]
 
@@ -97,6 +98,12 @@ _BY_COMPACT.update(
 def available_schedules() -> tuple[str, ...]:
     """The schedule names the installed torch supports, in this dialect's order."""
     return tuple(s.name for s in _SPECS if s.torch_class() is not None)
+
+
+def sharded_schedules() -> tuple[str, ...]:
+    """The schedule names ``data_parallel_mode="fsdp"`` runs with: those with one stage per
+    rank (``_fsdp`` [Note: FSDP on torch]), of the installed torch's."""
+    return tuple(s.name for s in _SPECS if s.placement == "single" and s.torch_class() is not None)
 
 
 def resolve_schedule(name: object, *, installed: bool = True) -> ScheduleSpec:

@@ -100,13 +100,13 @@ def infer_examples(
             runner = runners[k]
             if k == 0:
                 index = torch.zeros(1, dtype=torch.int64)
-                out = runner.call_stage((first_inputs,))
+                out = runner.run_example((first_inputs,))
                 inputs: tuple[torch.Tensor, ...] = (index,)
             else:
                 if carried is None:
                     carried = _receive(placement[k - 1], device)
                 inputs = carried
-                out = runner.call_stage(_detached(inputs))
+                out = runner.run_example(_detached(inputs))
             if k == num_stages - 1:
                 outputs: tuple[torch.Tensor, ...] = (runner.placeholder(),)
                 examples[k] = StageExamples(_detached(inputs), outputs)

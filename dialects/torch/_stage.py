@@ -217,6 +217,25 @@ class StageRunner(nn.Module):
         self._context.has_pending = True
         return self.placeholder()
 
+    def run_example(self, args: Sequence[Any]) -> Any:
+        """Run the stage once outside the schedule, through this module's own call, so that
+        hooks on it run as in training (FSDP's root unit gathers its parameters there:
+        ``_fsdp`` [Note: FSDP on torch]). ``args``: the model inputs on the first stage, else
+        the wire. Returns the wire (nothing useful on the last stage)."""
+        ctx = self._context
+        if self.first:
+            saved = ctx.inputs
+            ctx.inputs = [args[0]]
+            try:
+                return self(torch.zeros(1, dtype=torch.int64))
+            finally:
+                ctx.inputs = saved
+        out = self(*args)
+        if self.last:
+            ctx.pending_output = None
+            ctx.has_pending = False
+        return out
+
     def placeholder(self) -> torch.Tensor:
         """The tensor the last stage returns in place of the model's output."""
         if self._placeholder is None:
@@ -309,8 +328,9 @@ def pipeline_stage_class() -> type[Any]:
         ) -> Any:
             """Torch's backward step, made exact for split backward (see the notes above).
 
-            The weight pass calls torch's function directly: this dialect never wraps a stage
-            in DDP or FSDP (replicas all-reduce their own gradients), so there is no sync to skip.
+            The weight pass calls torch's function directly: only schedules with one stage
+            per rank run under FSDP (``_fsdp``), and none of them splits the backward, so
+            there is no synchronisation for the weight pass to defer.
             """
             result = self._backward(backward_type, bwd_kwargs, last_backward)
             hook = getattr(self.submod, "after_backward", None)

@@ -22,6 +22,7 @@ so that neither the tie nor the norm counts a replica twice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from torch import nn
 from pipedialect import TieError, TieGroup
 from pipedialect.plan.ties import retie_parameters
 from pipedialect.runtime.agreement import check_frozen_ties
+from pipedialect.runtime.sharded import counted_square_norm, local_part
 
 __all__: list[str] = []
 
@@ -53,6 +55,8 @@ class TiedCopy:
     group: Any
     #: This rank's copy, or None when this rank holds none of the group's stages.
     param: nn.Parameter | None
+    #: ``(name, stage)`` of this rank's copy (None with ``param``).
+    where: tuple[str, int] | None = None
 
     @property
     def owner(self) -> int:
@@ -78,14 +82,15 @@ class TieSync:
         groups: Iterable[TieGroup],
         stages: Sequence[nn.Module],
         placements: Sequence[Mapping[int, int]],
-        replica: int = 0,
+        line: int = 0,
     ) -> TieSync:
         """Resolve each group on this rank and create the process groups (a collective).
 
-        ``placements[d]`` maps every stage to its global rank in data-parallel replica ``d``
-        (one map without data parallelism); this rank is in replica ``replica``. Every rank
-        must call this with the same groups and placements: each cross-rank group of every
-        replica becomes a ``dist.new_group``, which every rank takes part in.
+        ``placements[l]`` maps every stage to its global rank in pipeline ``l`` (one pipeline
+        per data-parallel replica and tensor-parallel rank, ``_replicas`` [Note: the process
+        mesh]); this rank is in pipeline ``line``. Every rank must call this with the same
+        groups and placements: each cross-rank group of every pipeline becomes a
+        ``dist.new_group``, which every rank takes part in.
 
         Raises:
             TieError: a member names no parameter of its stage, or copies of a tied weight
@@ -94,9 +99,9 @@ class TieSync:
         groups = tuple(groups)
         # Stages materialised one by one (to_empty() after a meta build) hold copies: one again.
         retie_parameters(groups, stages)
-        placement = placements[replica]
+        placement = placements[line]
         rank = dist.get_rank()
-        resolved: list[tuple[TieGroup, tuple[int, ...], nn.Parameter | None]] = []
+        resolved: list[tuple[TieGroup, tuple[int, ...], tuple[str, int, nn.Parameter] | None]] = []
         for group in groups:
             first = placement[group.stages[0]]  # holds the lowest stage: owns the weight
             ranks = (first, *sorted({placement[s] for s in group.stages} - {first}))
@@ -121,25 +126,26 @@ class TieSync:
                         "Build the stage modules with dialect.wrap_stages(plan)."
                     )
                 held.setdefault(owner, (name, stage, found))
-            mine = held.get(rank)
-            resolved.append((group, ranks, mine[2] if mine else None))
+            resolved.append((group, ranks, held.get(rank)))
         if groups:  # the same groups on every rank: all of them check, or none
             check_frozen_ties(
                 {
-                    group.key: (name, stage, bool(param.requires_grad))
-                    for group, _, param in resolved
-                    if param is not None
+                    group.key: (name, stage, bool(mine[2].requires_grad))
+                    for group, _, mine in resolved
+                    if mine is not None
                     for name, stage in group
                     if placement[stage] == rank
-                    and _root(stages[stage]).get_parameter(name) is param
+                    and _root(stages[stage]).get_parameter(name) is mine[2]
                 }
             )
         copies = []
-        for (group, ranks, param), pgs in zip(
+        for (group, ranks, mine), pgs in zip(
             resolved, _replica_groups(groups, placements), strict=True
         ):
-            pg = pgs[replica] if len(ranks) > 1 else None
-            copies.append(TiedCopy(group.key, ranks, pg, param))
+            pg = pgs[line] if len(ranks) > 1 else None
+            param = None if mine is None else mine[2]
+            where = None if mine is None else (mine[0], mine[1])
+            copies.append(TiedCopy(group.key, ranks, pg, param, where))
             if len(ranks) > 1 and param is not None:
                 logger.debug("tie group %s synchronised between ranks %s", group.key, ranks)
         return cls(copies)
@@ -153,11 +159,24 @@ class TieSync:
         """The cross-rank copies that take gradients (a frozen tie is frozen on every rank)."""
         return ((copy, param) for copy, param in self._cross_rank() if param.requires_grad)
 
+    def rebind(self, stages: Sequence[nn.Module]) -> TieSync:
+        """The same groups holding the parameter objects the stages hold now (sharding a stage
+        replaces its parameters with new ``DTensor`` ones)."""
+        copies = []
+        for copy in self.copies:
+            if copy.where is not None:
+                name, stage = copy.where
+                copy = dataclasses.replace(copy, param=_root(stages[stage]).get_parameter(name))
+            copies.append(copy)
+        return TieSync(copies)
+
     def broadcast_weights(self) -> None:
-        """Make every copy equal to the owner's (at start)."""
+        """Make every copy equal to the owner's (at start, and after loading a checkpoint); a
+        sharded copy broadcasts its local part (every copy is sharded alike,
+        ``pipedialect.runtime.sharded`` [Note: sharded tensors])."""
         with torch.no_grad():
             for copy, param in self._cross_rank():
-                dist.broadcast(param.data, src=copy.owner, group=copy.group)
+                dist.broadcast(local_part(param.data), src=copy.owner, group=copy.group)
 
     def all_reduce_grads(
         self, grad_of: Callable[[nn.Parameter], torch.Tensor | None] | None = None
@@ -180,7 +199,7 @@ class TieSync:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 grad = param.grad
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=copy.group)
+            dist.all_reduce(local_part(grad), op=dist.ReduceOp.SUM, group=copy.group)
 
     def not_counted_here(self) -> set[int]:
         """``id`` of the tied parameters whose gradient another rank counts in the norm."""
@@ -218,13 +237,15 @@ def clip_global_norm(
     ``parameters`` are this rank's, each once; ``skip`` holds the ids of those another rank
     counts. Every rank of ``group`` (one pipeline's ranks; None: the default group) must call
     this: the norm is all-reduced over it. With data parallelism every replica holds the
-    averaged gradient by then, so each pipeline finds the same, global, norm. ``max_norm <= 0``
-    (``gradient_clipping`` off) only computes the norm.
+    averaged gradient by then, so each pipeline finds the same, global, norm. With sharded
+    gradients (FSDP, tensor parallelism) each rank counts the elements it holds
+    (``pipedialect.runtime.sharded`` [Note: sharded tensors]) and ``group`` is every rank of
+    the mesh. ``max_norm <= 0`` (``gradient_clipping`` off) only computes the norm.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [local_part(p.grad) for p in parameters if p.grad is not None]
     counted = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
     if counted:
-        local = torch.stack([g.detach().float().norm(2) for g in counted]).pow(2).sum()
+        local = torch.stack([counted_square_norm(g).to(device) for g in counted]).sum()
     else:
         local = torch.zeros((), device=device)
     total_sq = local.to(device=device, dtype=torch.float32)

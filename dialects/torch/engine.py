@@ -46,7 +46,9 @@ from pipedialect.runtime.agreement import (
     nonfinite_loss_error,
     root_nonfinite,
 )
+from pipedialect.runtime.sharded import is_sharded, local_part
 
+from ._fsdp import FsdpStages
 from ._replicas import Replicas
 from ._schedules import ScheduleSpec
 from ._setup import StageExamples, infer_examples
@@ -95,7 +97,10 @@ class TorchPipeline(nn.Module):
         self.runners = nn.ModuleList(
             StageRunner(stages[k], k, self.num_stages, self.context, device) for k in self.stage_ids
         )
-        self.runners.to(device)
+        if not any(t.is_meta for t in self.runners.state_dict().values()):
+            self.runners.to(device)  # a meta stage is sharded, then materialised (``_fsdp``)
+        #: This rank's stages under FSDP (``_fsdp`` [Note: FSDP on torch]); None otherwise.
+        self.fsdp: FsdpStages | None = None
         self._loss = LossAdapter(loss_fn, self.context)
         self._stages: list[Any] = []
         self._schedules: dict[int, Any] = {}
@@ -117,6 +122,12 @@ class TorchPipeline(nn.Module):
     def last_rank(self) -> int:
         """The rank that runs the last stage."""
         return self.placement[self.num_stages - 1]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are sharded over the mesh (FSDP): gradients are reduced by the
+        sharding itself, and norms are summed over every rank."""
+        return self.fsdp is not None
 
     @property
     def built(self) -> bool:
@@ -213,6 +224,8 @@ class TorchPipeline(nn.Module):
         ``batches`` holds the micro-batches on ranks holding the first or last stage, and is
         empty elsewhere.
         """
+        if self.fsdp is not None:
+            self.fsdp.check_untouched()
         if not self.built:
             self.build(batches[0][0] if self.holds_first else None, count)
         schedule = self.schedule(count)
@@ -236,6 +249,9 @@ class TorchPipeline(nn.Module):
             if ours is None:
                 raise
             raise ours from None
+        finally:
+            if self.fsdp is not None and not train:
+                self.fsdp.reshard()  # training reshards after its reduction; evaluation here
         if not self.holds_last:
             return torch.zeros((), device=self.device)
         missing = [i for i in range(count) if i not in self.context.losses]
@@ -427,29 +443,29 @@ class TorchEngine(EngineBase):
             self.accumulate_grads()  # bf16: whatever a backward path left in a bf16 .grad
             if grad_of is None:
                 module.ties.all_reduce_grads()
-                module.replicas.sum_grads(params)
+                if not module.sharded:  # FSDP reduce-scattered them in the schedule
+                    module.replicas.sum_grads(params)
             else:
                 module.ties.all_reduce_grads(grad_of)
                 # Each loss was divided by every replica's micro-batches: a sum, no division.
-                self.reduce_grads(module.replicas.sum_flat if module.replicas.data > 1 else None)
+                if not module.sharded:
+                    self.reduce_grads(
+                        module.replicas.sum_flat if module.replicas.data > 1 else None
+                    )
             if self.check_finite:
                 self._check_finite(gas, self.global_steps + 1)
         except BaseException:
             self.zero_grads()
             raise
         skip = module.ties.not_counted_here()
+        # Whole gradients: one pipeline's ranks hold one copy of each; shards: every rank.
+        norm_group = None if module.sharded else module.replicas.pipeline_group
         self.take_step(
             lambda: clip_global_norm(
-                params,
-                self.config.gradient_clipping,
-                skip,
-                module.device,
-                module.replicas.pipeline_group,
+                params, self.config.gradient_clipping, skip, module.device, norm_group
             ),
             skip=skip,
-            all_reduce=lambda total: _sum_over(
-                total, module.device, module.replicas.pipeline_group
-            ),
+            all_reduce=lambda total: _sum_over(total, module.device, norm_group),
         )
         return self._broadcast_loss(loss)
 
@@ -545,10 +561,10 @@ class _Checkpoints:
         module = engine.module
         torch.save(
             {
-                "stages": {k: module.plan.stages[k].state_dict() for k in module.stage_ids},
-                "optimizer": engine.optimizer.state_dict(),
+                "stages": {k: _local(module.plan.stages[k].state_dict()) for k in module.stage_ids},
+                "optimizer": _local(engine.optimizer.state_dict()),
                 "lr_scheduler": engine.scheduler_state(),
-                "precision": engine.precision_state(),
+                "precision": _local(engine.precision_state()),
                 "global_steps": engine.global_steps,
                 "client_state": dict(client_state),
                 "plan": module.plan.fingerprint(),
@@ -580,11 +596,18 @@ class _Checkpoints:
             raise error
         if failed:
             raise CheckpointError(failed[0])
+        if module.fsdp is not None:
+            module.fsdp.reshard()  # no gathered copy may outlive the weights it was made from
         for k in module.stage_ids:
-            module.plan.stages[k].load_state_dict(state["stages"][k])
-        engine.load_precision_state(state.get("precision"), str(path))
+            stage = module.plan.stages[k]
+            stage.load_state_dict(_sharded_like(state["stages"][k], stage.state_dict()))
+        precision = state.get("precision")
+        if precision is not None and engine.mixed is not None:
+            masters = engine.mixed.masters
+            precision = {**precision, "masters": _sharded_like(precision["masters"], masters)}
+        engine.load_precision_state(precision, str(path))
         if load_optimizer_states:
-            engine.optimizer.load_state_dict(state["optimizer"])
+            engine.optimizer.load_state_dict(_sharded_optimizer(state["optimizer"], engine))
         engine.load_scheduler_state(state.get("lr_scheduler"))
         engine.global_steps = int(state["global_steps"])
         module.ties.broadcast_weights()
@@ -602,7 +625,7 @@ class _Checkpoints:
         state = read_checkpoint_file(file, tag, module.device, from_latest=from_latest)
         saved = state.get("stages", {})
         for k in module.stage_ids:
-            mismatch = shape_mismatch(saved.get(k, {}), module.plan.stages[k].state_dict())
+            mismatch = shape_mismatch(saved.get(k, {}), _local(module.plan.stages[k].state_dict()))
             if mismatch is not None:
                 name, old, new = mismatch
                 raise CheckpointError(
@@ -629,6 +652,59 @@ class _Checkpoints:
                 "and number of ranks"
             )
         return state
+
+
+def _local(value: Any) -> Any:
+    """``value`` (a state dict, list or tensor) with each sharded tensor replaced by this
+    rank's part: what a per-rank checkpoint file holds (``pipedialect.runtime.sharded``)."""
+    if isinstance(value, torch.Tensor):
+        return local_part(value).detach() if is_sharded(value) else value
+    if isinstance(value, Mapping):
+        return type(value)((k, _local(v)) for k, v in value.items())  # type: ignore[call-arg]
+    if isinstance(value, list | tuple):
+        return type(value)(_local(v) for v in value)
+    return value
+
+
+def _wrap_like(local: Any, like: Any) -> Any:
+    """A saved local part laid out again as the sharded tensor ``like`` (else unchanged)."""
+    if not (is_sharded(like) and isinstance(local, torch.Tensor)) or is_sharded(local):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local.to(local_part(like).device),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def _sharded_like(saved: Any, current: Any) -> Any:
+    """A state dict (or list) of local parts, each laid out as its counterpart in ``current``."""
+    if isinstance(saved, Mapping) and isinstance(current, Mapping):
+        return {k: _wrap_like(v, current.get(k)) for k, v in saved.items()}
+    if isinstance(saved, list | tuple) and isinstance(current, list | tuple):
+        return [_wrap_like(v, c) for v, c in zip(saved, current, strict=False)]
+    return saved
+
+
+def _sharded_optimizer(saved: Mapping[str, Any], engine: TorchEngine) -> dict[str, Any]:
+    """An optimizer state dict of local parts, each per-parameter tensor laid out as its
+    parameter (the optimizer numbers its parameters in group order)."""
+    params = [p for group in engine.optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, entries in saved.get("state", {}).items():
+        param = params[int(index)] if int(index) < len(params) else None
+        state[index] = {
+            name: _wrap_like(value, param)
+            if param is not None and isinstance(value, torch.Tensor) and value.dim() > 0
+            else value
+            for name, value in entries.items()
+        }
+    return {**saved, "state": state}
 
 
 def build_engine(

@@ -23,7 +23,7 @@ import torch
 import pipedialect
 import pipedialect.checkpoint as ckpt
 from pipedialect import Capability, ConfigError, MissingCapabilityError
-from pipedialect.contracts import EngineState, HeldStage
+from pipedialect.contracts import AttributeCounters, EngineState, HeldStage
 from pipedialect.dialects.local import LocalDialect
 from pipedialect.testing._harness._models import suite_model
 
@@ -64,9 +64,11 @@ class _Wrapped:
 
 
 class _Third(LocalDialect):
-    """A "third-party" dialect: its engine is a :class:`_Wrapped`, known to no core module."""
+    """A "third-party" dialect: its engine is a :class:`_Wrapped`, known to no core module (it
+    saves no checkpoint of its own, so it does not declare checkpoints)."""
 
     name = "third"
+    capabilities = LocalDialect.capabilities - {Capability.CHECKPOINTS}
 
     def _build_engine(self, request: Any) -> Any:
         return _Wrapped(super()._build_engine(request))
@@ -83,7 +85,7 @@ class _Third(LocalDialect):
             num_stages=state.num_stages,
             optimizer=state.optimizer,
             tie_keys=state.tie_keys,
-            counters=("global_steps",),
+            counters=AttributeCounters(engine, ("global_steps",)),
             gradient_accumulation_steps=4,
             train_batch_size=8,
         )

@@ -3,11 +3,13 @@
 The reference is always the unsplit model trained by a plain PyTorch loop (``torch.optim.Adam``,
 ``clip_grad_norm_``) on the same samples per step, never the code's own output. One launch
 trains ``skiptied`` on DeepSpeed PP=4 (a tie between stages 0 and 3) and saves; a second one
-resumes it on DeepSpeed PP=2 x DP=2 and on torch PP=2 x DP=2 (one process group of 4 ranks);
-the test process resumes it on local. Every later loss must equal an uninterrupted local run's,
-and the reference's, to 1e-6 relative: the layouts sum gradients in other orders (data-parallel
-all-reduce, the clipping norm over ranks), so bitwise equality holds only where the arithmetic is
-the same, which the local-to-local resumes check exactly.
+resumes it on DeepSpeed PP=2 x DP=2, on torch PP=2 x DP=2 and on torch PP=2 x FSDP=2 (one
+process group of 4 ranks), and the FSDP run's own checkpoint (saved from shards) on DeepSpeed
+PP=2 x DP=2 and torch PP=4; the test process resumes both on local. Every later loss must
+equal an uninterrupted local run's, and the reference's, to 1e-6 relative: the layouts sum
+gradients in other orders (data-parallel all-reduce, the clipping norm over ranks), so bitwise
+equality holds only where the arithmetic is the same, which the local-to-local resumes check
+exactly.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def pp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list
 
 
 @pytest.mark.distributed
-def test_deepspeed_pp4_checkpoint_resumes_on_deepspeed_pp2_dp2_torch_and_local(
+def test_deepspeed_pp4_checkpoint_resumes_on_deepspeed_pp2_dp2_torch_fsdp_and_local(
     pp4_checkpoint: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     ckpt_dir, saved = pp4_checkpoint
@@ -92,24 +94,50 @@ def test_deepspeed_pp4_checkpoint_resumes_on_deepspeed_pp2_dp2_torch_and_local(
     assert local_losses == pytest.approx(later, rel=RTOL, abs=ATOL)
     _assert_params(workers.params(plan, engine, "local"), at_end, "local resumed")
 
-    resumed = launch(workers.resume_on_four_ranks, 4, str(ckpt_dir), timeout=LAUNCH_TIMEOUT)
-    for dialect in ("deepspeed", "torch"):
+    fsdp_dir = ckpt_dir.parent / "fsdp"
+    resumed = launch(
+        workers.resume_on_four_ranks, 4, str(ckpt_dir), str(fsdp_dir), timeout=LAUNCH_TIMEOUT
+    )
+    _, at_fsdp_save = reference(workers.SAVED_AT + 1)
+    runs = {
+        "deepspeed": ("PP=2 x DP=2", workers.SAVED_AT, at_save),
+        "torch": ("PP=2 x DP=2", workers.SAVED_AT, at_save),
+        "fsdp": ("PP=2 x FSDP=2", workers.SAVED_AT, at_save),
+        "deepspeed from fsdp": ("PP=2 x DP=2", workers.SAVED_AT + 1, at_fsdp_save),
+        "torch pp4 from fsdp": ("PP=4", workers.SAVED_AT + 1, at_fsdp_save),
+    }
+    for dialect, (layout, start, at_start) in runs.items():
         seen = set()
         names: set[str] = set()
         for r in resumed:
             run = r[dialect]
-            what = f"{dialect} PP=2 x DP=2 rank {r['rank']}"
+            what = f"{dialect} {layout} rank {r['rank']}"
             loaded = run["loaded"]
-            assert loaded["global_steps"] == 3, what
-            assert loaded["loader_step"] == 3, what
-            _assert_params(loaded["params"], at_save, f"{what} after load")
-            assert run["losses"] == pytest.approx(later, rel=RTOL, abs=ATOL), what
+            assert loaded["global_steps"] == start, what
+            assert loaded["loader_step"] == start, what
+            _assert_params(loaded["params"], at_start, f"{what} after load")
+            assert run["losses"] == pytest.approx(ref_losses[start:], rel=RTOL, abs=ATOL), what
             assert run["global_steps"] == workers.STEPS, what
             _assert_params(run["params"], at_end, what)
             seen.add((tuple(run["stages"]), run["replica"]))
             names |= set(run["params"])
-        assert seen == {((0,), 0), ((0,), 1), ((1,), 0), ((1,), 1)}, dialect
+        if dialect == "torch pp4 from fsdp":
+            assert seen == {((k,), 0) for k in range(4)}, dialect
+        else:
+            assert seen == {((0,), 0), ((0,), 1), ((1,), 0), ((1,), 1)}, dialect
         assert names == set(dict(at_end.named_parameters(remove_duplicate=False)))
+    # The checkpoint PP=2 x FSDP=2 saved, read whole, and resumed on local.
+    state = ckpt.consolidate(fsdp_dir)
+    for name, value in at_fsdp_save.state_dict().items():
+        assert_tensor_close(state[name], value, f"fsdp checkpoint {name}")
+    plan, engine, _ = workers.build("local", 2, 1, seed=9)
+    loader = workers.Position(0, 1)
+    ckpt.load(engine, fsdp_dir, dataloader=loader)
+    assert (engine.global_steps, loader.step) == (workers.SAVED_AT + 1,) * 2
+    local_losses = workers.train(engine, loader, workers.STEPS - workers.SAVED_AT - 1)
+    assert local_losses == pytest.approx(ref_losses[workers.SAVED_AT + 1 :], rel=RTOL, abs=ATOL)
+    _assert_params(workers.params(plan, engine, "local"), at_end, "local from fsdp")
+    assert ckpt.read_index(fsdp_dir)["layout"]["dialect"] == "torch"
     # DeepSpeed counts micro-batches and samples too: derived for its own accumulation (2).
     ds = resumed[0]["deepspeed"]["loaded"]
     assert (ds["micro_steps"], ds["global_samples"]) == (3 * 2, 3 * 8)

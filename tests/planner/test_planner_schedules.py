@@ -237,9 +237,11 @@ def test_offer_reads_the_schedules_and_modes_the_dialect_declares() -> None:
 
     torch_offer = offer_of(pipedialect.get_dialect("torch"))
     assert torch_offer.schedules == available_schedules()
-    assert torch_offer.data_parallel
-    assert not torch_offer.fsdp and not torch_offer.tensor_parallel
-    assert any("FSDP): not offered by this dialect" in n for n in torch_offer.not_offered)
+    assert torch_offer.data_parallel and torch_offer.fsdp
+    assert torch_offer.fsdp_schedules == ("gpipe", "1f1b")
+    assert torch_offer.runs("fsdp", "1f1b") and not torch_offer.runs("fsdp", "interleaved_1f1b")
+    assert not torch_offer.tensor_parallel
+    assert any("tensor parallelism: not offered" in n for n in torch_offer.not_offered)
     ds_offer = offer_of(pipedialect.get_dialect("deepspeed"))
     assert ds_offer.schedules == (DEEPSPEED_SCHEDULE,)
     with pytest.raises(ConfigError, match="one process"):

@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipedialect.demo import DemoSettings, demo_batches, reference_losses
+from pipedialect import ConfigError
+from pipedialect.demo import DemoSettings, check_settings, demo_batches, reference_losses
 
 CLI = [sys.executable, "-m", "pipedialect.cli"]
 #: One intra-op thread for the demo process, as its ranks get from the launcher: on two shared
@@ -43,6 +44,22 @@ def test_demo_data_is_a_learnable_counting_language() -> None:
     assert (stride == stride[:, :1]).all()  # every sequence counts with one stride
     losses = reference_losses(DemoSettings(steps=12))
     assert losses[-1] < losses[0] - 0.3
+
+
+def test_demo_fsdp_runs_the_torch_dialect_over_two_replicas_or_is_refused_by_name() -> None:
+    from pipedialect.cli import build_parser, demo_settings
+
+    def settings(*argv: str) -> DemoSettings:
+        return demo_settings(build_parser().parse_args(["demo", *argv]))
+
+    chosen = settings("--fsdp")
+    assert (chosen.dialect, chosen.dp, chosen.stages, chosen.fsdp) == ("torch", 2, 2, True)
+    assert check_settings(chosen).name == "torch"
+    assert (settings().dialect, settings().dp) == ("deepspeed", 1)
+    with pytest.raises(ConfigError, match="does not declare \\(sharded-data-parallel\\)"):
+        check_settings(settings("--fsdp", "--dialect", "deepspeed"))
+    with pytest.raises(ConfigError, match="--dp 2 or more"):
+        check_settings(settings("--fsdp", "--dp", "1"))
 
 
 @pytest.mark.distributed

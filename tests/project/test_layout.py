@@ -21,13 +21,20 @@ imports the package ``a.b`` (its ``__init__``), as Python does. On that graph:
 - the package root is plain imports: ``partition`` and ``trace`` stay the functions whatever
   is imported first. (That pytest never loads the suite's plugin unasked is checked from a real
   install, in test_packaging.py.)
+
+And the core reads an engine only through what the contracts declare: no core module calls
+``getattr``, ``hasattr``, ``setattr``, ``delattr`` or ``vars`` on an engine (a name or attribute
+called ``engine`` or ending in ``_engine``, or one annotated with an engine type), so a feature
+that needs something of an engine asks for it through a protocol, a capability or a Dialect hook.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -216,3 +223,106 @@ def test_the_package_root_exports_every_error_and_a_sorted_all() -> None:
     assert set(errors.__all__) <= set(pipedialect.__all__)
     assert pipedialect.__all__ == sorted(pipedialect.__all__)
     assert all(hasattr(pipedialect, name) for name in pipedialect.__all__)
+
+
+#: The builtins that read or write an object's attributes by name.
+PROBES = ("getattr", "hasattr", "setattr", "delattr", "vars")
+
+
+def _is_engine_type(annotation: ast.expr | None) -> bool:
+    """An annotation naming an engine type (``RuntimeEngine``, ``CheckpointingEngine``, ...)."""
+    if annotation is None:
+        return False
+    words = re.findall(r"\w+", ast.unparse(annotation))  # a quoted annotation too
+    return any(word.endswith("Engine") for word in words)
+
+
+def _is_engine_name(name: str) -> bool:
+    return name == "engine" or name.endswith("_engine")
+
+
+def engine_probes(source: str) -> list[str]:
+    """``"line: call"`` for every attribute probe on an engine in ``source`` (see the module's
+    docstring for what counts as an engine)."""
+    tree = ast.parse(source)
+    typed: dict[ast.AST, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            args = node.args
+            every = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+            names = {a.arg for a in every if a is not None and _is_engine_type(a.annotation)}
+            for inner in ast.walk(node):
+                if (
+                    isinstance(inner, ast.AnnAssign)
+                    and isinstance(inner.target, ast.Name)
+                    and _is_engine_type(inner.annotation)
+                ):
+                    names.add(inner.target.id)
+            typed[node] = names
+    engines_in: dict[ast.AST, set[str]] = {}
+    for function, names in typed.items():
+        for inner in ast.walk(function):
+            engines_in.setdefault(inner, set()).update(names)
+    found = []
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in PROBES
+            and node.args
+        ):
+            continue
+        target = node.args[0]
+        if isinstance(target, ast.Name):
+            name = target.id
+            engine = _is_engine_name(name) or name in engines_in.get(node, set())
+        elif isinstance(target, ast.Attribute):
+            engine = _is_engine_name(target.attr)
+        else:
+            engine = False
+        if engine:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_engine_probe_rule_sees_each_form() -> None:
+    """The rule below flags each way of probing an engine, and nothing else."""
+    source = textwrap.dedent(
+        """
+        def f(engine, held, runtime_engine, other):
+            getattr(engine, "save_checkpoint", None)
+            hasattr(held.engine, "module")
+            setattr(runtime_engine, "global_steps", 3)
+            delattr(self.engine, "x")
+            vars(engine)
+            getattr(other, "x")
+            getattr(held, "engine")
+            held.engine.train_batch
+
+        def g(e: "RuntimeEngine", m: "Any") -> None:
+            getattr(e, "optimizer")
+            getattr(m, "optimizer")
+            x: CheckpointingEngine | None = None
+            hasattr(x, "load_checkpoint")
+        """
+    )
+    flagged = [line.split(": ", 1)[1] for line in engine_probes(source)]
+    assert flagged == [
+        "getattr(engine, 'save_checkpoint', None)",
+        "hasattr(held.engine, 'module')",
+        "setattr(runtime_engine, 'global_steps', 3)",
+        "delattr(self.engine, 'x')",
+        "vars(engine)",
+        "getattr(e, 'optimizer')",
+        "hasattr(x, 'load_checkpoint')",
+    ]
+
+
+def test_the_core_never_probes_an_engine_by_attribute_name() -> None:
+    problems = [
+        f"{path.relative_to(ROOT)}:{probe}"
+        for name, (path, _) in sorted(MODULES.items())
+        if _is_core(name)
+        for probe in engine_probes(path.read_text())
+    ]
+    assert problems == []

@@ -91,6 +91,7 @@ _S = Capability.SKIP_CONNECTIONS
 _D = Capability.DYNAMIC_SHAPES
 _M = Capability.MULTI_PROCESS
 _DP = Capability.DATA_PARALLEL
+_SDP = Capability.SHARDED_DATA_PARALLEL
 _C = Capability.CHECKPOINTS
 _PC = Capability.PORTABLE_CHECKPOINTS
 _TR = Capability.TRACING
@@ -109,6 +110,29 @@ CASES: tuple[Case, ...] = (
     _train("gpt-2", "gpt", 2, _T, probe=True),
     _train("gpt-4", "gpt", 4, _T, probe=True),
     _train("gpt-2x2", "gpt", 2, _T, _M, _DP, data_parallel=2),
+    # Each stage sharded over the replicas (``data_parallel_mode="fsdp"``, the option a dialect
+    # declaring sharded-data-parallel takes), a tie across the stages, clipping on every step.
+    _train(
+        "gpt-2x2-fsdp",
+        "gpt",
+        2,
+        _T,
+        _M,
+        _SDP,
+        data_parallel=2,
+        clip=0.05,
+        engine_kwargs=(("data_parallel_mode", "fsdp"),),
+    ),
+    _train(
+        "plain-2x2-fsdp",
+        "plain",
+        2,
+        _M,
+        _SDP,
+        data_parallel=2,
+        default_path=True,
+        engine_kwargs=(("data_parallel_mode", "fsdp"),),
+    ),
     _train("skip-2", "skip", 2, _S, _G, probe=True),
     _train("skip-4", "skip", 4, _S, _G, probe=True),
     _train("mixed-2", "mixed", 2, _N, _P, probe=True),

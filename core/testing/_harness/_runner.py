@@ -42,11 +42,12 @@ import torch
 from torch import nn
 
 from ... import checkpoint
-from ...contracts import Capability, RuntimeEngine, Topology
+from ...contracts import Capability, CheckpointingEngine, RuntimeEngine, Topology
 from ...dialect import Dialect
 from ...errors import PipeDialectError
 from ...plan.partition import PipelinePlan, partition
 from ...plugins import get_dialect
+from ...runtime.sharded import gathered
 from ...runtime.stage import StageWrapper
 from ...trace import trace
 from .._options import EngineOptions
@@ -385,9 +386,10 @@ class _Built:
 
     def params(self) -> dict[int, dict[str, torch.Tensor]]:
         """This rank's stages' parameters by their original names (every name of a tied one)."""
+        # A sharded parameter is gathered whole: every rank of its mesh reads it here alike.
         return {
             k: {
-                name: p.detach().cpu().clone()
+                name: gathered(p).detach().cpu().clone()
                 for name, p in self.plan.stages[k].named_parameters(remove_duplicate=False)
             }
             for k in self.local
@@ -464,23 +466,11 @@ def _run_checkpoint(
     batches = train_stream(case, first.replica)
     saved_at = case.steps - 1
     losses, params = first.train(batches[: saved_at * case.gas], saved_at)
-    save = getattr(first.engine, "save_checkpoint", None)
-    if not callable(save):
-        raise ContractError(
-            "the dialect declares checkpoints but its engine has no "
-            "save_checkpoint(save_dir, tag=...) method (DeepSpeed's signature)"
-        )
-    save(ckpt, tag="suite")
+    _checkpointing(first.engine).save_checkpoint(ckpt, tag="suite")
     more_losses, more_params = first.train(batches[saved_at * case.gas :], 1)
     # A fresh engine on other weights (seed 7): everything must come from the checkpoint.
     resumed = _Built(dialect, case, options, multi, seed=7)
-    load = getattr(resumed.engine, "load_checkpoint", None)
-    if not callable(load):
-        raise ContractError(
-            "the dialect declares checkpoints but its engine has no "
-            "load_checkpoint(load_dir, tag=...) method (DeepSpeed's signature)"
-        )
-    load(ckpt, tag="suite")
+    _checkpointing(resumed.engine).load_checkpoint(ckpt, tag="suite")
     resumed_losses, resumed_params = resumed.train(batches[saved_at * case.gas :], 1)
     return {
         "stages": first.local,
@@ -491,6 +481,18 @@ def _run_checkpoint(
         "resumed_losses": resumed_losses,
         "resumed_params": resumed_params,
     }
+
+
+def _checkpointing(engine: RuntimeEngine) -> CheckpointingEngine:
+    """``engine`` as the :class:`CheckpointingEngine` its dialect declares it is (checked when
+    it was built: ``Dialect.runtime_engine``)."""
+    if not isinstance(engine, CheckpointingEngine):
+        raise ContractError(
+            f"the dialect declares checkpoints but its engine ({type(engine).__name__}) is not a "
+            "CheckpointingEngine: it needs save_checkpoint and load_checkpoint (DeepSpeed's "
+            "signatures)"
+        )
+    return engine
 
 
 #: The dialect a portable checkpoint is carried to and from: every stage in one process.

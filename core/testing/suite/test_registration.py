@@ -77,6 +77,12 @@ class TestRegistration(SuiteBase):
             failures.append(
                 f"{head}: declares data-parallel without multi-process; replicas need processes"
             )
+        for sharded in (Capability.SHARDED_DATA_PARALLEL, Capability.TENSOR_PARALLEL):
+            if sharded in caps and Capability.MULTI_PROCESS not in caps:
+                failures.append(
+                    f"{head}: declares {sharded.value} without multi-process; a shard lives on "
+                    "a rank of its own"
+                )
         fail_if(failures)
 
     def test_names_valid_components(self, dialect: Dialect) -> None:

@@ -32,6 +32,7 @@ class TestTraining(SuiteBase):
             "plain-2",
             "plain-4",
             "plain-2x2",
+            "plain-2x2-fsdp",
             "skip-2",
             "skip-4",
             "mixed-2",

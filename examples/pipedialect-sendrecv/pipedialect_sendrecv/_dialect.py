@@ -10,6 +10,7 @@ from torch import nn
 from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine
 from pipedialect.contracts import (
     BOUNDARY_CAPABILITIES,
+    AttributeCounters,
     EngineState,
     HeldStage,
     Instrumented,
@@ -92,7 +93,7 @@ class SendRecvDialect(Dialect):
             num_stages=module.num_stages,
             optimizer=engine.optimizer,
             tie_keys=tie_keys(module.plan.tie_groups, [(stage.stage_id, root)]),
-            counters=("global_steps",),
+            counters=AttributeCounters(engine, ("global_steps",)),
             gradient_accumulation_steps=engine.config.gradient_accumulation_steps,
             train_batch_size=engine.config.train_batch_size,
         )

@@ -199,11 +199,25 @@ def test_mistakes_are_named_errors_raised_before_any_collective(case: str) -> No
         assert "loss_fn=" in messages[0] and "config=" in messages[0]  # both named at once
 
 
+#: The tensors stage 0 sends in each step of each wire-state case, per micro-batch (2 a step):
+#: the boundary's values; the metadata tensor, with dynamic shapes every time, with a frozen
+#: layout only in the first micro-batch (after each reset); and DeepSpeed's own tensor-meta
+#: message, which it sends at the same times. ``emit`` sends a bit-cast float, the activation and
+#: a mask; the gpt one activation.
+WIRE_STATE_SENDS = {
+    "dynamic": [(3 + 1 + 1) * 2] * 4,
+    "static": [(3 + 1 + 1) + 3, 3 + 3, 3 + 3, 3 + 3],
+    "reset": [(1 + 1 + 1) + 1, 1 + 1, 1 + 1, (1 + 1 + 1) + 1, 1 + 1, 1 + 1, 1 + 1],
+}
+
+
 def test_eval_and_train_in_any_order_and_reset_activation_shape() -> None:
     """Dynamic shapes: eval before training, then alternating; static: the same the other way
     round; static gpt: length 16, ``reset_activation_shape()``, length 8 (eval first)."""
     results = launch(workers.wire_state_run, 2, "deepspeed", timeout=600)
     workers.assert_wire_state_matches(results, tuple(c[0] for c in workers.WIRE_STATE_CASES))
+    first = {r["case"]: r["sends"] for rank in results for r in rank if r["stage"] == 0}
+    assert first == WIRE_STATE_SENDS
 
 
 def test_a_new_shape_without_reset_activation_shape_is_the_named_error() -> None:

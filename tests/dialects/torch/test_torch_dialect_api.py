@@ -132,8 +132,15 @@ def test_argument_errors_come_before_any_collective(gpt_plan: Any) -> None:
     one_replica = {**_config(), "train_batch_size": 8}
     data = _engine_error(gpt_plan, config=one_replica, topology=GridTopology(pipe=2, data=2))
     assert data.startswith("ConfigError") and "data-parallel size (2)" in data
-    fsdp = _engine_error(gpt_plan, data_parallel_mode="fsdp")
-    assert fsdp.startswith("ConfigError") and "data_parallel_mode='ddp'" in fsdp
+    fsdp = _engine_error(gpt_plan, data_parallel_mode="fsdp", schedule="interleaved_1f1b")
+    assert fsdp.startswith("ConfigError") and "pytorch#164756" in fsdp
+    bf16 = {
+        **_config(),
+        "bf16": {"enabled": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+    }
+    comm = _engine_error(gpt_plan, config=bf16, data_parallel_mode="fsdp")
+    assert comm.startswith("ConfigError") and "communication_data_type" in comm
     mode = _engine_error(gpt_plan, data_parallel_mode="zero3")
     assert mode.startswith("ConfigError") and "'ddp', 'fsdp'" in mode
     fits = _engine_error(gpt_plan, topology=GridTopology(pipe=4))
@@ -170,10 +177,12 @@ def test_make_topology_counts_ranks_not_stages() -> None:
     assert TorchDialect("zbv").make_topology(6).world_size() == 3
     grid = TorchDialect("interleaved_1f1b").make_topology(4, data_parallel=2)
     assert (grid.get_dim("pipe"), grid.get_dim("data"), grid.world_size()) == (2, 2, 4)
-    # DeepSpeed's layout: the data axis varies fastest
-    assert [tuple(grid.get_coord(r)) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # DeepSpeed's layout: the pipe axis outermost, the data axis varies fastest
+    assert [tuple(grid.get_coord(r))[:2] for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     with pytest.raises(TopologyError, match="data_parallel must be a positive integer"):
         TorchDialect().make_topology(2, data_parallel=0)
+    with pytest.raises(TopologyError, match="tensor_parallel must be a positive integer"):
+        TorchDialect().make_topology(2, tensor_parallel=0)
     with pytest.raises(TopologyError, match="5 stages"):
         TorchDialect("dualpipev").make_topology(5)
     with pytest.raises(ConfigError, match="stages_per_rank"):
