@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -497,6 +498,35 @@ class _EngineScheduler:
         self.engine.lr_scheduler.load_state_dict(state)
 
 
+class _BestIntoStages(transformers.TrainerCallback):
+    """``load_best_model_at_end`` on every layout: Trainer loads the best checkpoint's weights
+    into the unsplit model, which are the stages' own parameters only where the stages hold
+    the model's Parameter objects (not FSDP's shards, not bf16 masters); this loads the best
+    checkpoint's ``pipeline/`` folder into the stages themselves, on every rank, at the end of
+    training, keeping the optimizer, the schedule and the random generators as they are (as
+    Trainer does)."""
+
+    def __init__(self, trainer: PipelineTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        best = state.best_model_checkpoint
+        if not (args.load_best_model_at_end and best and (Path(best) / PIPELINE_TAG).is_dir()):
+            return
+        engine = self.trainer.engine
+        schedule = None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict()
+        generators = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        portable.load(engine, Path(best) / PIPELINE_TAG, load_optimizer_states=False)
+        if schedule is not None:
+            engine.lr_scheduler.load_state_dict(schedule)
+        random.setstate(generators[0])
+        np.random.set_state(generators[1])
+        torch.random.set_rng_state(generators[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 class _PaddedCollator:
     """The user's collator, then every sequence key padded to one length ([Note: one captured
     length] in :class:`PipelineTrainer`)."""
@@ -636,6 +666,7 @@ class PipelineTrainer(transformers.Trainer):
         self._pad_batches()
         self.plan: PipelinePlan = self._partition()
         self.engine: TrainerEngine = self._build_engine(self.plan)
+        self.add_callback(_BestIntoStages(self))
 
     @property
     def unsplit_model(self) -> Any:
