@@ -18,7 +18,7 @@ STRICT := --config-settings editable_mode=strict
 # with the first ninja on PATH, and a different ninja than the tests' rebuilds the cached ops.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: demo setup develop test quick lint typecheck unit docs clean
+.PHONY: demo setup develop test quick lint typecheck unit docs clean compat
 
 demo: setup
 	$(BIN)/pipedialect demo
@@ -58,7 +58,7 @@ QUICK := -m "not distributed and not packaging"
 # Both runs always run; unit fails if either failed.
 unit:
 	$(BIN)/pytest -n 2 --dist loadfile $(QUICK); one=$$?; \
-	$(BIN)/pytest -n 3 --dist loadfile -m "distributed or packaging"; two=$$?; \
+	$(BIN)/pytest -n 3 --dist loadfile -m "(distributed or packaging) and not compat"; two=$$?; \
 	test $$one -eq 0 -a $$two -eq 0
 
 # The quick loop (a few minutes): ruff and the tests that start no process and run no pip (the
@@ -66,6 +66,11 @@ unit:
 # without one). `make test` still runs everything.
 quick: develop lint
 	$(BIN)/pytest -q -n 2 --dist loadfile $(QUICK)
+
+# The Hugging Face tests against the oldest transformers and accelerate the hf extra admits, in
+# a venv of their own beside .venv (tests/integrations/test_hf_versions.py; not in make test).
+compat: develop
+	$(BIN)/pytest -q -m compat
 
 docs:
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html

@@ -64,6 +64,7 @@ __all__ = [
     "FORMAT",
     "INDEX_FILE",
     "consolidate",
+    "consolidate_optimizer",
     "export_hf",
     "load",
     "read_index",
@@ -954,6 +955,43 @@ def consolidate(path: str | Path, tag: str | None = None) -> dict[str, torch.Ten
     for name, key in index.get("other_names", {}).items():
         out.setdefault(name, loaded[_MODEL + key])
     return out
+
+
+def consolidate_optimizer(
+    path: str | Path, tag: str | None = None
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The optimizer of a portable checkpoint by the unsplit model's parameter names.
+
+    ``{"state": {name: {state name: value}}, "groups": {name: hyper-parameters}}``: every name
+    of a saved parameter (a tied weight's names share one state) with its per-parameter state
+    (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``; absent for a parameter never stepped) and
+    the hyper-parameters of the group it was in. What a loop that keeps one optimizer over the
+    unsplit model (Hugging Face's ``Trainer``) needs to write its own optimizer file. Runs in
+    this process alone, like :func:`consolidate`.
+    """
+    directory = _locate(path, tag)
+    index = _read_index(directory)
+    optim: Mapping[str, Any] = index["optimizer"]
+    specs = {
+        f"{_OPTIM}{key}.{name}": spec
+        for key, entries in optim["state"].items()
+        for name, spec in entries.items()
+    }
+    loaded = _read_tensors(directory, specs, alone=True)
+    names = {**index.get("other_names", {}), **index["aliases"]}
+    state: dict[str, dict[str, Any]] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for name, key in names.items():
+        if key not in index["params"]:
+            continue
+        entries = optim["state"].get(key, {})
+        state[name] = {
+            state_name: _from_state_tensor(loaded[f"{_OPTIM}{key}.{state_name}"], spec["kind"])
+            for state_name, spec in entries.items()
+        }
+        if key in optim["group_of"]:
+            groups[name] = dict(optim["groups"][optim["group_of"][key]])
+    return {"state": state, "groups": groups}
 
 
 def export_hf(

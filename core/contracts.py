@@ -34,6 +34,7 @@ __all__ = [
     "TieGroup",
     "TieRanks",
     "Topology",
+    "TrainerEngine",
 ]
 
 
@@ -71,6 +72,11 @@ class Capability(enum.StrEnum):
     #: :func:`pipedialect.trace` times them (``Dialect.instrument`` may add the runtime's sends,
     #: receives and optimizer step).
     TRACING = "tracing"
+    #: Engines are :class:`TrainerEngine`\ s (the optimizer, the LR scheduler, the learning
+    #: rates and the global gradient norm of the last step), so that a training loop of its own
+    #: -- Hugging Face's ``Trainer`` through :mod:`pipedialect.integrations.transformers` --
+    #: drives them step by step and logs what they did.
+    TRAINER_LOOP = "trainer-loop"
     #: The dialect only runs on CUDA devices.
     CUDA_ONLY = "cuda-only"
 
@@ -237,6 +243,39 @@ class RuntimeEngine(Protocol):
 
     def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
         """Evaluate one batch without changing parameters and return its mean loss."""
+        ...
+
+
+@runtime_checkable
+class TrainerEngine(RuntimeEngine, Protocol):
+    """A :class:`RuntimeEngine` a training loop of its own can drive: what
+    :attr:`Capability.TRAINER_LOOP` promises (DeepSpeed's ``PipelineEngine`` has it all).
+
+    The loop reads the learning rates and the gradient norm of each step here, and swaps the
+    LR scheduler once it knows the run's length; checkpoints go through the portable ones
+    (:attr:`Capability.PORTABLE_CHECKPOINTS`).
+    """
+
+    #: The module the engine trains (what ``pipe_engine`` built): the loop's model.
+    module: nn.Module
+    #: The optimizer ``train_batch`` steps (``param_groups``, ``state_dict()``).
+    optimizer: Any
+    #: The LR scheduler ``train_batch`` steps after the optimizer, or None; assignable.
+    lr_scheduler: Any
+
+    def eval_batch(
+        self, data_iter: Iterator[Any], num_micro_batches: int | None = None
+    ) -> torch.Tensor:
+        """Evaluate ``num_micro_batches`` micro-batches (default: the step's) and return their
+        mean loss."""
+        ...
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of every parameter group, as the next step will use it."""
+        ...
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (before clipping), or None before one."""
         ...
 
 

@@ -15,6 +15,16 @@ after training. ``--save DIR`` also writes the trained model (``save_pretrained`
 ``--stages 2`` under ``torchrun --nproc_per_node 4`` trains two data-parallel replicas of a
 two-stage pipeline: each replica reads every other batch, so a step sees the samples a single
 process sees with twice the accumulation steps (``--reference --accumulation 4``).
+
+``--bf16`` trains in Trainer's bf16 (``torch.autocast`` over fp32 weights, on every stage);
+``--gradient-checkpointing`` recomputes the model's layers in backward (the same numbers);
+``--eval`` evaluates every 2 steps with ``compute_metrics`` (token accuracy and mean log-prob),
+saves a checkpoint there (keeping the last 2) and loads the best one at the end; the JSON line
+then also has every evaluation. ``--resume DIR`` resumes from a checkpoint folder (either
+trainer's: each resumes the other's). Both runs take the same arguments:
+
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --bf16 --gradient-checkpointing --eval
+    python examples/hf_trainer.py --reference --bf16 --gradient-checkpointing --eval
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model comes from a config: no downloads
 
@@ -93,9 +105,32 @@ class TokenData(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def training_arguments(out: str, accumulation: int = 2) -> transformers.TrainingArguments:
-    """What both runs train with: 2 sequences per micro-batch, 2 micro-batches per step."""
-    return transformers.TrainingArguments(
+def training_arguments(
+    out: str,
+    accumulation: int = 2,
+    *,
+    cls: type[transformers.TrainingArguments] = transformers.TrainingArguments,
+    checkpointing: bool = False,
+    evaluation: bool = False,
+    bf16: bool = False,
+    **pipeline: Any,
+) -> transformers.TrainingArguments:
+    """What both runs train with: 2 sequences per micro-batch, 2 micro-batches per step
+    (``cls`` is plain Trainer's arguments or ``PipelineTrainingArguments`` with ``pipeline``)."""
+    extra: dict[str, Any] = {"save_strategy": "no", "bf16": bf16}
+    if checkpointing:
+        extra["gradient_checkpointing"] = True
+    if evaluation:
+        extra.update(
+            eval_strategy="steps",
+            eval_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            save_total_limit=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="accuracy",
+        )
+    return cls(
         output_dir=out,
         per_device_train_batch_size=2,
         per_device_eval_batch_size=2,
@@ -110,9 +145,23 @@ def training_arguments(out: str, accumulation: int = 2) -> transformers.Training
         seed=7,
         use_cpu=True,
         report_to=[],
-        save_strategy="no",
         disable_tqdm=True,
+        **{**extra, **pipeline},
     )
+
+
+def compute_metrics(prediction: transformers.EvalPrediction) -> dict[str, float]:
+    """Next-token accuracy and mean log-probability over the labelled tokens."""
+    logits = torch.as_tensor(prediction.predictions)[:, :-1]
+    labels = torch.as_tensor(prediction.label_ids)[:, 1:]
+    mask = labels != -100
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    picked = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    correct = (logits.argmax(-1) == labels) & mask
+    return {
+        "accuracy": float(correct.sum() / mask.sum()),
+        "log_prob": float(picked[mask].mean()),
+    }
 
 
 def main() -> None:
@@ -124,30 +173,50 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="write the trained model here")
     parser.add_argument("--stages", type=int, default=None, help="default: one per process")
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per step")
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute the layers in backward"
+    )
+    parser.add_argument(
+        "--eval", action="store_true", help="evaluate with metrics, checkpoint, load the best"
+    )
+    parser.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast)")
+    parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     parser.add_argument("--fsdp", action="store_true", help="shard the stages over the replicas")
     options = parser.parse_args()
 
     transformers.logging.set_verbosity_error()
     model = build_model(options.family)
-    common = dict(
+    arguments: dict[str, Any] = dict(
+        checkpointing=options.gradient_checkpointing, evaluation=options.eval, bf16=options.bf16
+    )
+    common: dict[str, Any] = dict(
         model=model,
-        args=training_arguments(options.out, options.accumulation),
         train_dataset=TokenData(TRAIN_SAMPLES, seed=1),
         eval_dataset=TokenData(EVAL_SAMPLES, seed=2),
+        compute_metrics=compute_metrics if options.eval else None,
     )
     if options.reference:
-        trainer: transformers.Trainer = transformers.Trainer(**common)
+        args = training_arguments(options.out, options.accumulation, **arguments)
+        trainer: transformers.Trainer = transformers.Trainer(args=args, **common)
     else:
-        from pipedialect.integrations.transformers import PipelineArguments, PipelineTrainer
+        from pipedialect.integrations.transformers import (
+            PipelineTrainer,
+            PipelineTrainingArguments,
+        )
 
         # The split: the config's base_model_pp_plan over one stage per process (two on local).
         stages = 2 if options.dialect == "local" and options.stages is None else options.stages
-        mode = "fsdp" if options.fsdp else None
-        pipeline = PipelineArguments(
-            dialect=options.dialect, num_stages=stages, data_parallel_mode=mode
+        args = training_arguments(
+            options.out,
+            options.accumulation,
+            cls=PipelineTrainingArguments,
+            dialect=options.dialect,
+            num_stages=stages,
+            data_parallel_mode="fsdp" if options.fsdp else None,
+            **arguments,
         )
-        trainer = PipelineTrainer(**common, pipeline=pipeline)
-    trainer.train()
+        trainer = PipelineTrainer(args=args, **common)
+    trainer.train(resume_from_checkpoint=options.resume)
     metrics = trainer.evaluate()
     if options.save is not None:
         trainer.save_model(options.save)
@@ -157,6 +226,22 @@ def main() -> None:
         "grad_norms": [row["grad_norm"] for row in steps],
         "learning_rates": [row["learning_rate"] for row in steps],
         "eval_loss": metrics["eval_loss"],
+        "evals": [
+            {
+                k: v
+                for k, v in row.items()
+                if k.startswith("eval_") and "runtime" not in k and "per_second" not in k
+            }
+            for row in trainer.state.log_history
+            if "eval_loss" in row
+        ],
+        "final_metrics": {
+            k: v for k, v in metrics.items() if k in ("eval_accuracy", "eval_log_prob")
+        },
+        "best_checkpoint": None
+        if trainer.state.best_model_checkpoint is None
+        else Path(trainer.state.best_model_checkpoint).name,
+        "checkpoints": sorted(p.name for p in Path(options.out).glob("checkpoint-*")),
     }
     if trainer.is_world_process_zero():
         sys.stdout.flush()

@@ -201,6 +201,7 @@ DIMENSIONS = (
     "inplace",
     "frozen",
     "bf16_export",
+    "recompute_export",
 )
 
 
@@ -323,7 +324,8 @@ class FuzzSpec:
     #: ``partition(num_stages=..., balance=...)`` instead of ``split_points`` (local only).
     num_stages: int | None = None
     balance: str | None = None
-    #: Blocks recomputed in backward (``recompute=``, fx only) and blocks with dropout.
+    #: Blocks recomputed in backward (``recompute=``; with export capture the
+    #: ``recompute_export`` dimension) and blocks with dropout.
     recompute: tuple[str, ...] = ()
     dropout: tuple[int, ...] = ()
     #: Build under ``torch.device("meta")`` and fill the stages from the reference's state.
@@ -356,6 +358,8 @@ class FuzzSpec:
             found.add("frozen")
         if self.bf16 and self.capture == "export":
             found.add("bf16_export")
+        if self.recompute and self.capture == "export":
+            found.add("recompute_export")
         return frozenset(found)
 
     def features(self) -> frozenset[str]:
@@ -664,7 +668,33 @@ def generate(
         pipe_schedule=pipe_schedule,
         origin=origin,
     )
-    return restrict(_draw_state(src, _draw_features(src, spec, dialect, candidates), dialect), dims)
+    drawn = _draw_state(src, _draw_features(src, spec, dialect, candidates), dialect)
+    return restrict(_draw_export_recompute(src, drawn), dims)
+
+
+def _draw_export_recompute(src: Source, spec: FuzzSpec) -> FuzzSpec:
+    """Blocks of an export-captured spec recomputed in backward (issue 37: the export
+    route's recomputed regions), drawn last (older seeds keep their models). A block whose
+    forward writes a buffer or its input in place is not drawn: the capture refuses it."""
+    if not (src.chance(DIM_CHANCE["recompute_export"]) and spec.capture == "export"):
+        return spec
+    states = spec.state or tuple(BlockState() for _ in spec.blocks)
+    writes = {None, "table"}
+
+    def quiet(i: int) -> bool:
+        st = states[i]
+        return st.buffer in writes and st.scale is None and not st.counter and not st.inplace
+
+    free = [
+        i
+        for i in range(len(spec.blocks))
+        if f"blocks.{i}.lin" not in spec.split_points
+        and quiet(i)
+        and (i + 1 == len(spec.blocks) or not states[i + 1].inplace)
+        and not any(w == i or r == i for w, r, _ in spec.shared)
+    ]
+    chosen = tuple(f"blocks.{i}" for i in free if src.chance(70))
+    return replace(spec, recompute=chosen) if chosen else spec
 
 
 #: Whether a recomputed block may return a structure (containers, None, Python numbers). The
@@ -730,6 +760,7 @@ DIM_CHANCE = {
     "inplace": 45,
     "frozen": 30,
     "bf16_export": 60,
+    "recompute_export": 40,
 }
 _BUFFER_KINDS = ("bn", "bn_cumulative", "stats", "stats_assign", "stats_np", "table")
 
@@ -904,6 +935,8 @@ def restrict(spec: FuzzSpec, dims: Sequence[str]) -> FuzzSpec:
         "frozen": {"params": "trainable"},
     }
     cleared = {k: v for d, f in fields.items() if d not in keep for k, v in f.items()}
+    if "recompute_export" not in keep and spec.capture == "export":
+        spec = replace(spec, recompute=())
     states = tuple(replace(st, **cleared) for st in spec.state)
     shared = spec.shared if "cross_buffer" in keep else ()
     if all(st == BlockState() for st in states) and not shared:

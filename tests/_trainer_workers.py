@@ -99,3 +99,47 @@ def train(dialect_name: str, clip: float) -> dict[str, Any]:
             {int(state["step"]) for state in engine.optimizer.state.values()}
         ),
     }
+
+
+def pipeline_trainer_refusals(out: str) -> list[tuple[str, str]]:
+    """Build a PipelineTrainer on the torch dialect twice, each time with a setting that can
+    only fail: Trainer's default gradient_accumulation_steps=1 under 1F1B over two stages, and
+    split points making three stages on two processes. Returns each error's class and message
+    on this rank (every rank must raise the same one, when the trainer is built)."""
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import hf_trainer as example
+
+    from pipedialect.integrations.transformers import PipelineTrainer, PipelineTrainingArguments
+
+    transformers.logging.set_verbosity_error()
+    found = []
+    for case in (
+        {"gradient_accumulation_steps": 1},
+        {"split_points": ["model.layers.0", "model.layers.2"]},
+    ):
+        base = example.training_arguments(out, cls=PipelineTrainingArguments, dialect="torch")
+        fields = {k: v for k, v in base.to_dict().items() if k in ("output_dir", "use_cpu")}
+        args = PipelineTrainingArguments(
+            **fields,
+            per_device_train_batch_size=2,
+            per_device_eval_batch_size=2,
+            gradient_accumulation_steps=case.get("gradient_accumulation_steps", 2),
+            split_points=case.get("split_points"),
+            report_to=[],
+            dialect="torch",
+        )
+        try:
+            PipelineTrainer(
+                model=example.build_model("llama"),
+                args=args,
+                train_dataset=example.TokenData(8, seed=1),
+            )
+            found.append(("built", ""))
+        except pipedialect.PipeDialectError as exc:
+            found.append((type(exc).__name__, str(exc)))
+    return found

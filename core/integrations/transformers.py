@@ -1,11 +1,11 @@
 """Hugging Face ``Trainer`` through a pipeline: :class:`PipelineTrainer`.
 
-``PipelineTrainer(model=..., args=TrainingArguments(...), train_dataset=..., pipeline=
-PipelineArguments(dialect="torch", split_points=[...]))`` is a ``transformers.Trainer`` whose
-steps run through a pipedialect engine: the model is partitioned (``torch.export`` capture on
-one collated micro-batch), every rank builds its stages, and Trainer's own loop -- data loading
-and collators, logging, callbacks, evaluation, checkpoints, resuming -- drives
-``engine.train_batch``/``eval_batch``. Launched with ``torchrun --nproc_per_node N``, one
+``PipelineTrainer(model=..., args=PipelineTrainingArguments(..., dialect="torch"),
+train_dataset=...)`` is a ``transformers.Trainer`` whose steps run through a pipedialect engine:
+when it is built, the model is partitioned (``torch.export`` capture on one collated
+micro-batch) and every rank builds its stages and engine; then Trainer's own loop -- data
+loading and collators, logging, callbacks, evaluation and metrics, checkpoints, resuming --
+drives ``engine.train_batch``/``eval_batch``. Launched with ``torchrun --nproc_per_node N``, one
 process per pipeline rank (times the data-parallel replicas); the ``local`` dialect runs every
 stage in one process.
 
@@ -21,7 +21,7 @@ the optimizer and the LR schedule run inside it) and returns the step's loss the
 the others, so Trainer's running sum grows by exactly the step's loss. Trainer's optimizer and
 scheduler are proxies whose ``step()`` does nothing (the engine has stepped); the learning rate
 Trainer logs is the one recorded before the engine's step, and ``grad_norm`` is the engine's
-global gradient norm (:meth:`~pipedialect.engine.EngineBase.get_global_grad_norm`).
+global gradient norm (:class:`~pipedialect.contracts.TrainerEngine`, set in :meth:`log`).
 
 [Note: the step's loss]
 Trainer's logged loss of a step is token-weighted over the whole step: the model's loss
@@ -30,11 +30,11 @@ step's loss is their sum. The engines divide each micro-batch loss by
 ``gradient_accumulation_steps`` (DeepSpeed's semantics) and average over the replicas, so the
 last stage's loss function -- the model's own ``loss_function`` on the last stage's logits --
 is multiplied back by ``gradient_accumulation_steps`` times the replicas (``N`` then counts
-every replica's tokens). ``N`` and the factor travel with each micro-batch's labels (the dict
-micro-batch's ``"labels"`` is ``(labels, N, factor)``), so the loss function holds no state and
-evaluation passes its own (each batch's token mean, factor 1, as Trainer evaluates). A model
-whose loss takes no ``num_items_in_batch`` gets factor 1: the engine's ``1/gas`` is then
-Trainer's division by the accumulation steps.
+every replica's tokens). ``N``, the factor and the micro-batch's number travel with its labels
+(the dict micro-batch's ``"labels"`` is ``(labels, N, factor, number)``), so the loss function
+holds no state and evaluation passes its own (each batch's token mean, factor 1, as Trainer
+evaluates). A model whose loss takes no ``num_items_in_batch`` gets factor 1: the engine's
+``1/gas`` is then Trainer's division by the accumulation steps.
 
 [Note: one data stream per replica]
 Under ``torchrun`` accelerate shards Trainer's data loaders over *all* processes, so each
@@ -44,6 +44,29 @@ single-process order (the seedable sampler is seeded alike on every rank). Every
 Trainer's whole loop, since ``train_batch``, ``eval_batch``, the loss gather and the checkpoint
 saves are collectives.
 
+[Note: evaluation through the last stage]
+The logits of an evaluation batch exist on the last stage only. While :meth:`evaluation_loop`
+runs, the last stage's loss function keeps each micro-batch's loss and predictions (the logits,
+or what ``preprocess_logits_for_metrics`` makes of them, moved to the CPU at once: what
+``eval_accumulation_steps`` asks for, at every step), by the micro-batch's number; at the end
+each replica's last stage broadcasts them to every rank, in Trainer's order (batch ``i`` of
+replica ``r`` is batch ``i * replicas + r``, as accelerate shards them), and every rank computes
+``eval_loss`` (the mean of the batches' losses) and ``compute_metrics`` from them, as Trainer
+does from its gathered arrays. Eval batches run ``gradient_accumulation_steps`` at a time (one
+``eval_batch``); a short last group is filled with copies of its last batch, whose results are
+dropped, and so are the batches accelerate repeats to give every replica as many.
+
+[Note: checkpoints both ways]
+A ``checkpoint-N`` folder holds what plain ``Trainer`` writes -- ``model.safetensors`` (the
+consolidated weights), ``optimizer.pt`` and ``scheduler.pt`` in the layout plain ``Trainer``'s
+optimizer over the unsplit model has (its two weight-decay groups, parameters in the model's
+order), ``rng_state*.pth``, ``trainer_state.json``, the tokenizer -- so plain ``Trainer``
+resumes it exactly, and beside them ``pipeline/``: a portable checkpoint of every rank's stages
+(:mod:`pipedialect.checkpoint`), which :class:`PipelineTrainer` resumes from, each rank reading
+its own stages, on any dialect and layout. A folder plain ``Trainer`` wrote (no ``pipeline/``)
+resumes too: the weights through Trainer's own loading into the model the stages share, and the
+optimizer's state mapped from ``optimizer.pt`` onto each rank's parameters by name.
+
 What Trainer settings mean here, and which are refused (by name, when the trainer is built):
 :data:`REFUSED_TRAINING_ARGUMENTS` and ``docs/huggingface.rst``.
 """
@@ -52,29 +75,39 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
+import random
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
-from transformers.trainer import TRAINING_ARGS_NAME
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer_pt_utils import EvalLoopContainer
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 from .. import checkpoint as portable
-from ..contracts import Capability, RuntimeEngine, Topology
-from ..errors import ConfigError, PipeDialectWarning, TrainingArgumentError
+from ..contracts import Capability, Topology, TrainerEngine
+from ..errors import (
+    CheckpointError,
+    ConfigError,
+    MissingCapabilityError,
+    PipeDialectWarning,
+    TopologyError,
+    TrainingArgumentError,
+)
 from ..plan.partition import PipelinePlan, partition
 from ..plugins import get_dialect
 
 __all__ = [
     "REFUSED_TRAINING_ARGUMENTS",
-    "PipelineArguments",
+    "SUPPORTED_TRANSFORMERS",
     "PipelineTrainer",
+    "PipelineTrainingArguments",
+    "check_trainer",
     "pp_plan_split_points",
 ]
 
@@ -82,6 +115,16 @@ logger = logging.getLogger(__name__)
 
 #: The tag of the portable checkpoint inside each of Trainer's ``checkpoint-N`` folders.
 PIPELINE_TAG = "pipeline"
+#: Trainer's file names in a checkpoint folder (``transformers.trainer``'s constants).
+OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME = (
+    "optimizer.pt",
+    "scheduler.pt",
+    ("training_args.bin"),
+)
+
+#: The transformers releases this integration is tested with: the oldest (tests/integrations/
+#: test_hf_versions.py) and the major release it stays below (pyproject's ``hf`` extra).
+SUPPORTED_TRANSFORMERS = ("5.24.0", "6")
 
 #: The ``optim`` values built from parameter groups alone (the others need the model's modules
 #: or per-layer state, which a rank holding some stages does not have).
@@ -89,55 +132,105 @@ _GROUP_OPTIMIZERS = frozenset(
     {"adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop"}
 )
 
+#: What each padded batch key is padded with ([Note: one captured length]); ``input_ids`` takes
+#: the tokenizer's (or the model config's) pad token.
+_PAD_VALUES: dict[str, int] = {
+    "attention_mask": 0,
+    "token_type_ids": 0,
+    "labels": -100,
+    "special_tokens_mask": 1,
+}
 
-@dataclasses.dataclass(frozen=True)
-class PipelineArguments:
-    """How :class:`PipelineTrainer` pipelines the model (everything else is ``TrainingArguments``).
 
-    The split is ``split_points`` (module paths, each stage ends after one), or ``num_stages``
-    chosen by ``balance`` (:func:`pipedialect.partition`), or, with neither, the model config's
+@dataclasses.dataclass
+class PipelineTrainingArguments(transformers.TrainingArguments):
+    """``TrainingArguments`` with how :class:`PipelineTrainer` pipelines the model.
+
+    ``HfArgumentParser(PipelineTrainingArguments)`` reads them from the command line
+    (``--dialect torch --split_points model.layers.1``). The split is ``split_points``
+    (module paths, each stage ends after one), or ``num_stages`` chosen by ``balance``
+    (:func:`pipedialect.partition`), or, with neither, the model config's
     ``base_model_pp_plan`` spread over one stage per pipeline rank
     (:func:`pp_plan_split_points`).
     """
 
-    #: The dialect (``"torch"``, ``"deepspeed"``, ``"local"``, or a plugin's).
-    dialect: str = "torch"
-    #: Module paths to split after, e.g. ``("model.layers.1",)``.
-    split_points: Sequence[str] | None = None
-    #: How many stages (the split points are then chosen by ``balance``, or by the model's
-    #: ``base_model_pp_plan``); default: one per pipeline rank.
-    num_stages: int | None = None
-    #: The cost model choosing split points for ``num_stages`` (``"parameters"``, ...).
-    balance: str | None = None
-    #: The torch dialect's schedule (one stage per rank: ``"1f1b"``, ``"gpipe"``).
-    schedule: str | None = None
-    #: Data-parallel replicas of the pipeline; default: the processes over the pipeline ranks.
-    data_parallel: int | None = None
-    #: ``"fsdp"`` shards each stage over the replicas (the torch dialect's
-    #: ``data_parallel_mode``); default: whole stages on every replica.
-    data_parallel_mode: str | None = None
+    dialect: str = dataclasses.field(
+        default="torch",
+        metadata={"help": "The pipedialect dialect: torch, deepspeed, local, or a plugin's."},
+    )
+    split_points: list[str] | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Module paths to split after, e.g. model.layers.1 (one per cut)."},
+    )
+    num_stages: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Pipeline stages (split points chosen by --balance or the model's "
+            "base_model_pp_plan); default: one per pipeline rank."
+        },
+    )
+    balance: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "The cost model choosing split points: parameters, flops, memory, time."},
+    )
+    pipeline_schedule: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "The torch dialect's schedule (1f1b, gpipe, interleaved_1f1b, ...)."},
+    )
+    data_parallel: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Data-parallel replicas of the pipeline; default: processes / stages."},
+    )
+    data_parallel_mode: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "fsdp shards each stage over the replicas (the torch dialect's "
+            "data_parallel_mode); default: whole stages on every replica."
+        },
+    )
+    recompute: list[str] | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Module paths or globs recomputed in backward (model.layers.*); "
+            "--gradient_checkpointing chooses the model's layers."
+        },
+    )
+    pad_to_length: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "The sequence length every batch is padded to (the stages run one shape); "
+            "default: the longest row of the data sets, rounded up to a multiple of 8."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[no-untyped-call]
+        for name in ("num_stages", "data_parallel", "pad_to_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TrainingArgumentError(
+                    f"{name} must be a positive integer or None, got {value!r}", argument=name
+                )
+            if value is not None and value < 1:
+                raise TrainingArgumentError(
+                    f"{name} must be a positive integer or None, got {value!r}", argument=name
+                )
 
 
 #: Every Trainer setting refused when the trainer is built, and why.
 REFUSED_TRAINING_ARGUMENTS: dict[str, str] = {
     "fp16": "fp16 needs a gradient scaler whose scale, unscale and skip span every stage; "
-    "pipedialect trains in fp32 (or DeepSpeed's bf16 through its config)",
-    "bf16": "Trainer's bf16 is autocast over fp32 weights; pipedialect's bf16 is DeepSpeed's "
-    "(bf16 weights, fp32 masters), which gives other numbers. Train in fp32",
+    "train in fp32 or bf16",
     "bf16_full_eval": "it casts the model for evaluation, and the stages hold its parameters",
     "fp16_full_eval": "it casts the model for evaluation, and the stages hold its parameters",
     "torch_compile": "the stages are captured graphs; compiling them is not implemented",
-    "gradient_checkpointing": "it toggles the eager modules after capture, so the stages would "
-    "silently not recompute; partition with recompute=['model.layers.*'] instead",
-    "activation_checkpointing": "as gradient_checkpointing",
+    "gradient_checkpointing_kwargs": "the stages recompute with non-reentrant "
+    "torch.utils.checkpoint (the same numbers); only use_reentrant is accepted",
     "label_smoothing_factor": "the label smoother is not wired to the last stage's logits",
     "compute_loss_func": "the loss runs on the last stage, as the model's own loss_function",
     "compute_loss": "a subclass's compute_loss would not run: the loss runs on the last stage",
     "training_step": "a subclass's training_step would not run: the engine runs the step",
     "prediction_step": "a subclass's prediction_step would not run: eval_batch runs it",
-    "compute_metrics": "logits exist on the last stage only; evaluate() reports eval_loss",
-    "preprocess_logits_for_metrics": "as compute_metrics",
-    "predict": "logits exist on the last stage only; use evaluate() for the loss",
     "optimizers": "objects built over the unsplit model's parameters (other stages' too); pass "
     "optimizer_cls_and_kwargs, or set optim and its arguments",
     "optim": "this optimizer needs the model's modules or per-layer state; use one built from "
@@ -158,79 +251,95 @@ REFUSED_TRAINING_ARGUMENTS: dict[str, str] = {
     "debug": "underflow_overflow hooks the eager modules, which the stages do not run",
     "include_num_input_tokens_seen": "Trainer gathers the count over every process, which "
     "counts each pipeline rank's copy of a batch",
-    "load_best_model_at_end": "loading the best checkpoint into the stages is not implemented",
-    "eval_accumulation_steps": "evaluation gathers no predictions here",
-    "include_for_metrics": "evaluation gathers no predictions here",
-    "batch_eval_metrics": "evaluation gathers no predictions here",
+    "include_for_metrics": "EvalPrediction's inputs and losses are not gathered; "
+    "compute_metrics gets the predictions and the labels",
+    "batch_eval_metrics": "compute_metrics runs once over the whole eval set",
+    "eval_do_concat_batches": "the predictions are concatenated over the batches",
     "label_names": "the labels of a micro-batch are its 'labels' key",
     "accelerator_config": "split_batches and dispatch_batches shard or dispatch batches over "
     "every process, not over the data-parallel axis",
     "fsdp": "a pipeline replaces it",
     "deepspeed": "Trainer's DeepSpeed wraps the unsplit model; use "
-    "PipelineArguments(dialect='deepspeed')",
+    "PipelineTrainingArguments(dialect='deepspeed')",
     "parallelism_config": "a pipeline replaces it",
     "train_sampling_strategy": "batch_rebalance balances batches over every process",
 }
+
+
+def _value(setting: Any) -> str:
+    """An enum-valued TrainingArguments field as its string."""
+    return str(getattr(setting, "value", setting))
+
+
+def _checkpointing(args: transformers.TrainingArguments) -> tuple[bool, dict[str, Any]]:
+    """Whether activation checkpointing is asked for, and its arguments (transformers 5 calls it
+    ``activation_checkpointing``, earlier releases ``gradient_checkpointing``)."""
+    on = bool(getattr(args, "activation_checkpointing", False)) or bool(
+        getattr(args, "gradient_checkpointing", False)
+    )
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
+        args, "gradient_checkpointing_kwargs", None
+    )
+    return on, dict(kwargs or {})
 
 
 def _refused(trainer: PipelineTrainer) -> list[str]:
     """The names of the settings of ``trainer`` that :data:`REFUSED_TRAINING_ARGUMENTS` lists."""
     a = trainer.args
     accel = a.accelerator_config
+    _, checkpointing_kwargs = _checkpointing(a)
     found = {
         "fp16": a.fp16,
-        "bf16": a.bf16,
         "bf16_full_eval": a.bf16_full_eval,
         "fp16_full_eval": a.fp16_full_eval,
         "torch_compile": a.torch_compile,
-        "gradient_checkpointing": bool(a.gradient_checkpointing),
-        "activation_checkpointing": bool(getattr(a, "activation_checkpointing", False)),
+        "gradient_checkpointing_kwargs": bool(set(checkpointing_kwargs) - {"use_reentrant"}),
         "label_smoothing_factor": a.label_smoothing_factor != 0,
-        "compute_loss_func": trainer.compute_loss_func is not None,
-        "compute_metrics": trainer.compute_metrics is not None,
-        "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics is not None,
-        "optimizers": trainer.optimizer is not None or trainer.lr_scheduler is not None,
+        "compute_loss_func": getattr(trainer, "compute_loss_func", None) is not None,
+        "optimizers": not isinstance(trainer.optimizer, _EngineOptimizer | type(None))
+        or not isinstance(trainer.lr_scheduler, _EngineScheduler | type(None)),
         "optim": trainer.optimizer_cls_and_kwargs is None
-        and str(getattr(a.optim, "value", a.optim)) not in _GROUP_OPTIMIZERS,
-        "optim_target_modules": a.optim_target_modules is not None,
-        "lr_scheduler_type": str(getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type))
-        in ("reduce_lr_on_plateau", "greedy"),
+        and _value(a.optim) not in _GROUP_OPTIMIZERS,
+        "optim_target_modules": getattr(a, "optim_target_modules", None) is not None,
+        "lr_scheduler_type": _value(a.lr_scheduler_type) in ("reduce_lr_on_plateau", "greedy"),
         "model_init": trainer.model_init is not None,
         "auto_find_batch_size": a.auto_find_batch_size,
         "per_device_eval_batch_size": a.per_device_eval_batch_size != a.per_device_train_batch_size,
         "dataloader_drop_last": not a.dataloader_drop_last
         and _short_last_batch(trainer, a.per_device_train_batch_size),
         "neftune_noise_alpha": a.neftune_noise_alpha is not None,
-        "use_liger_kernel": a.use_liger_kernel,
+        "use_liger_kernel": bool(getattr(a, "use_liger_kernel", False)),
         "debug": bool(a.debug),
-        "include_num_input_tokens_seen": str(a.include_num_input_tokens_seen)
+        "include_num_input_tokens_seen": _value(a.include_num_input_tokens_seen)
         not in ("no", "False"),
-        "load_best_model_at_end": a.load_best_model_at_end,
-        "eval_accumulation_steps": a.eval_accumulation_steps is not None,
-        "include_for_metrics": bool(a.include_for_metrics),
-        "batch_eval_metrics": a.batch_eval_metrics,
+        "include_for_metrics": bool(getattr(a, "include_for_metrics", None)),
+        "batch_eval_metrics": bool(getattr(a, "batch_eval_metrics", False)),
+        "eval_do_concat_batches": not getattr(a, "eval_do_concat_batches", True),
         "label_names": a.label_names is not None and list(a.label_names) != ["labels"],
         "accelerator_config": bool(
             getattr(accel, "split_batches", False) or getattr(accel, "dispatch_batches", None)
         ),
         "fsdp": bool(a.fsdp),
         "deepspeed": a.deepspeed is not None,
-        "parallelism_config": a.parallelism_config is not None,
-        "train_sampling_strategy": a.train_sampling_strategy == "batch_rebalance",
+        "parallelism_config": getattr(a, "parallelism_config", None) is not None,
+        "train_sampling_strategy": getattr(a, "train_sampling_strategy", None) == "batch_rebalance",
     }
     for method in ("compute_loss", "training_step", "prediction_step"):
         found[method] = getattr(type(trainer), method) is not getattr(PipelineTrainer, method)
     return [name for name, bad in found.items() if bad]
 
 
+def _datasets(trainer: PipelineTrainer) -> list[Any]:
+    """The training and eval data sets the trainer holds (an eval dict's every value)."""
+    out: list[Any] = []
+    for dataset in (trainer.train_dataset, trainer.eval_dataset):
+        out.extend(dataset.values() if isinstance(dataset, Mapping) else [dataset])
+    return [d for d in out if d is not None]
+
+
 def _short_last_batch(trainer: PipelineTrainer, batch_size: int) -> bool:
     """Whether a data set the trainer holds has a length ``batch_size`` does not divide."""
-    for dataset in (trainer.train_dataset, trainer.eval_dataset):
-        datasets = dataset.values() if isinstance(dataset, Mapping) else [dataset]
-        for one in datasets:
-            if one is not None and hasattr(one, "__len__") and len(one) % batch_size:
-                return True
-    return False
+    return any(hasattr(d, "__len__") and len(d) % batch_size for d in _datasets(trainer))
 
 
 def check_trainer(trainer: PipelineTrainer) -> None:
@@ -262,6 +371,19 @@ def pp_plan_split_points(model: nn.Module, num_stages: int) -> tuple[str, ...]:
         ConfigError: the config has no pp plan with a list of layers, or ``num_stages`` is not
             between 1 and the number of layers.
     """
+    root, name, blocks = _pp_layers(model)
+    count = len(blocks)
+    if not 1 <= num_stages <= count:
+        raise ConfigError(
+            f"{num_stages} stages cannot split the {count} layers of {root}{name}; use 1 to "
+            f"{count} stages"
+        )
+    cuts = [round((k + 1) * count / num_stages) - 1 for k in range(num_stages - 1)]
+    return tuple(f"{root}{name}.{cut}" for cut in cuts)
+
+
+def _pp_layers(model: nn.Module) -> tuple[str, str, nn.ModuleList]:
+    """``(prefix, name, layers)`` of the config's ``base_model_pp_plan``'s list of layers."""
     config = getattr(model, "config", None)
     plan = getattr(config, "base_model_pp_plan", None) or {}
     prefix = str(getattr(model, "base_model_prefix", ""))
@@ -275,24 +397,41 @@ def pp_plan_split_points(model: nn.Module, num_stages: int) -> tuple[str, ...]:
     if not layers:
         raise ConfigError(
             f"{type(model).__name__}'s config has no base_model_pp_plan with a list of layers; "
-            "pass PipelineArguments(split_points=[...]) or num_stages="
+            "pass PipelineTrainingArguments(split_points=[...]) or num_stages="
         )
     name, blocks = layers[0]
-    count = len(blocks)
-    if not 1 <= num_stages <= count:
-        raise ConfigError(
-            f"{num_stages} stages cannot split the {count} layers of {root}{name}; use 1 to "
-            f"{count} stages"
-        )
-    cuts = [round((k + 1) * count / num_stages) - 1 for k in range(num_stages - 1)]
-    return tuple(f"{root}{name}.{cut}" for cut in cuts)
+    return root, name, blocks
+
+
+def _checkpointed_layers(model: nn.Module) -> list[str]:
+    """The modules Hugging Face's gradient checkpointing recomputes: its
+    ``GradientCheckpointingLayer``\\ s (the decoder layers), else the pp plan's layers."""
+    layer_cls = getattr(
+        getattr(transformers, "modeling_layers", None), "GradientCheckpointingLayer", None
+    )
+    found: list[str] = []
+    if isinstance(layer_cls, type):
+        for name, module in model.named_modules():
+            if isinstance(module, layer_cls) and not any(
+                name.startswith(f"{outer}.") for outer in found
+            ):
+                found.append(name)
+    if found:
+        return found
+    root, name, blocks = _pp_layers(model)
+    return [f"{root}{name}.{i}" for i in range(len(blocks))]
 
 
 class _EngineOptimizer:
-    """What Trainer holds as its optimizer: the engine's, which the engine steps itself."""
+    """What Trainer holds as its optimizer: the engine's, which the engine steps itself.
 
-    def __init__(self, engine: RuntimeEngine) -> None:
-        self.engine: Any = engine
+    ``state_dict``/``load_state_dict`` are the engine optimizer's (this rank's parameters):
+    checkpoints go through :meth:`PipelineTrainer._save_optimizer_and_scheduler`, which writes
+    plain Trainer's layout ([Note: checkpoints both ways]).
+    """
+
+    def __init__(self, engine: TrainerEngine) -> None:
+        self.engine = engine
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -318,12 +457,12 @@ class _EngineOptimizer:
         """Nothing: the engine drops the gradients after its step."""
 
     def state_dict(self) -> dict[str, Any]:
-        """The engine's optimizer's state dict."""
+        """The engine's optimizer's state dict (this rank's parameters)."""
         state: dict[str, Any] = self.engine.optimizer.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load into the engine's optimizer."""
+        """Load into the engine's optimizer (a state dict of this rank's parameters)."""
         self.engine.optimizer.load_state_dict(state)
 
 
@@ -335,8 +474,8 @@ class _EngineScheduler:
     engine's step, those the step ran with.
     """
 
-    def __init__(self, engine: RuntimeEngine) -> None:
-        self.engine: Any = engine
+    def __init__(self, engine: TrainerEngine) -> None:
+        self.engine = engine
         #: The rates of the last step, recorded before ``train_batch``.
         self.step_lrs: list[float] | None = None
 
@@ -359,46 +498,195 @@ class _EngineScheduler:
         self.engine.lr_scheduler.load_state_dict(state)
 
 
+class _BestIntoStages(transformers.TrainerCallback):
+    """``load_best_model_at_end`` on every layout: Trainer loads the best checkpoint's weights
+    into the unsplit model, which are the stages' own parameters only where the stages hold
+    the model's Parameter objects (not FSDP's shards, not bf16 masters); this loads the best
+    checkpoint's ``pipeline/`` folder into the stages themselves, on every rank, at the end of
+    training, keeping the optimizer, the schedule and the random generators as they are (as
+    Trainer does)."""
+
+    def __init__(self, trainer: PipelineTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        best = state.best_model_checkpoint
+        if not (args.load_best_model_at_end and best and (Path(best) / PIPELINE_TAG).is_dir()):
+            return
+        engine = self.trainer.engine
+        schedule = None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict()
+        generators = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        portable.load(engine, Path(best) / PIPELINE_TAG, load_optimizer_states=False)
+        if schedule is not None:
+            engine.lr_scheduler.load_state_dict(schedule)
+        random.setstate(generators[0])
+        np.random.set_state(generators[1])
+        torch.random.set_rng_state(generators[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class _PaddedCollator:
+    """The user's collator, then every sequence key padded to one length ([Note: one captured
+    length] in :class:`PipelineTrainer`)."""
+
+    def __init__(
+        self, collate: Callable[[Any], Any], lengths: Mapping[str, int], pads: Mapping[str, int]
+    ) -> None:
+        self.collate = collate
+        #: ``key -> length`` of the keys padded.
+        self.lengths = dict(lengths)
+        #: ``key -> pad value``.
+        self.pads = dict(pads)
+        #: Pad on the left (the tokenizer pads on the left).
+        self.left = getattr(getattr(collate, "tokenizer", None), "padding_side", "right") == "left"
+
+    @property
+    def tokenizer(self) -> Any:
+        """The wrapped collator's tokenizer (Trainer saves it with the model)."""
+        return getattr(self.collate, "tokenizer", None)
+
+    def __call__(self, rows: Any) -> Any:
+        batch = self.collate(rows)
+        if not isinstance(batch, Mapping):
+            return batch
+        out = dict(batch)
+        ids = out.get("input_ids")
+        base = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor) or value.dim() < 2:
+                continue
+            length = self.lengths.get(key)
+            if length is None and base is not None and value.shape[1] == base:
+                length = self.lengths.get("input_ids")
+                if length is not None and key not in self.pads and length != base:
+                    raise TrainingArgumentError(
+                        f"the batches' {key!r} has the sequence length of input_ids, which "
+                        f"every batch is padded to {length}, and pipedialect does not know "
+                        f"what to pad {key!r} with; pad the rows to one length in the data set",
+                        argument="data_collator",
+                    )
+            if length is None:
+                continue
+            short = length - value.shape[1]
+            if short < 0:
+                raise TrainingArgumentError(
+                    f"a batch's {key!r} has length {value.shape[1]}, longer than the "
+                    f"{length} every batch is padded to; set pad_to_length >= "
+                    f"{value.shape[1]}",
+                    argument="pad_to_length",
+                )
+            if short:
+                pad = self.pads.get(key, self.pads.get("input_ids", 0))
+                fill = value.new_full((value.shape[0], short, *value.shape[2:]), pad)
+                out[key] = torch.cat([fill, value] if self.left else [value, fill], dim=1)
+        return out
+
+
+def _row_lengths(dataset: Any, limit: int = 1_000_000) -> dict[str, set[int]] | None:
+    """``key -> the lengths its rows have`` over a map-style data set of dict rows, or None
+    where the rows cannot be read so (an iterable data set, rows that are not dicts)."""
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        return None
+    seen: dict[str, set[int]] = {}
+    for i in range(min(len(dataset), limit)):
+        row = dataset[i]
+        if not isinstance(row, Mapping):
+            return None
+        for key, value in row.items():
+            if isinstance(value, torch.Tensor):
+                if value.dim() >= 1:
+                    seen.setdefault(str(key), set()).add(int(value.shape[0]))
+            elif isinstance(value, list | tuple):
+                seen.setdefault(str(key), set()).add(len(value))
+    return seen
+
+
 class PipelineTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose steps run through a pipedialect engine.
 
-    Takes Trainer's arguments, plus ``pipeline=``:class:`PipelineArguments`. Every rank builds
-    it alike (the checks run before any collective). See the module's notes for how a step
-    runs; after ``train()``, ``trainer.model`` on a rank holds the trained weights of the
-    stages that rank runs (the stages hold the model's own parameters), and
-    :meth:`save_model` writes the whole trained model.
+    Takes Trainer's arguments, with ``args`` a :class:`PipelineTrainingArguments`. Every rank
+    builds it alike: the settings are checked, the batches' padding chosen, the model
+    partitioned and every rank's engine built here, so a setting that cannot run fails here,
+    on every rank, before any step. After ``train()``, ``trainer.model`` on a rank holds the
+    trained weights of the stages that rank runs (the stages hold the model's own parameters),
+    and :meth:`save_model` writes the whole trained model.
+
+    [Note: one captured length]
+    The stages are specialised to the shapes of the micro-batch they were captured on, while
+    collators pad each batch to its own longest row. So the batches are padded further, to one
+    length per key (``input_ids`` with the pad token, ``attention_mask`` and ``token_type_ids``
+    with 0, ``labels`` with -100): ``pad_to_length``, or the longest row of the training and
+    eval sets rounded up to a multiple of 8 (read from the rows, when the trainer is built; a
+    warning says what was chosen). Padded positions are masked and carry no label, so the loss
+    and its gradients are the batch's own; the compute is that of the longest batch.
 
     Raises:
         TrainingArgumentError: a setting a pipeline cannot honour
             (:data:`REFUSED_TRAINING_ARGUMENTS`), named.
+        MissingCapabilityError: the dialect does not declare ``trainer-loop`` and
+            ``portable-checkpoints`` (or its engine is not a :class:`TrainerEngine`).
+        TopologyError: the processes do not make the pipeline's stages times its replicas.
     """
 
-    def __init__(self, *args: Any, pipeline: PipelineArguments | None = None, **kwargs: Any):
-        if pipeline is None:
-            pipeline = PipelineArguments()
-        if not isinstance(pipeline, PipelineArguments):
-            raise ConfigError(
-                f"pipeline must be a PipelineArguments, got {type(pipeline).__name__}"
+    def __init__(self, model: Any = None, args: Any = None, *more: Any, **kwargs: Any) -> None:
+        _check_transformers()
+        if args is None:
+            args = PipelineTrainingArguments(output_dir="trainer_output")
+        if not isinstance(args, PipelineTrainingArguments):
+            raise TrainingArgumentError(
+                f"PipelineTrainer takes args=PipelineTrainingArguments(...), got "
+                f"{type(args).__name__}: it is a TrainingArguments with the pipeline's fields "
+                "(dialect, split_points, num_stages, ...)",
+                argument="args",
             )
-        super().__init__(*args, **kwargs)
-        self.pipeline = pipeline
+        if "pipeline" in kwargs:
+            raise TrainingArgumentError(
+                "PipelineTrainer takes the pipeline's settings in "
+                "args=PipelineTrainingArguments(dialect=..., split_points=...), not pipeline=",
+                argument="pipeline",
+            )
+        super().__init__(model, args, *more, **kwargs)
+        self.args: PipelineTrainingArguments = args
         check_trainer(self)
         _warn_on_dropout(self.unsplit_model)
-        self.pipe_dialect = get_dialect(pipeline.dialect)
+        self.pipe_dialect = get_dialect(args.dialect)
+        self._check_dialect()
         self.pipe_dialect.init_distributed()
-        self.engine: Any = None
-        self.plan: PipelinePlan | None = None
         self.topology: Topology | None = self._grid()
         self._data_group: Any = None
         self._step_batches: list[Any] = []
         self._step_items: torch.Tensor | None = None
+        #: While evaluating: micro-batch number -> (loss, predictions) on the last stage.
+        self._collected: dict[int, tuple[torch.Tensor, Any]] | None = None
+        self._keep_predictions = False
         #: The max_steps the engine's schedule was built for.
         self._schedule_steps: int | None = None
+        self._pad_batches()
+        self.plan: PipelinePlan = self._partition()
+        self.engine: TrainerEngine = self._build_engine(self.plan)
+        self.add_callback(_BestIntoStages(self))
 
     @property
     def unsplit_model(self) -> Any:
         """The model being trained, whole (Trainer types ``self.model`` loosely)."""
         return self.model
+
+    def _check_dialect(self) -> None:
+        """The dialect must declare what this loop reads from its engines."""
+        for capability in (Capability.TRAINER_LOOP, Capability.PORTABLE_CHECKPOINTS):
+            if capability not in self.pipe_dialect.capabilities:
+                declared = ", ".join(sorted(c.value for c in self.pipe_dialect.capabilities))
+                raise MissingCapabilityError(
+                    f"PipelineTrainer needs the {capability.value} capability, which the "
+                    f"{self.pipe_dialect.name} dialect does not declare (it declares: "
+                    f"{declared}); its engines must be TrainerEngines (optimizer, "
+                    "lr_scheduler, get_lr(), get_global_grad_norm()) and save portable "
+                    "checkpoints",
+                    dialect=self.pipe_dialect.name,
+                    capability=capability.value,
+                )
 
     # -- the process grid ------------------------------------------------------------------------
 
@@ -407,30 +695,45 @@ class PipelineTrainer(transformers.Trainer):
         return Capability.MULTI_PROCESS in self.pipe_dialect.capabilities
 
     def _num_stages(self) -> int:
-        p = self.pipeline
-        if p.split_points is not None:
-            if p.num_stages is not None and p.num_stages != len(p.split_points) + 1:
-                raise ConfigError(
-                    f"PipelineArguments: {len(p.split_points)} split points make "
-                    f"{len(p.split_points) + 1} stages, not num_stages={p.num_stages}"
+        a = self.args
+        if a.split_points is not None:
+            if a.num_stages is not None and a.num_stages != len(a.split_points) + 1:
+                raise TrainingArgumentError(
+                    f"{len(a.split_points)} split points make {len(a.split_points) + 1} stages, "
+                    f"not num_stages={a.num_stages}",
+                    argument="num_stages",
                 )
-            return len(p.split_points) + 1
-        if p.num_stages is not None:
-            return p.num_stages
+            return len(a.split_points) + 1
+        if a.num_stages is not None:
+            return a.num_stages
         if not self._multi_process:
-            raise ConfigError(
-                f"the {self.pipe_dialect.name} dialect runs every stage in one process: pass "
-                "PipelineArguments(split_points=[...]) or num_stages="
+            raise TrainingArgumentError(
+                f"the {self.pipe_dialect.name} dialect runs every stage in one process: set "
+                "split_points=[...] or num_stages=",
+                argument="num_stages",
             )
-        return dist.get_world_size() // (p.data_parallel or 1)
+        return dist.get_world_size() // (a.data_parallel or 1)
 
     def _grid(self) -> Topology | None:
-        """This run's topology (None on a dialect that runs every stage in one process)."""
+        """This run's topology (None on a dialect that runs every stage in one process).
+
+        Raises:
+            TopologyError: the processes are not the pipeline's ranks times its replicas
+                (every rank computes the same numbers, so every rank raises it).
+        """
         if not self._multi_process:
             return None
         stages = self._num_stages()
+        world = dist.get_world_size()
         ranks = self.pipe_dialect.make_topology(stages, 1).world_size()
-        data = self.pipeline.data_parallel or max(dist.get_world_size() // ranks, 1)
+        data = self.args.data_parallel or max(world // ranks, 1)
+        if ranks * data != world:
+            raise TopologyError(
+                f"{world} processes cannot run {stages} stages ({ranks} ranks a pipeline) times "
+                f"{data} data-parallel replicas ({ranks * data} processes); launch "
+                f"{ranks * data} processes (torchrun --nproc_per_node), or change num_stages, "
+                "split_points or data_parallel"
+            )
         return self.pipe_dialect.make_topology(stages, data)
 
     def data_parallel_size(self) -> int:
@@ -445,10 +748,72 @@ class PipelineTrainer(transformers.Trainer):
 
     def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
         """Samples per optimizer step: replicas, not processes (Trainer counts processes)."""
-        size: int = self._train_batch_size * args.gradient_accumulation_steps
+        size: int = args.per_device_train_batch_size * args.gradient_accumulation_steps
         return size * self.data_parallel_size()
 
     # -- data ------------------------------------------------------------------------------------
+
+    def _pad_batches(self) -> None:
+        """Choose the one length every batch is padded to ([Note: one captured length])."""
+        seen: dict[str, set[int]] = {}
+        for dataset in _datasets(self):
+            lengths = _row_lengths(dataset)
+            if lengths is None:
+                if self.args.pad_to_length is None:
+                    logger.info(
+                        "the rows of %s cannot be read as dicts: the batches are not padded "
+                        "(set pad_to_length= if their lengths vary)",
+                        type(dataset).__name__,
+                    )
+                return
+            for key, found in lengths.items():
+                seen.setdefault(key, set()).update(found)
+        varying = {k: v for k, v in seen.items() if len(v) > 1}
+        fixed = self.args.pad_to_length
+        if not varying and fixed is None:
+            return
+        sequence = {k for k in seen if k in _PAD_VALUES or k == "input_ids"}
+        unknown = sorted(set(varying) - sequence)
+        if unknown:
+            raise TrainingArgumentError(
+                f"the rows' {unknown[0]!r} vary in length, and pipedialect does not know what "
+                f"to pad {unknown[0]!r} with (it pads {sorted([*_PAD_VALUES, 'input_ids'])}); "
+                "pad the rows to one length in the data set",
+                argument="train_dataset",
+            )
+        too_long = sorted(k for k in sequence if fixed is not None and max(seen[k]) > fixed)
+        if too_long:
+            raise TrainingArgumentError(
+                f"pad_to_length={fixed}, but the rows' {too_long[0]!r} are up to "
+                f"{max(seen[too_long[0]])} long, longer than every batch is padded to; set "
+                f"pad_to_length >= {max(seen[too_long[0]])}, or truncate the rows",
+                argument="pad_to_length",
+            )
+        keys = sorted(set(varying) | (sequence if fixed is not None else set()))
+        chosen = {k: fixed if fixed is not None else -(-max(seen[k]) // 8) * 8 for k in keys}
+        pads = {**_PAD_VALUES, "input_ids": self._pad_token()}
+        self.data_collator = _PaddedCollator(self.data_collator, chosen, pads)
+        if fixed is None:
+            spans = ", ".join(f"{k} {min(seen[k])}..{max(seen[k])}" for k in sorted(varying))
+            warnings.warn(
+                f"the rows vary in length ({spans}) and the pipeline's stages run one shape: "
+                f"every batch is padded to {chosen} (input_ids with {pads.get('input_ids')}, "
+                "masks with 0, labels with -100; the loss is unchanged); set "
+                "pad_to_length= to choose another length",
+                PipeDialectWarning,
+                stacklevel=3,
+            )
+
+    def _pad_token(self) -> int:
+        for source in (
+            getattr(self.data_collator, "tokenizer", None),
+            self.processing_class,
+            getattr(self.unsplit_model, "config", None),
+        ):
+            found = getattr(source, "pad_token_id", None)
+            if isinstance(found, int):
+                return found
+        return 0
 
     def _shard(self, loader: Any) -> Any:
         """Shard ``loader`` over the data axis only ([Note: one data stream per replica]).
@@ -464,11 +829,7 @@ class PipelineTrainer(transformers.Trainer):
         if (
             shard is None
             or not hasattr(shard, "num_processes")
-            or type(loader).__name__
-            not in (
-                "DataLoaderShard",
-                "SkipDataLoader",
-            )
+            or type(loader).__name__ not in ("DataLoaderShard", "SkipDataLoader")
         ):
             raise TrainingArgumentError(
                 f"Trainer's loader is a {type(loader).__name__} that accelerate shards over every "
@@ -488,6 +849,10 @@ class PipelineTrainer(transformers.Trainer):
         """Trainer's eval loader, sharded over the data axis only."""
         return self._shard(super().get_eval_dataloader(eval_dataset))
 
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """Trainer's test loader, sharded over the data axis only."""
+        return self._shard(super().get_test_dataloader(test_dataset))
+
     def _example_inputs(self) -> dict[str, torch.Tensor]:
         """The first training (else eval) micro-batch as Trainer collates it, without its
         labels: the capture's example (its shapes and dtypes count). Read with the global RNG
@@ -499,43 +864,52 @@ class PipelineTrainer(transformers.Trainer):
                 else self.get_eval_dataloader()
             )
             batch = next(iter(loader))
+        if "labels" not in batch:
+            raise TrainingArgumentError(
+                f"a batch without 'labels' (keys {sorted(batch)}): the pipeline's loss is the "
+                "model's loss on the labels; make the collator produce them",
+                argument="data_collator",
+            )
         return {k: v for k, v in batch.items() if k != "labels"}
 
     # -- the engine ------------------------------------------------------------------------------
 
     def _split(self, stages: int) -> dict[str, Any]:
-        p = self.pipeline
-        if p.split_points is not None:
-            return {"split_points": list(p.split_points)}
+        a = self.args
+        if a.split_points is not None:
+            return {"split_points": list(a.split_points)}
         config = getattr(self.unsplit_model, "config", None)
         has_plan = bool(getattr(config, "base_model_pp_plan", None))
-        if p.balance is None and has_plan:
+        if a.balance is None and has_plan:
             return {"split_points": list(pp_plan_split_points(self.unsplit_model, stages))}
-        return {"num_stages": stages, "balance": p.balance}
+        return {"num_stages": stages, "balance": a.balance}
 
-    def _pipeline_loss(self, outputs: Any, target: Any) -> torch.Tensor:
-        """The model's own loss on the last stage's logits ([Note: the step's loss])."""
-        labels, items, factor = target
-        kwargs = {} if int(items) < 0 else {"num_items_in_batch": items}
-        model = self.unsplit_model
-        loss: torch.Tensor = model.loss_function(
-            logits=outputs[0], labels=labels, vocab_size=model.config.vocab_size, **kwargs
-        )
-        scaled: torch.Tensor = loss * factor
-        return scaled
+    def _recompute(self) -> list[str] | None:
+        """``recompute=`` for the plan: the user's, or the model's layers under Trainer's
+        gradient checkpointing."""
+        if self.args.recompute is not None:
+            return list(self.args.recompute)
+        on, _ = _checkpointing(self.args)
+        return _checkpointed_layers(self.unsplit_model) if on else None
 
-    def _build_engine(self) -> None:
-        """Partition the model and build this rank's engine with Trainer's optimizer and
-        schedule (factories over the engine's groups; HF's no-decay rule, by name)."""
-        args = self.args
-        stages = self._num_stages()
-        plan = partition(
+    def _partition(self) -> PipelinePlan:
+        """Capture and cut the model on the first collated micro-batch."""
+        recompute = self._recompute()
+        extra: dict[str, Any] = {} if recompute is None else {"recompute": recompute}
+        if self.args.bf16:  # Trainer's (accelerate's) bf16: autocast over fp32 weights
+            extra["autocast"] = torch.bfloat16
+        return partition(
             self.unsplit_model,
             example_inputs=self._example_inputs(),
             concrete_args={"return_dict": False, "use_cache": False},
-            **self._split(stages),
+            **self._split(self._num_stages()),
+            **extra,
         )
-        config = {
+
+    def _engine_config(self) -> dict[str, Any]:
+        """The engines' DeepSpeed-style config, every value from the TrainingArguments."""
+        args = self.args
+        return {
             "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "train_batch_size": args.per_device_train_batch_size
@@ -544,13 +918,19 @@ class PipelineTrainer(transformers.Trainer):
             "gradient_clipping": float(max(args.max_grad_norm, 0.0)),
             "steps_per_print": 2**31 - 1,
         }
+
+    def _build_engine(self, plan: PipelinePlan) -> TrainerEngine:
+        """Build this rank's engine with Trainer's optimizer (a factory over the engine's
+        groups; HF's no-decay rule, by name); the schedule comes with ``train()``."""
+        args = self.args
+        config = self._engine_config()
         options: dict[str, Any] = {}
         if self.topology is not None:
             options["topology"] = self.topology
-        if self.pipeline.schedule is not None:
-            options["schedule"] = self.pipeline.schedule
-        if self.pipeline.data_parallel_mode is not None:
-            options["data_parallel_mode"] = self.pipeline.data_parallel_mode
+        if args.pipeline_schedule is not None:
+            options["schedule"] = args.pipeline_schedule
+        if args.data_parallel_mode is not None:
+            options["data_parallel_mode"] = args.data_parallel_mode
         module = self.pipe_dialect.pipe_engine(
             plan, config=config, loss_fn=self._pipeline_loss, **options
         )
@@ -568,20 +948,27 @@ class PipelineTrainer(transformers.Trainer):
             if self.optimizer_cls_and_kwargs is not None
             else self.get_optimizer_cls_and_kwargs(args, self.unsplit_model)
         )
-        self.engine = self.pipe_dialect.runtime_engine(
-            module,
-            config=config,
-            param_groups=groups,
-            optimizer=lambda g: cls(g, **kwargs),
-            lr_scheduler=self._schedule,
+        engine = self.pipe_dialect.runtime_engine(
+            module, config=config, param_groups=groups, optimizer=lambda g: cls(g, **kwargs)
         )
-        self.plan = plan
-        optimizer: Any = _EngineOptimizer(self.engine)
-        scheduler: Any = _EngineScheduler(self.engine)
-        self.optimizer, self.lr_scheduler = optimizer, scheduler
+        if not isinstance(engine, TrainerEngine):
+            missing = [
+                m
+                for m in ("module", "optimizer", "lr_scheduler", "get_lr", "get_global_grad_norm")
+                if not hasattr(engine, m)
+            ]
+            raise MissingCapabilityError(
+                f"the {self.pipe_dialect.name} dialect declares trainer-loop, but its "
+                f"{type(engine).__name__} lacks {', '.join(missing)} (TrainerEngine)",
+                dialect=self.pipe_dialect.name,
+                capability=Capability.TRAINER_LOOP.value,
+            )
+        optimizer: Any = _EngineOptimizer(engine)
+        self.optimizer = optimizer
         # Trainer and accelerate never wrap the model (in DDP over the pipeline ranks, say).
-        self.model_wrapped = self.engine.module
+        self.model_wrapped = engine.module
         self._data_group = self._data_axis_group()
+        return engine
 
     def _data_axis_group(self) -> Any:
         """The process group of this rank's copies over the replicas (None with one)."""
@@ -595,6 +982,27 @@ class PipelineTrainer(transformers.Trainer):
                 found = group
         return found
 
+    def _pipeline_loss(self, outputs: Any, target: Any) -> torch.Tensor:
+        """The model's own loss on the last stage's logits ([Note: the step's loss]); while
+        evaluating, also kept with the predictions ([Note: evaluation through the last stage])."""
+        labels, items, factor, number = target
+        kwargs = {} if int(items) < 0 else {"num_items_in_batch": items}
+        model = self.unsplit_model
+        logits = outputs[0]
+        loss: torch.Tensor = model.loss_function(
+            logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs
+        )
+        if self._collected is not None:
+            predictions = None
+            if self._keep_predictions:
+                kept: Any = outputs[0] if len(outputs) == 1 else tuple(outputs)
+                if self.preprocess_logits_for_metrics is not None:
+                    kept = self.preprocess_logits_for_metrics(kept, labels)
+                predictions = _to_cpu(kept)
+            self._collected[int(number)] = (loss.detach().float().cpu(), predictions)
+        scaled: torch.Tensor = loss * factor
+        return scaled
+
     def _schedule(self, optimizer: torch.optim.Optimizer) -> Any:
         """Trainer's LR schedule over the engine's optimizer, for the run's ``max_steps``."""
         self.lr_scheduler = None  # Trainer builds one only where it has none
@@ -602,13 +1010,9 @@ class PipelineTrainer(transformers.Trainer):
         return transformers.Trainer.create_scheduler(self, self.state.max_steps, optimizer)
 
     def create_optimizer(self, model: Any = None) -> Any:
-        """Build the pipeline and its engine (once); Trainer gets the proxy optimizer.
-
-        An engine built by an ``evaluate()`` before ``train()`` gets its schedule again, now
-        that the number of training steps is known."""
-        if self.engine is None:
-            self._build_engine()
-        elif self._schedule_steps != self.state.max_steps:
+        """The proxy of the engine's optimizer; the engine gets Trainer's schedule for this
+        run's length (``train()`` knows it)."""
+        if self._schedule_steps != self.state.max_steps:
             self.engine.lr_scheduler = self._schedule(self.engine.optimizer)
         proxy: Any = _EngineScheduler(self.engine)
         self.lr_scheduler = proxy
@@ -616,26 +1020,22 @@ class PipelineTrainer(transformers.Trainer):
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         """The engine's schedule, behind a proxy (the engine steps it)."""
-        if self.engine is None:
-            return super().create_scheduler(num_training_steps, optimizer)
+        if not isinstance(self.lr_scheduler, _EngineScheduler):
+            self.create_optimizer()
         return self.lr_scheduler
 
-    def _clip_grad_norm(self, model: Any) -> torch.Tensor | None:
-        """The engine's global gradient norm of the step (it clipped with max_grad_norm)."""
-        norm = self.engine.get_global_grad_norm()
-        return None if norm is None else torch.tensor(float(norm))
-
-    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float | None:
-        """The step's norm as a float, also when max_grad_norm is 0 (no clipping)."""
-        if grad_norm is None:
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's logging, with the engine's global gradient norm of the step as
+        ``grad_norm`` (Trainer measured the stages' gradients after the engine dropped them)."""
+        if "grad_norm" in logs:
             norm = self.engine.get_global_grad_norm()
-            return None if norm is None else float(norm)
-        return float(grad_norm)
+            logs = {**logs, "grad_norm": float("nan") if norm is None else float(norm)}
+        super().log(logs, *args, **kwargs)
 
     # -- one optimizer step ([Note: Trainer's step through an engine]) --------------------------
 
     def get_batch_samples(
-        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: Any = None
     ) -> tuple[list[Any], torch.Tensor | None]:
         """The step's micro-batches, and their label tokens over the replicas."""
         batches: list[Any] = []
@@ -658,7 +1058,7 @@ class PipelineTrainer(transformers.Trainer):
         return batches, self._step_items
 
     def _counts_tokens(self) -> bool:
-        return bool(self.model_accepts_loss_kwargs)
+        return bool(getattr(self, "model_accepts_loss_kwargs", False))
 
     def _count_items(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor | None:
         """The label tokens of ``batches`` that count in the loss, with the model's own shift
@@ -679,10 +1079,11 @@ class PipelineTrainer(transformers.Trainer):
         return total
 
     def _micro_batch(
-        self, batch: Mapping[str, Any], items: torch.Tensor | None, factor: float
+        self, batch: Mapping[str, Any], items: torch.Tensor | None, factor: float, number: int
     ) -> dict[str, Any]:
         """A collated batch as the engines read it by name: the model's inputs, and the labels
-        with the token count and the loss factor ([Note: the step's loss])."""
+        with the token count, the loss factor and the micro-batch's number ([Note: the step's
+        loss])."""
         if "labels" not in batch:
             raise TrainingArgumentError(
                 f"a batch without 'labels' (keys {sorted(batch)}): the pipeline's loss is the "
@@ -690,7 +1091,12 @@ class PipelineTrainer(transformers.Trainer):
                 argument="data_collator",
             )
         count = torch.tensor(-1, dtype=torch.int64) if items is None else items.reshape(())
-        target = (batch["labels"], count, torch.tensor(factor, dtype=torch.float32))
+        target = (
+            batch["labels"],
+            count,
+            torch.tensor(factor, dtype=torch.float32),
+            torch.tensor(number, dtype=torch.int64),
+        )
         return {**{k: v for k, v in batch.items() if k != "labels"}, "labels": target}
 
     def training_step(
@@ -704,7 +1110,10 @@ class PipelineTrainer(transformers.Trainer):
         if self._step_items is not None:
             across = self.args.average_tokens_across_devices
             factor = float(gas * (self.data_parallel_size() if across else 1))
-        pairs = [self._micro_batch(b, self._step_items, factor) for b in self._step_batches]
+        pairs = [
+            self._micro_batch(b, self._step_items, factor, i)
+            for i, b in enumerate(self._step_batches)
+        ]
         self._step_batches = []
         proxy: Any = self.lr_scheduler
         if isinstance(proxy, _EngineScheduler):
@@ -712,7 +1121,7 @@ class PipelineTrainer(transformers.Trainer):
         loss: torch.Tensor = self.engine.train_batch(iter(pairs))
         return loss.detach().to(self.args.device)
 
-    # -- evaluation ------------------------------------------------------------------------------
+    # -- evaluation ([Note: evaluation through the last stage]) ---------------------------------
 
     def evaluation_loop(
         self,
@@ -722,58 +1131,147 @@ class PipelineTrainer(transformers.Trainer):
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ) -> EvalLoopOutput:
-        """The eval set through ``eval_batch``, in chunks of ``gradient_accumulation_steps``
-        batches; ``eval_loss`` is the mean of the batches' token-mean losses, as Trainer's."""
-        if self.engine is None:  # evaluate() before train()
-            self._build_engine()
-        batches = [self._micro_batch(b, None, 1.0) for b in dataloader]
+        """The eval set through ``eval_batch``; ``eval_loss`` (the mean of the batches' losses)
+        and ``compute_metrics`` as Trainer computes them."""
+        loss_only = (
+            prediction_loss_only
+            if prediction_loss_only is not None
+            else self.args.prediction_loss_only
+        )
+        self._keep_predictions = not loss_only and (
+            self.compute_metrics is not None or description == "Prediction"
+        )
+        self.callback_handler.eval_dataloader = dataloader
+        batches = list(dataloader)
         if not batches:
             raise TrainingArgumentError(
                 "the eval set has no batch for this replica", argument="eval_dataset"
             )
+        replicas, replica = self.data_parallel_size(), self.data_parallel_rank()
         chunk = self.args.gradient_accumulation_steps
-        total = 0.0
-        for start in range(0, len(batches), chunk):
-            part = batches[start : start + chunk]
-            mean = self.engine.eval_batch(iter(part), num_micro_batches=len(part))
-            total += float(mean) * len(part)
-        loss = total / len(batches)
-        key = f"{metric_key_prefix}_loss"
-        metrics = {key: loss if math.isfinite(loss) else float("nan")}
-        samples = len(batches) * self.args.per_device_eval_batch_size * self.data_parallel_size()
-        nothing: Any = None  # no predictions are gathered
+        self._collected = {}
+        try:
+            for start in range(0, len(batches), chunk):
+                part = [
+                    self._micro_batch(b, None, 1.0, (start + i) * replicas + replica)
+                    for i, b in enumerate(batches[start : start + chunk])
+                ]
+                part += [part[-1]] * (chunk - len(part))  # dropped: the numbers repeat
+                self.engine.eval_batch(iter(part), num_micro_batches=chunk)
+                self.control = self.callback_handler.on_prediction_step(
+                    self.args, self.state, self.control
+                )
+            results = self._gather_results(self._collected)
+        finally:
+            self._collected = None
+        total = len(dataloader.dataset) // self.args.per_device_eval_batch_size
+        if not hasattr(dataloader.dataset, "__len__"):
+            total = len(results)
+        ordered = [results[i] for i in range(total)]
+        labels: list[Any] = [None] * total
+        if self._keep_predictions:
+            shared = self._replica_batches(batches, replicas, replica, total)
+            labels = [b["labels"] for b in shared]
+        return self._eval_output(ordered, labels, metric_key_prefix, total)
+
+    def _replica_batches(
+        self, batches: list[Any], replicas: int, replica: int, total: int
+    ) -> list[Any]:
+        """Every replica's batches in Trainer's order (every rank collated only its own, and
+        every replica reads a share of one stream: gather the labels by broadcast)."""
+        if replicas == 1:
+            return batches[:total]
+        shared: list[Any] = []
+        for r in range(replicas):
+            source = self.topology.filter_match(pipe=0, data=r)[0] if self.topology else 0
+            box = [[{"labels": b["labels"]} for b in batches] if replica == r else None]
+            dist.broadcast_object_list(box, src=source, device=self._object_device())
+            shared.append(box[0])
+        return [shared[i % replicas][i // replicas] for i in range(total)]
+
+    def _object_device(self) -> torch.device | None:
+        return self.args.device if self.args.device.type == "cuda" else None
+
+    def _gather_results(
+        self, mine: dict[int, tuple[torch.Tensor, Any]]
+    ) -> dict[int, tuple[torch.Tensor, Any]]:
+        """Every replica's last-stage results, on every rank (one broadcast per replica)."""
+        if self.topology is None:
+            return mine
+        last = self.topology.get_dim("pipe") - 1
+        out: dict[int, tuple[torch.Tensor, Any]] = {}
+        for r in range(self.data_parallel_size()):
+            source = self.topology.filter_match(pipe=last, data=r)[0]
+            box = [mine if dist.get_rank() == source else None]
+            dist.broadcast_object_list(box, src=source, device=self._object_device())
+            out.update(box[0] or {})
+        return out
+
+    def _eval_output(
+        self,
+        ordered: list[tuple[torch.Tensor, Any]],
+        labels: list[torch.Tensor],
+        prefix: str,
+        total: int,
+    ) -> EvalLoopOutput:
+        """Trainer's metrics from the batches' losses, predictions and labels."""
+        size = self.args.per_device_eval_batch_size
+        losses = EvalLoopContainer(True, padding_index=-100)
+        preds = EvalLoopContainer(True, padding_index=-100)
+        gathered = EvalLoopContainer(True, padding_index=-100)
+        for (loss, predictions), label in zip(ordered, labels, strict=True):
+            losses.add(loss.reshape(()).repeat(size))
+            if self._keep_predictions:
+                preds.add(predictions)
+                gathered.add(label)
+        all_losses: Any = losses.get_arrays()  # type: ignore[no-untyped-call]
+        all_preds: Any = preds.get_arrays()  # type: ignore[no-untyped-call]
+        all_labels: Any = gathered.get_arrays()  # type: ignore[no-untyped-call]
+        metrics: dict[str, Any] = {}
+        if self.compute_metrics is not None and self._keep_predictions:
+            metrics = self.compute_metrics(
+                EvalPrediction(predictions=all_preds, label_ids=all_labels)
+            )
+        metrics = denumpify_detensorize(metrics)  # type: ignore[no-untyped-call]
+        finite = np.isfinite(all_losses)
+        if self.args.logging_nan_inf_filter and finite.any():
+            all_losses = all_losses[finite]
+        metrics[f"{prefix}_loss"] = all_losses.mean().item()
+        for key in list(metrics):
+            if not key.startswith(f"{prefix}_"):
+                metrics[f"{prefix}_{key}"] = metrics.pop(key)
+        nothing: Any = None
         return EvalLoopOutput(
-            predictions=nothing, label_ids=nothing, metrics=metrics, num_samples=samples
+            predictions=all_preds if self._keep_predictions else nothing,
+            label_ids=all_labels if self._keep_predictions else nothing,
+            metrics=metrics,
+            num_samples=total * size,
         )
 
-    def predict(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: logits exist on the last stage only."""
-        raise TrainingArgumentError(
-            f"PipelineTrainer cannot honour predict: {REFUSED_TRAINING_ARGUMENTS['predict']}",
-            argument="predict",
-        )
-
-    # -- checkpoints: Trainer's folders, a portable checkpoint inside ---------------------------
+    # -- checkpoints ([Note: checkpoints both ways]) --------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Every rank writes its stages into ``output_dir/pipeline`` (a portable checkpoint:
         weights, optimizer, schedule, counters, random generators); then the main process
-        consolidates them into ``save_pretrained`` files, so the folder loads with
-        ``from_pretrained`` as Trainer's does. A collective."""
+        consolidates them into ``save_pretrained`` files and saves the tokenizer (or the
+        collator's) and the arguments beside them, as Trainer does. A collective."""
         output_dir = output_dir or self.args.output_dir
         if output_dir is None:
             raise TrainingArgumentError("save_model() needs an output_dir", argument="output_dir")
-        if self.engine is None:
-            super().save_model(output_dir, _internal_call)
-            return
         saved = portable.save(self.engine, output_dir, tag=PIPELINE_TAG, save_latest=False)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+        self._barrier()
         if self.args.should_save:
             self.unsplit_model.save_pretrained(output_dir, state_dict=self._model_state(saved))
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
+            tokenizer = self.processing_class
+            if tokenizer is None:
+                tokenizer = getattr(self.data_collator, "tokenizer", None)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(output_dir)
             torch.save(self.args, Path(output_dir) / TRAINING_ARGS_NAME)
+        self._barrier()
+
+    @staticmethod
+    def _barrier() -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
 
@@ -789,18 +1287,144 @@ class PipelineTrainer(transformers.Trainer):
             )
         return {k: state[k] for k in wanted}
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Nothing: :meth:`save_model` saved them, every rank its own stages."""
+    def _trainer_groups(self) -> list[list[str]]:
+        """The parameter names of plain Trainer's optimizer groups over the unsplit model, in
+        its order: the weight-decay group, then the others (trainable parameters only)."""
+        decay = set(self.get_decay_parameter_names(self.unsplit_model))
+        named = [(n, p) for n, p in self.unsplit_model.named_parameters() if p.requires_grad]
+        return [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """Nothing yet: the engine does not exist when Trainer calls this; everything loads in
-        :meth:`_load_optimizer_and_scheduler`, once it does."""
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """``optimizer.pt`` and ``scheduler.pt`` as plain Trainer writes them, from the
+        pipeline's checkpoint that :meth:`save_model` just wrote (the main process)."""
+        if not self.args.should_save:
+            return
+        saved = portable.consolidate_optimizer(Path(output_dir) / PIPELINE_TAG)
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        number = 0
+        for names in self._trainer_groups():
+            hyper = next((saved["groups"][n] for n in names if n in saved["groups"]), None)
+            if hyper is None:  # an empty group: the other's hyper-parameters, no decay
+                hyper = {**next(iter(saved["groups"].values())), "weight_decay": 0.0}
+            groups.append({**hyper, "params": list(range(number, number + len(names)))})
+            for name in names:
+                if saved["state"].get(name):
+                    state[number] = saved["state"][name]
+                number += 1
+        torch.save({"state": state, "param_groups": groups}, Path(output_dir) / OPTIMIZER_NAME)
+        schedule = self.engine.lr_scheduler
+        if schedule is not None:
+            torch.save(
+                _widen_schedule(schedule.state_dict(), len(groups)),
+                Path(output_dir) / SCHEDULER_NAME,
+            )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Load the checkpoint's pipeline folder (any dialect or layout saved it)."""
+        """Resume the engine from ``checkpoint``'s pipeline folder (any dialect or layout saved
+        it), else from plain Trainer's ``optimizer.pt``/``scheduler.pt``, by name.
+
+        Raises:
+            CheckpointError: the folder holds neither.
+        """
         if checkpoint is None:
             return
-        portable.load(self.engine, Path(checkpoint) / PIPELINE_TAG)
+        folder = Path(checkpoint)
+        if (folder / PIPELINE_TAG).is_dir():
+            portable.load(self.engine, folder / PIPELINE_TAG)
+            return
+        if not ((folder / OPTIMIZER_NAME).is_file() and (folder / SCHEDULER_NAME).is_file()):
+            raise CheckpointError(
+                f"{folder} holds no {PIPELINE_TAG}/ folder (PipelineTrainer's) and no "
+                f"{OPTIMIZER_NAME} and {SCHEDULER_NAME} (plain Trainer's): the run cannot "
+                "resume its optimizer and schedule from it (a folder saved with "
+                "save_only_model, or by Trainer's DeepSpeed or FSDP?)"
+            )
+        self._load_trainer_optimizer(torch.load(folder / OPTIMIZER_NAME, weights_only=True))
+        schedule = torch.load(folder / SCHEDULER_NAME, weights_only=True)
+        groups = len(self.engine.optimizer.param_groups)
+        self.engine.lr_scheduler.load_state_dict(_widen_schedule(schedule, groups))
+
+    def _load_trainer_optimizer(self, saved: Mapping[str, Any]) -> None:
+        """Plain Trainer's optimizer state, onto this rank's parameters by name."""
+        names = [n for group in self._trainer_groups() for n in group]
+        hypers: dict[str, dict[str, Any]] = {}
+        by_name: dict[str, Any] = {}
+        for group in saved["param_groups"]:
+            for number in group["params"]:
+                if number >= len(names):
+                    raise CheckpointError(
+                        f"the checkpoint's {OPTIMIZER_NAME} has more parameters than the "
+                        f"model's {len(names)} trainable ones: it belongs to another model"
+                    )
+                hypers[names[number]] = {k: v for k, v in group.items() if k != "params"}
+                if number in saved["state"]:
+                    by_name[names[number]] = saved["state"][number]
+        name_of = {id(p): n for n, p in self.unsplit_model.named_parameters()}
+        optimizer = self.engine.optimizer
+        current = optimizer.state_dict()
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        number = 0
+        for group, group_state in zip(optimizer.param_groups, current["param_groups"], strict=True):
+            merged = dict(group_state)
+            for p in group["params"]:
+                name = name_of.get(id(p))
+                if name is None or name not in hypers:
+                    raise CheckpointError(
+                        f"the checkpoint's {OPTIMIZER_NAME} holds no state for a parameter "
+                        f"of shape {tuple(p.shape)} this rank trains ({name}); it was saved "
+                        "for another model or other trainable parameters"
+                    )
+                if name in by_name:
+                    state[number] = by_name[name]
+                merged.update({k: v for k, v in hypers[name].items() if k in merged})
+                number += 1
+            groups.append(merged)
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value``'s tensors detached, as fp32 where floating, on the CPU."""
+    if isinstance(value, torch.Tensor):
+        out = value.detach()
+        return (out.float() if out.is_floating_point() else out).cpu()
+    if isinstance(value, tuple | list):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _widen_schedule(state: Mapping[str, Any], groups: int) -> dict[str, Any]:
+    """An LR scheduler's state for ``groups`` parameter groups: one schedule drives every
+    group here, so a list of one rate per group is its first rate repeated."""
+    out = dict(state)
+    for key in ("base_lrs", "_last_lr"):
+        value = out.get(key)
+        if isinstance(value, list) and value and len(value) != groups:
+            out[key] = [value[0]] * groups
+    lambdas = out.get("lr_lambdas")
+    if isinstance(lambdas, list) and lambdas and len(lambdas) != groups:
+        out["lr_lambdas"] = [lambdas[0]] * groups
+    return out
+
+
+def _check_transformers() -> None:
+    """Refuse a transformers outside :data:`SUPPORTED_TRANSFORMERS` (older ones train other
+    numbers than plain Trainer, docs/huggingface.rst "Versions"), or whose Trainer lacks what
+    this integration overrides."""
+    from packaging.version import Version
+
+    low, high = SUPPORTED_TRANSFORMERS
+    version = Version(transformers.__version__)
+    needed = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "get_batch_samples")
+    missing = [m for m in needed if not callable(getattr(transformers.Trainer, m, None))]
+    if not Version(low) <= version < Version(high) or missing:
+        lacks = f" (its Trainer has no {', '.join(missing)})" if missing else ""
+        raise ConfigError(
+            f"PipelineTrainer supports transformers>={low},<{high}, not "
+            f"{transformers.__version__}{lacks}; install one in that range (pip install "
+            "'pipedialect[hf]')"
+        )
 
 
 def _warn_on_dropout(model: nn.Module) -> None:

@@ -30,6 +30,31 @@ splitter, liveness and tie analysis are shared ([Note: own splitter] in ``_fx``)
   where its value is computed, so that it happens in the stage that computes it;
 - the output keeps the model's structure when it is made of tuples, lists, dicts and None.
 
+[Note: stages under autocast]
+Mixed precision as ``torch.autocast`` (and so accelerate and Hugging Face's ``Trainer``) means
+it keeps fp32 parameters and runs eligible ops in bf16. Two things make a stage compute what the
+unsplit model computes under autocast. The forward is exported under the same autocast, so the
+dtypes the model's Python reads are autocast's (``x.type_as(h)`` with ``h`` the bf16 output of
+a matmul is a cast to bf16, as in the eager model: Gemma2's norms do this), while the ops are
+recorded as called, before autocast's casts. And :func:`autocast_stage` makes each stage run its
+whole body (both modes' graphs) inside ``torch.autocast(<its inputs' device>, dtype)``, outlined
+into one region as the recomputed ones are, so autocast casts at run time, per op, as in the
+unsplit model. The logits of Llama, Qwen2, Mistral and Gemma2 then equal the unsplit model's
+under autocast bit for bit (an fp32 capture run under autocast is off by a bf16 ulp on Gemma2).
+A recomputed region inside keeps the autocast state (the checkpoint restores it when
+recomputing).
+
+[Note: recomputed regions]
+The exported graph has no module calls to route through a checkpoint (``_fx`` [Note:
+recomputed calls]), but every node records the modules whose forward ran it. So after the cut,
+:func:`checkpoint_regions` outlines, in each stage graph, the run of nodes a recomputed module
+computed into a small ``GraphModule`` (the stage's attribute ``recomputed_<n>``, holding no
+parameter: the parameters it reads stay ``get_attr`` nodes of the stage, passed in as
+arguments) and calls it through non-reentrant ``torch.utils.checkpoint`` with the RNG state
+preserved. The stage's parameter names and ties do not change, and the same numbers come out;
+only the region's activations are dropped after the forward and recomputed in backward. A
+region that writes a buffer in place would write it twice, and is refused by name.
+
 A split point's computation is the run of nodes whose ``nn_module_stack`` names its module;
 the stage boundary follows the last of them.
 
@@ -54,11 +79,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from torch import fx, nn
 from torch.export.graph_signature import (
     ConstantArgument,
@@ -67,7 +94,7 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
-from ..errors import CaptureError, SplitPointError, StructureChangedError
+from ..errors import CaptureError, RecomputeError, SplitPointError, StructureChangedError
 from . import _state
 from ._fx import Captured, remove_attrs
 from ._module_paths import check_execution_order, check_single_call
@@ -604,3 +631,169 @@ def locate(
         found.append(last[target])
     check_execution_order(points, [position[node] for node in found], "finishes")
     return found
+
+
+# -- recomputed regions ([Note: recomputed regions]) ----------------------------------------
+
+
+def recomputed_region(region: nn.Module, *args: Any) -> Any:
+    """Run an outlined region under non-reentrant recomputation ([Note: recomputed regions])."""
+    return torch.utils.checkpoint.checkpoint(
+        region, *args, use_reentrant=False, preserve_rng_state=True
+    )
+
+
+def _in_module(node: fx.Node, path: str) -> bool:
+    return any(p == path for p, _ in (node.meta.get("nn_module_stack") or {}).values())
+
+
+def check_recomputed_called(graph: fx.Graph, paths: Sequence[str]) -> None:
+    """Every recomputed module computes something in the exported graph.
+
+    Raises:
+        RecomputeError: naming the first that does not.
+    """
+    for path in paths:
+        if not any(n.op == "call_function" and _in_module(n, path) for n in graph.nodes):
+            raise RecomputeError(
+                f"recomputed module {path!r} computes nothing in the exported graph (forward "
+                "never calls it, or its forward has no tensor operation); drop it from "
+                "recompute="
+            )
+
+
+def checkpoint_regions(stage: fx.GraphModule, paths: Sequence[str]) -> None:
+    """Outline each recomputed module's nodes of ``stage``'s train-mode graph into a region
+    called through :func:`recomputed_region` (the eval-mode graph runs without gradients).
+
+    Raises:
+        RecomputeError: a region that writes a buffer, or whose nodes another module's
+            computation interleaves.
+    """
+    count = 0
+    for path in paths:
+        while _outline(stage, stage.graph, path, f"recomputed_{count}"):
+            count += 1
+    stage.graph.lint()
+    stage.recompile()
+
+
+def _outline(stage: fx.GraphModule, graph: fx.Graph, path: str, name: str) -> bool:
+    """Outline the first run of ``path``'s nodes not outlined yet; False when none is left."""
+    nodes = list(graph.nodes)
+    inside = [
+        i
+        for i, n in enumerate(nodes)
+        if n.op == "call_function" and n.target is not recomputed_region and _in_module(n, path)
+    ]
+    if not inside:
+        return False
+    first, last = inside[0], inside[-1]
+    region: list[fx.Node] = []
+    for node in nodes[first : last + 1]:
+        if node.op == "get_attr":
+            nodes[first].prepend(node)  # stays in the stage, read before the region
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack and not _in_module(node, path):
+            other = [p for p, _ in stack.values()][-1]
+            raise RecomputeError(
+                f"recomputed module {path!r}: its computation is interleaved with "
+                f"{other!r}'s in the exported graph, so it cannot be recomputed as one region; "
+                "recompute the modules inside it instead"
+            )
+        if node.op != "call_function":
+            raise RecomputeError(
+                f"recomputed module {path!r}: the exported graph holds a {node.op} node "
+                f"({node.name}) inside it; drop it from recompute="
+            )
+        region.append(node)
+    for node in region:
+        _refuse_writes(path, node, set(region))
+    _replace_region(stage, graph, region, name, recomputed_region, ())
+    return True
+
+
+def _refuse_writes(path: str, node: fx.Node, members: set[fx.Node]) -> None:
+    """A region may not write in place what it did not compute (a buffer, its input): its
+    recomputation would write it twice, or read the written value."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return
+    for argument, value in zip(schema.arguments, node.args, strict=False):
+        written = argument.alias_info is not None and argument.alias_info.is_write
+        if written and isinstance(value, fx.Node) and value not in members:
+            what = value.target if value.op == "get_attr" else value.name
+            raise RecomputeError(
+                f"recomputed module {path!r} writes {what!r} in place ({node.target}), which "
+                "it did not compute: recomputing it would write it twice; drop "
+                f"{path!r} from recompute="
+            )
+
+
+def _replace_region(
+    stage: fx.GraphModule,
+    graph: fx.Graph,
+    region: list[fx.Node],
+    name: str,
+    target: Callable[..., Any],
+    leading: tuple[Any, ...],
+) -> None:
+    """Move ``region`` (consecutive nodes of ``graph``) into ``stage``'s parameterless
+    submodule ``name``, called as ``target(submodule, *leading, *inputs)``."""
+    members = set(region)
+    inputs: list[fx.Node] = []
+    for node in region:
+        for used in node.all_input_nodes:
+            if used not in members and used not in inputs:
+                inputs.append(used)
+    outputs = [n for n in region if any(u not in members for u in n.users)]
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for value in inputs:
+        env[value] = sub.placeholder(value.name)
+    for node in region:
+        env[node] = sub.node_copy(node, lambda n: env[n])
+    sub.output(tuple(env[n] for n in outputs))
+    stage.add_submodule(name, fx.GraphModule(nn.Module(), sub))
+    with graph.inserting_before(region[0]):
+        holder = graph.get_attr(name)
+        call = graph.call_function(target, (holder, *leading, *inputs))
+        results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+    for node, result in zip(outputs, results, strict=True):
+        result.meta = {k: v for k, v in node.meta.items() if k != "nn_module_stack"}
+        node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
+    for node in reversed(region):
+        graph.erase_node(node)
+
+
+# -- stages under autocast ([Note: stages under autocast]) ----------------------------------
+
+
+def autocast_region(region: nn.Module, dtype: torch.dtype, *args: Any) -> Any:
+    """Run a stage's outlined body under ``torch.autocast`` on its inputs' device."""
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    with torch.autocast(device, dtype=dtype):
+        return region(*args)
+
+
+def autocast_stage(stage: fx.GraphModule, graphs: Sequence[fx.Graph], dtype: torch.dtype) -> None:
+    """Make ``stage`` run every op of ``graphs`` (its train- and eval-mode graphs) under
+    ``torch.autocast(dtype)``: its body becomes one region called through
+    :func:`autocast_region` ([Note: stages under autocast])."""
+    for number, graph in enumerate(graphs):
+        nodes = list(graph.nodes)
+        body = [n for n in nodes if n.op not in ("placeholder", "output")]
+        for node in body:
+            if node.op == "get_attr":
+                body[0].prepend(node)
+        region = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+        if any(n.op != "call_function" for n in region):
+            raise CaptureError(
+                "autocast stages need the torch.export capture (example_inputs=), whose stage "
+                "graphs call functions only"
+            )
+        if region:
+            _replace_region(stage, graph, region, f"autocast_{number}", autocast_region, (dtype,))
+    stage.graph.lint()
+    stage.recompile()

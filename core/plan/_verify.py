@@ -81,6 +81,8 @@ class CheckedPlan(Protocol):
     @property
     def param_dtype(self) -> torch.dtype | None: ...
     @property
+    def autocast(self) -> torch.dtype | None: ...
+    @property
     def num_stages(self) -> int: ...
     @property
     def _seen(self) -> dict[str, dict[str, Any]]: ...
@@ -119,7 +121,11 @@ def verify(plan: CheckedPlan, args: Sequence[Any], kwargs: Mapping[str, Any]) ->
     first_names = {id(m): name for name, m in model.named_modules()}
     inputs = [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
     targets = [first_names[id(m)] for m in points]
-    with _state.parameters_as(model, plan.param_dtype):
+    autocast: Any = contextlib.nullcontext()
+    if plan.autocast is not None:  # the model runs as the stages do ([Note: stages under
+        device = next((t.device.type for t in inputs), "cpu")  # autocast] in ``_export``)
+        autocast = torch.autocast(device, dtype=plan.autocast)
+    with _state.parameters_as(model, plan.param_dtype), autocast:
         for training in (True, False):
             with _Modes(model, plan.stages, training):
                 try:

@@ -32,6 +32,7 @@ without either they are unknown, and said to be.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import inspect
@@ -203,6 +204,9 @@ class PipelinePlan:
     #: ``None`` default is not here: the capture traced the input as a value, so an input that
     #: may be left out is fixed with ``concrete_args`` instead.
     input_defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: The dtype every stage runs its ops under ``torch.autocast`` in (``partition(...,
+    #: autocast=)``: fp32 parameters, eligible ops in that dtype), or None.
+    autocast: torch.dtype | None = None
     #: What :meth:`verify` saw of each boundary value: shape, dtype, bytes, output paths
     #: ([Note: boundary values]).
     _seen: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
@@ -313,6 +317,8 @@ class PipelinePlan:
             lines.append(f"Captured with {self.param_dtype} parameters (torch.export)")
         if self.recomputed:
             lines.append(f"Recomputed in backward: {list(self.recomputed)}")
+        if self.autocast is not None:
+            lines.append(f"Every stage runs under torch.autocast({self.autocast})")
         if self.costs is not None:
             lines.extend(self.costs.describe_lines())
         return "\n".join(lines)
@@ -378,6 +384,7 @@ def partition(
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     example_inputs: Mapping[str, Any] | Sequence[Any] | None = None,
     dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
     verify: bool = True,
 ) -> PipelinePlan:
     """Cut ``model`` into pipeline stages, after the given or the chosen split points.
@@ -414,7 +421,8 @@ def partition(
             replayed) instead of kept: the stage graphs call them through the checkpoint, so
             it works alike on every dialect. Nested matches count once, at the outermost
             module; each matched module runs as one call ([Note: recomputed calls] in
-            ``_fx``). Only with the torch.fx capture (not with ``example_inputs``).
+            ``_fx``), or, with ``example_inputs``, its nodes of the exported graph as one
+            region ([Note: recomputed regions] in ``_export``).
         concrete_args: values fixed at capture time for forward parameters that steer control
             flow (``{"use_cache": False}``); they are not plan inputs.
         leaf_modules: module paths or classes fx must call rather than trace through.
@@ -435,6 +443,11 @@ def partition(
             (torch.export writes dtypes into the graphs, [Note: export precision] in
             ``_export``). Default: the parameters' own. The torch.fx capture ignores it: its
             stages follow the parameters' dtype.
+        autocast: with ``example_inputs``, a dtype (``torch.bfloat16``) every stage runs its
+            ops under ``torch.autocast`` in, over fp32 parameters: mixed precision as
+            accelerate and Hugging Face's ``Trainer`` mean it, where ``dtype=`` is DeepSpeed's
+            ([Note: stages under autocast] in ``_export``). The plan is checked against the
+            model run under the same autocast.
         verify: with ``example_inputs``, whether to check the plan on them (default: yes).
 
     The model is left exactly as it was: buffers, Python attributes and train/eval flags of
@@ -450,7 +463,7 @@ def partition(
         ConfigError: ``balance`` or ``micro_batches`` without ``num_stages``, an unknown
             method, or one that needs inputs it was not given.
         RecomputeError: a ``recompute`` pattern matches no module, a recomputed
-            module contains a split point, or ``recompute`` with ``example_inputs``.
+            module contains a split point, or it writes a buffer (``example_inputs``).
         CaptureError: torch.fx or torch.export cannot capture the forward (the message says
             what to try); forward changes a Python attribute while it is traced; a grad-mode
             or autocast region contains a split point; the two modes send different values
@@ -476,13 +489,15 @@ def partition(
         )
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    recompute_paths = _resolve_recompute(model, recompute)
-    if recompute_paths and named_inputs is not None:
-        raise RecomputeError(
-            "recompute= rewrites module calls of the torch.fx capture; with example_inputs the "
-            "forward is captured with torch.export, whose graph has no module calls. Drop "
-            "example_inputs (call plan.verify(...) on them afterwards) or drop recompute="
+    if autocast is not None and not (
+        isinstance(autocast, torch.dtype) and autocast.is_floating_point and named_inputs
+    ):
+        raise ConfigError(
+            f"autocast= takes a floating-point torch.dtype together with example_inputs (the "
+            f"torch.export capture), got {autocast!r}"
+            + ("" if named_inputs is not None else " without example_inputs")
         )
+    recompute_paths = _resolve_recompute(model, recompute)
     capture_dtype = dtype if named_inputs is not None else None
     snapshot = _state.StateSnapshot(model)
     try:
@@ -502,6 +517,7 @@ def partition(
                 leaf_modules=leaf_modules,
                 named_inputs=named_inputs,
                 capture_dtype=capture_dtype,
+                autocast=autocast,
             )
     finally:
         snapshot.restore()
@@ -527,6 +543,7 @@ def _partition(
     leaf_modules: Sequence[str | type[nn.Module]] | None,
     named_inputs: Mapping[str, Any] | None,
     capture_dtype: torch.dtype | None,
+    autocast: torch.dtype | None = None,
 ) -> PipelinePlan:
     """:func:`partition` once its arguments are checked; the caller restores the model."""
     training = model.training
@@ -574,6 +591,7 @@ def _partition(
                 point_modules,
                 recompute_paths,
                 snapshot.watch("torch.export"),
+                autocast,
             )
             mine = list(captured.added_attrs)
             if not mode:
@@ -602,7 +620,9 @@ def _partition(
                     f"split point {points[-1]!r} is the last computation in forward: the stage "
                     f"after it would compute nothing. Drop {points[-1]!r} from split_points."
                 )
-            if mode and recompute_paths:
+            if mode and recompute_paths and named_inputs is not None:
+                _export.check_recomputed_called(graph, recompute_paths)
+            elif mode and recompute_paths:
                 _check_recompute_called(model, graph, recompute_paths, leaf_paths)
             uses.append(
                 _state.analyze(graph, stage_of, names, mode, count - 1, captured.buffer_writes)
@@ -628,7 +648,13 @@ def _partition(
         _fx.remove_attrs(model, added)
     if recompute_paths:
         for stage in cut.stages:
-            _fx.checkpoint_calls(stage, frozenset(recompute_paths))
+            if named_inputs is None:
+                _fx.checkpoint_calls(stage, frozenset(recompute_paths))
+            else:
+                _export.checkpoint_regions(stage, recompute_paths)
+    if autocast is not None:
+        for stage in cut.stages:
+            _export.autocast_stage(stage, _fx.stage_graphs(stage), autocast)
     _record_model_names(model, cut.stages)
     liveness = compute_liveness(cut.input_names, cut.arg_names, cut.defined_by)
     buffers = tuple(
@@ -656,6 +682,7 @@ def _partition(
         recomputed=tuple(recompute_paths),
         buffers=buffers,
         param_dtype=None if named_inputs is None else (capture_dtype or _param_dtype(model)),
+        autocast=autocast,
         input_defaults=_input_defaults(model, cut.input_names),
     )
 
@@ -798,11 +825,18 @@ def _capture(
     point_modules: Sequence[nn.Module],
     recompute_paths: Sequence[str],
     after_forward: Callable[..., None],
+    autocast: torch.dtype | None = None,
 ) -> tuple[_fx.Captured, str, list[str]]:
     """One capture of the model in its current mode: the graph, the capture's name, and the
-    leaf module paths. ``after_forward`` watches the export path's forward."""
+    leaf module paths. ``after_forward`` watches the export path's forward, which runs under
+    ``torch.autocast(autocast)`` when given ([Note: stages under autocast] in ``_export``)."""
     if named_inputs is not None:
-        captured = _export.capture(model, named_inputs, concrete_args or {}, after_forward)
+        region: Any = contextlib.nullcontext()
+        if autocast is not None:
+            tensors = [v for v in named_inputs.values() if isinstance(v, torch.Tensor)]
+            region = torch.autocast(tensors[0].device.type if tensors else "cpu", dtype=autocast)
+        with region:
+            captured = _export.capture(model, named_inputs, concrete_args or {}, after_forward)
         return captured, "torch.export", []
     leaf_ids, leaf_types, leaf_paths = resolve_leaves(model, leaf_modules or ())
     split_ids = frozenset(id(m) for m in point_modules)

@@ -145,6 +145,7 @@ class DeepSpeedDialect(Dialect):
         Capability.DYNAMIC_SHAPES,
         Capability.PORTABLE_CHECKPOINTS,
         Capability.TRACING,
+        Capability.TRAINER_LOOP,
     }
 
     @property

@@ -26,6 +26,7 @@ class LocalDialect(Dialect):
         Capability.CHECKPOINTS,
         Capability.PORTABLE_CHECKPOINTS,
         Capability.TRACING,
+        Capability.TRAINER_LOOP,
     }
 
     def _build_pipeline(self, request: PipelineRequest[NoOptions]) -> nn.Module:

@@ -79,6 +79,7 @@ class TorchDialect(Dialect):
         Capability.SHARDED_DATA_PARALLEL,
         Capability.PORTABLE_CHECKPOINTS,
         Capability.TRACING,
+        Capability.TRAINER_LOOP,
     }
 
     def __init__(self, schedule: str = "1f1b", stages_per_rank: int | None = None) -> None:

@@ -44,6 +44,18 @@ class ScheduleSpec:
     placement: Placement
     #: Whether the schedule splits backward into input and weight passes (zero bubble).
     split_backward: bool = False
+    #: What torch's class asks of the number of micro-batches: ``"stages"`` at least one per
+    #: stage, ``"rounds"`` a multiple of its rounds (``max(1, n // ranks)``), or nothing.
+    micro_batches: Literal["stages", "rounds"] | None = None
+
+    def micro_batch_problem(self, count: int, num_stages: int, num_ranks: int) -> str | None:
+        """Why torch's class refuses ``count`` micro-batches (its rule), or None."""
+        if self.micro_batches == "stages" and count < num_stages:
+            return f"needs at least one micro-batch per stage ({num_stages})"
+        rounds = max(1, count // num_ranks)
+        if self.micro_batches == "rounds" and count % rounds:
+            return f"needs a multiple of its rounds ({rounds} = {count} // {num_ranks} ranks)"
+        return None
 
     def torch_class(self) -> type[Any] | None:
         """The schedule class, or None when the installed torch does not have it."""
@@ -59,12 +71,14 @@ class ScheduleSpec:
 
 _SPECS = (
     ScheduleSpec("gpipe", "ScheduleGPipe", "single"),
-    ScheduleSpec("1f1b", "Schedule1F1B", "single"),
-    ScheduleSpec("interleaved_1f1b", "ScheduleInterleaved1F1B", "loop"),
+    ScheduleSpec("1f1b", "Schedule1F1B", "single", micro_batches="stages"),
+    ScheduleSpec("interleaved_1f1b", "ScheduleInterleaved1F1B", "loop", micro_batches="rounds"),
     ScheduleSpec("looped_bfs", "ScheduleLoopedBFS", "loop"),
-    ScheduleSpec("interleaved_zero_bubble", "ScheduleInterleavedZeroBubble", "loop", True),
+    ScheduleSpec(
+        "interleaved_zero_bubble", "ScheduleInterleavedZeroBubble", "loop", True, "rounds"
+    ),
     ScheduleSpec("zbv_zero_bubble", "ScheduleZBVZeroBubble", "v", True),
-    ScheduleSpec("dualpipev", "ScheduleDualPipeV", "v", True),
+    ScheduleSpec("dualpipev", "ScheduleDualPipeV", "v", True, "stages"),
 )
 
 _ALIASES = {"zbv": "zbv_zero_bubble", "zero_bubble": "interleaved_zero_bubble"}

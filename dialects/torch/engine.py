@@ -722,9 +722,20 @@ def build_engine(
             f"the torch runtime engine trains what TorchDialect.pipe_engine built, got "
             f"{type(module).__name__}"
         )
+    given = module.config if config is None else config
+    parsed = parse_config(given, world_size=module.replicas.data)
+    count = parsed.gradient_accumulation_steps
+    problem = module.spec.micro_batch_problem(count, module.num_stages, module.num_ranks)
+    if problem is not None:  # found here, on every rank, rather than at the first step
+        raise ConfigError(
+            f"schedule {module.spec.name!r} cannot run gradient_accumulation_steps={count} "
+            f"micro-batches over {module.num_stages} stages on {module.num_ranks} ranks: torch's "
+            f"{module.spec.torch_name} {problem}. Raise gradient_accumulation_steps, or choose "
+            "schedule='gpipe'"
+        )
     return TorchEngine(
         module,
-        parse_config(module.config if config is None else config, world_size=module.replicas.data),
+        parsed,
         check_finite=check_finite,
         lr_scheduler=lr_scheduler,
         param_groups=param_groups,

@@ -83,6 +83,7 @@ LOCAL_MINIMUM_RAN = {
     "inplace:after_split": 3,
     "frozen": 15,
     "bf16_export": 6,
+    "recompute_export": 3,
 }
 #: Local models whose plan has a stage with nothing to train (frozen or parameterless).
 LOCAL_MINIMUM_UNTRAINED_STAGES = 5

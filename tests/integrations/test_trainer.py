@@ -12,7 +12,6 @@ local dialect.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -36,8 +35,8 @@ from safetensors.torch import load_file  # noqa: E402
 from pipedialect.errors import TrainingArgumentError  # noqa: E402
 from pipedialect.integrations.transformers import (  # noqa: E402
     REFUSED_TRAINING_ARGUMENTS,
-    PipelineArguments,
     PipelineTrainer,
+    PipelineTrainingArguments,
     check_trainer,
     pp_plan_split_points,
 )
@@ -78,10 +77,16 @@ def assert_same_weights(saved: Path, reference: Path, family: str = "llama") -> 
     assert any(not torch.equal(theirs[n], start[n]) for n in theirs if n in start)
 
 
-def _arguments(out: Path, **overrides: Any) -> transformers.TrainingArguments:
+def _arguments(
+    out: Path, pipeline: dict[str, Any] | None = None, **overrides: Any
+) -> transformers.TrainingArguments:
+    """The example's arguments with ``overrides``: plain Trainer's, or with ``pipeline``'s
+    fields a ``PipelineTrainingArguments``."""
     args = example.training_arguments(str(out))
     fields = {k: getattr(args, k) for k in _ARGUMENT_FIELDS}
-    return transformers.TrainingArguments(**{**fields, **overrides})
+    if pipeline is None:
+        return transformers.TrainingArguments(**{**fields, **overrides})
+    return PipelineTrainingArguments(**{**fields, **pipeline, **overrides})
 
 
 #: The fields of ``example.training_arguments`` a test may override.
@@ -117,28 +122,30 @@ def train_in_process(
     out: Path,
     *,
     family: str = "llama",
-    pipeline: PipelineArguments | None = None,
+    pipeline: dict[str, Any] | None = None,
     resume: str | None = None,
     train_dataset: Any = None,
+    eval_dataset: Any = None,
     collator: Any = None,
+    trainer_kwargs: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """Train with plain Trainer (``pipeline=None``) or PipelineTrainer; save the model into
-    ``out/final``; return what it logged."""
+    """Train with plain Trainer (``pipeline=None``) or PipelineTrainer (``pipeline``: the
+    PipelineTrainingArguments fields); save the model into ``out/final``; return what it
+    logged."""
     overrides.setdefault("lr_scheduler_type", "cosine")
     overrides.setdefault("warmup_steps", 2)
     kwargs: dict[str, Any] = dict(
         model=example.build_model(family),
-        args=_arguments(out, **overrides),
+        args=_arguments(out, pipeline, **overrides),
         train_dataset=train_dataset or example.TokenData(example.TRAIN_SAMPLES, seed=1),
-        eval_dataset=example.TokenData(example.EVAL_SAMPLES, seed=2),
+        eval_dataset=eval_dataset or example.TokenData(example.EVAL_SAMPLES, seed=2),
+        **(trainer_kwargs or {}),
     )
     if collator is not None:
         kwargs["data_collator"] = collator
     trainer: transformers.Trainer = (
-        transformers.Trainer(**kwargs)
-        if pipeline is None
-        else PipelineTrainer(**kwargs, pipeline=pipeline)
+        transformers.Trainer(**kwargs) if pipeline is None else PipelineTrainer(**kwargs)
     )
     trainer.train(resume_from_checkpoint=resume)
     result = {**_steps(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
@@ -146,7 +153,7 @@ def train_in_process(
     return result
 
 
-LOCAL = PipelineArguments(dialect="local", num_stages=2)
+LOCAL: dict[str, Any] = {"dialect": "local", "num_stages": 2}
 
 
 @pytest.mark.parametrize(
@@ -154,10 +161,10 @@ LOCAL = PipelineArguments(dialect="local", num_stages=2)
     [
         ("llama", LOCAL, {}),
         ("qwen2", LOCAL, {}),
-        ("llama", PipelineArguments(dialect="local", split_points=("model.layers.2",)), {}),
+        ("llama", {"dialect": "local", "split_points": ["model.layers.2"]}, {}),
         (
             "qwen2",
-            PipelineArguments(dialect="local", num_stages=3, balance="parameters"),
+            {"dialect": "local", "num_stages": 3, "balance": "parameters"},
             {"logging_steps": 2, "max_grad_norm": 0.0, "lr_scheduler_type": "linear"},
         ),
         ("llama", LOCAL, {"weight_decay": 0.0, "warmup_steps": 0.4, "optim": "adamw_torch"}),
@@ -165,7 +172,7 @@ LOCAL = PipelineArguments(dialect="local", num_stages=2)
     ids=["llama-pp-plan", "qwen2-pp-plan", "split-points", "balance-log2-noclip", "ratio-warmup"],
 )
 def test_local_pipeline_trainer_logs_and_saves_what_plain_trainer_does(
-    tmp_path: Path, family: str, pipeline: PipelineArguments, overrides: dict[str, Any]
+    tmp_path: Path, family: str, pipeline: dict[str, Any], overrides: dict[str, Any]
 ) -> None:
     ref = train_in_process(tmp_path / "ref", family=family, **overrides)
     run = train_in_process(tmp_path / "pipe", family=family, pipeline=pipeline, **overrides)
@@ -229,15 +236,11 @@ def test_evaluate_before_train_then_train_as_plain_trainer(tmp_path: Path) -> No
         out = tmp_path / ("ref" if pipeline is None else "pipe")
         kwargs: dict[str, Any] = dict(
             model=example.build_model("llama"),
-            args=_arguments(out, lr_scheduler_type="cosine", warmup_steps=2),
+            args=_arguments(out, pipeline, lr_scheduler_type="cosine", warmup_steps=2),
             train_dataset=example.TokenData(example.TRAIN_SAMPLES, seed=1),
             eval_dataset=example.TokenData(example.EVAL_SAMPLES, seed=2),
         )
-        trainer = (
-            transformers.Trainer(**kwargs)
-            if pipeline is None
-            else PipelineTrainer(**kwargs, pipeline=pipeline)
-        )
+        trainer = transformers.Trainer(**kwargs) if pipeline is None else PipelineTrainer(**kwargs)
         before = trainer.evaluate()["eval_loss"]
         trainer.train()
         results.append({**_steps(trainer), "eval_loss": before})
@@ -280,28 +283,17 @@ class _OwnPrediction(PipelineTrainer):
         raise AssertionError("never called")
 
 
-def _metrics(_: Any) -> dict[str, float]:
-    return {}
-
-
 #: Each refused setting: the TrainingArguments overrides, or the Trainer arguments, that set it.
 REFUSALS: dict[str, dict[str, Any]] = {
     "fp16": {"args": {"fp16": True}},
-    "bf16": {"args": {"bf16": True}},
     "bf16_full_eval": {"args": {"bf16_full_eval": True}},
     "fp16_full_eval": {"args": {"fp16_full_eval": True}},
     "torch_compile": {"args": {"torch_compile": True}},
-    "gradient_checkpointing": {"args": {"gradient_checkpointing": True}},
-    "activation_checkpointing": {"args": {"activation_checkpointing": True}},
     "label_smoothing_factor": {"args": {"label_smoothing_factor": 0.1}},
     "compute_loss_func": {"trainer": {"compute_loss_func": lambda *a, **k: None}},
     "compute_loss": {"cls": _OwnLoss},
     "training_step": {"cls": _OwnStep},
     "prediction_step": {"cls": _OwnPrediction},
-    "compute_metrics": {"trainer": {"compute_metrics": _metrics}},
-    "preprocess_logits_for_metrics": {
-        "trainer": {"preprocess_logits_for_metrics": lambda logits, labels: logits}
-    },
     "optimizers": {"optimizers": True},
     "optim": {"args": {"optim": "adamw_anyprecision"}},
     "optim_target_modules": {"args": {"optim_target_modules": ["attn"]}},
@@ -316,15 +308,11 @@ REFUSALS: dict[str, dict[str, Any]] = {
     "use_liger_kernel": {"args": {"use_liger_kernel": True}},
     "debug": {"args": {"debug": "underflow_overflow"}},
     "include_num_input_tokens_seen": {"args": {"include_num_input_tokens_seen": "all"}},
-    "load_best_model_at_end": {
-        "args": {
-            "load_best_model_at_end": True,
-            "eval_strategy": "steps",
-            "save_strategy": "steps",
-        }
+    "gradient_checkpointing_kwargs": {
+        "args": {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"offload": True}}
     },
-    "eval_accumulation_steps": {"args": {"eval_accumulation_steps": 2}},
     "include_for_metrics": {"args": {"include_for_metrics": ["inputs"]}},
+    "eval_do_concat_batches": {"args": {"eval_do_concat_batches": False}},
     "batch_eval_metrics": {"args": {"batch_eval_metrics": True}},
     "label_names": {"args": {"label_names": ["target"]}},
     "accelerator_config": {"args": {"accelerator_config": {"split_batches": True}}},
@@ -338,7 +326,7 @@ REFUSALS: dict[str, dict[str, Any]] = {
 
 def _build(tmp_path: Path, case: dict[str, Any]) -> PipelineTrainer:
     model = example.build_model("llama")
-    args = _arguments(tmp_path, **case.get("args", {}))
+    args = _arguments(tmp_path, LOCAL, **case.get("args", {}))
     if case.get("parallelism_config"):
         from accelerate.parallelism_config import ParallelismConfig
 
@@ -355,12 +343,12 @@ def _build(tmp_path: Path, case: dict[str, Any]) -> PipelineTrainer:
         kwargs["model_init"] = lambda: example.build_model("llama")
         model = None
     cls = case.get("cls", PipelineTrainer)
-    trainer: PipelineTrainer = cls(model=model, args=args, pipeline=LOCAL, **kwargs)
+    trainer: PipelineTrainer = cls(model=model, args=args, **kwargs)
     return trainer
 
 
 def test_every_refusal_is_tested() -> None:
-    assert set(REFUSALS) | {"fsdp", "predict"} == set(REFUSED_TRAINING_ARGUMENTS)
+    assert set(REFUSALS) | {"fsdp"} == set(REFUSED_TRAINING_ARGUMENTS)
 
 
 @pytest.fixture
@@ -386,22 +374,16 @@ def test_a_setting_a_pipeline_cannot_honour_is_refused_by_name(
     with pytest.raises(TrainingArgumentError) as info:
         _build(tmp_path, REFUSALS[setting])
     assert setting in str(info.value)
-    assert info.value.argument == setting or (
-        # activation_checkpointing sets gradient_checkpointing too, named first
-        setting == "activation_checkpointing" and info.value.argument == "gradient_checkpointing"
-    )
+    assert info.value.argument == setting
 
 
-def test_fsdp_and_predict_are_refused_by_name(tmp_path: Path) -> None:
+def test_fsdp_is_refused_by_name(tmp_path: Path) -> None:
     # TrainingArguments itself refuses fsdp in one process; under torchrun the trainer does.
     trainer = _build(tmp_path, {})
     trainer.args.fsdp = ["full_shard"]
     with pytest.raises(TrainingArgumentError, match="cannot honour fsdp") as info:
         check_trainer(trainer)
     assert info.value.argument == "fsdp"
-    trainer.args.fsdp = []
-    with pytest.raises(TrainingArgumentError, match="cannot honour predict"):
-        trainer.predict(example.TokenData(4, seed=2))
 
 
 def test_a_short_last_accumulation_step_is_refused_before_it_runs(tmp_path: Path) -> None:
@@ -440,17 +422,37 @@ def _last_line(argv: list[str], cwd: Path) -> dict[str, Any]:
     return result
 
 
-@functools.cache
-def _reference(family: str, where: str, accumulation: int = 2) -> dict[str, Any]:
-    out = Path(where)
-    argv = [sys.executable, str(EXAMPLE), "--reference", "--family", family]
-    argv += ["--accumulation", str(accumulation)]
-    return _last_line([*argv, "--out", str(out / "out"), "--save", str(out / "final")], out)
+def run_example(*argv: str) -> dict[str, Any]:
+    """examples/hf_trainer.py's ``main()`` in this process, with ``argv``; its JSON line."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    old = sys.argv
+    try:
+        sys.argv = [str(EXAMPLE), *argv]
+        with contextlib.redirect_stdout(out):
+            example.main()
+    finally:
+        sys.argv = old
+    result: dict[str, Any] = json.loads(out.getvalue().strip().splitlines()[-1])
+    return result
+
+
+def _reference(where: Path, *flags: str) -> dict[str, Any]:
+    """Plain Trainer through the example (``--reference``) in this process, saving into
+    ``where/final``."""
+    return run_example(
+        "--reference", *flags, "--out", str(where / "out"), "--save", str(where / "final")
+    )
 
 
 def _torchrun(nproc: int, *args: str) -> list[str]:
+    """torchrun through this interpreter (a venv without its script runs it too)."""
     return [
-        str(BIN / "torchrun"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         "--nproc_per_node",
         str(nproc),
         "--master_addr",
@@ -462,21 +464,66 @@ def _torchrun(nproc: int, *args: str) -> list[str]:
     ]
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("dialect", ["torch", "deepspeed"])
-def test_the_example_under_torchrun_equals_plain_trainer(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, dialect: str, family: str
+#: The example's flags per launch: each dialect trains each family once, with Trainer's bf16,
+#: gradient checkpointing and --eval (metrics, checkpoints, the best model) spread over them.
+LAUNCHES = {
+    "torch-llama": ("--bf16", "--gradient-checkpointing", "--eval"),
+    "deepspeed-qwen2": ("--gradient-checkpointing", "--eval"),
+    "deepspeed-llama": ("--bf16",),
+    "torch-qwen2": (),
+}
+
+
+def assert_same_eval(
+    run: dict[str, Any], ref: dict[str, Any], rel: float = REL, *, same_dir: bool = True
 ) -> None:
-    where = tmp_path_factory.getbasetemp() / f"reference-{family}"
-    where.mkdir(exist_ok=True)
-    ref = _reference(family, str(where))
-    argv = _torchrun(2, "--dialect", dialect, "--family", family)
-    run = _last_line(
-        [*argv, "--out", str(tmp_path / "out"), "--save", str(tmp_path / "final")], tmp_path
-    )
-    assert_same_run(run, ref)
-    assert_same_weights(tmp_path / "final", where / "final", family)
+    """Every evaluation's loss and metrics, the best checkpoint and (``same_dir``: both
+    runs wrote every checkpoint into their own output_dir) the checkpoints kept."""
+    assert len(run["evals"]) == len(ref["evals"])
+    for ours, theirs in zip(run["evals"], ref["evals"], strict=True):
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert _rel(ours[key], value) <= rel, (key, ours, theirs)
+    assert run["best_checkpoint"] == ref["best_checkpoint"]
+    if same_dir:
+        assert run["checkpoints"] == ref["checkpoints"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_the_example_under_torchrun_equals_plain_trainer(tmp_path: Path, launch: str) -> None:
+    """Two processes, one stage each; Trainer's bf16 within the bound of
+    test_trainer_features.py (BF16_REL), everything else within rel 1e-5. After the --eval
+    launch of DeepSpeed, plain Trainer resumes the pipeline's checkpoint-2 and finishes as the
+    uninterrupted run (optimizer, schedule and step from the folder)."""
+    from test_trainer_features import BF16_REL
+
+    dialect, family = launch.split("-")
+    flags = ("--family", family, *LAUNCHES[launch])
+    ref = _reference(tmp_path / "ref", *flags)
+    argv = _torchrun(2, "--dialect", dialect, *flags)
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    run = _last_line([*argv, "--out", str(pipe / "out"), "--save", str(pipe / "final")], pipe)
+    if "--bf16" in flags:
+        assert run["losses"][0] == ref["losses"][0]
+        for key in ("losses", "grad_norms"):
+            worst = max(_rel(a, b) for a, b in zip(run[key], ref[key], strict=True))
+            assert worst <= BF16_REL[key], (key, run[key], ref[key])
+        assert _rel(run["eval_loss"], ref["eval_loss"]) <= BF16_REL["eval_loss"]
+    else:
+        assert_same_run(run, ref)
+        assert_same_weights(pipe / "final", tmp_path / "ref" / "final", family)
+    if "--eval" in flags:
+        assert_same_eval(run, ref, BF16_REL["eval_loss"] if "--bf16" in flags else REL)
+        assert len(run["evals"]) == 4 and len(run["final_metrics"]) == 2
+    if launch == "deepspeed-qwen2":
+        resumed = _reference(
+            tmp_path / "plain", *flags, "--resume", str(pipe / "out" / "checkpoint-2")
+        )
+        assert resumed["losses"][2:] == pytest.approx(ref["losses"][2:], rel=REL)
+        assert resumed["learning_rates"] == ref["learning_rates"]
+        assert_same_eval(resumed, ref, same_dir=False)  # checkpoint-2 is the pipeline's
 
 
 @pytest.mark.distributed
@@ -486,18 +533,40 @@ def test_two_replicas_of_two_stages_equal_plain_trainer_with_twice_the_accumulat
 ) -> None:
     """Four processes, two stages by two replicas: Trainer's loaders are sharded over the
     replicas only (each reads every other batch) and the step's token count is summed over
-    them, so a step trains on what one process trains on with gradient_accumulation_steps 4.
-    On torch the stages are sharded over the replicas (FSDP); whole stages on two replicas are
+    them, so a step trains on what one process trains on with gradient_accumulation_steps 4;
+    evaluation gathers every replica's batches in Trainer's order for compute_metrics. On torch
+    the stages are sharded over the replicas (FSDP); whole stages on two replicas are
     DeepSpeed's layout here, and the torch dialect's own in tests/dialects/torch."""
-    ref = _reference("llama", str(tmp_path), 4)
+    ref = _reference(tmp_path / "ref", "--accumulation", "4", "--eval")
     name, _, mode = dialect.partition("-")
-    argv = _torchrun(4, "--dialect", name, "--stages", "2", "--accumulation", "2")
+    argv = _torchrun(4, "--dialect", name, "--stages", "2", "--accumulation", "2", "--eval")
     if mode:
         argv.append("--fsdp")
-    out = ["--out", str(tmp_path / "pipe"), "--save", str(tmp_path / "pipe_final")]
-    run = _last_line([*argv, *out], tmp_path)
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    run = _last_line([*argv, "--out", str(pipe / "out"), "--save", str(pipe / "final")], pipe)
     assert_same_run(run, ref)
-    assert_same_weights(tmp_path / "pipe_final", tmp_path / "final", "llama")
+    assert_same_eval(run, ref)
+    assert_same_weights(pipe / "final", tmp_path / "ref" / "final", "llama")
+
+
+@pytest.mark.distributed
+def test_what_can_only_fail_fails_when_the_trainer_is_built_on_every_rank(tmp_path: Path) -> None:
+    """Trainer's default gradient_accumulation_steps=1 under 1F1B over two stages, and three
+    stages on two processes: each a named error on both ranks in PipelineTrainer(...), not at
+    the first step (main: the first at the first step, the second from one rank inside
+    get_train_dataloader)."""
+    import _trainer_workers
+
+    from pipedialect.runtime.launch import launch
+
+    results = launch(_trainer_workers.pipeline_trainer_refusals, 2, str(tmp_path), timeout=600)
+    for micro, world in results:
+        assert micro[0] == "ConfigError", micro
+        assert "gradient_accumulation_steps=1" in micro[1] and "1F1B" in micro[1], micro
+        assert world[0] == "TopologyError", world
+        assert "2 processes cannot run 3 stages" in world[1], world
+    assert results[0] == results[1]
 
 
 def test_a_loader_accelerate_does_not_shard_by_batches_is_refused_under_several_processes(

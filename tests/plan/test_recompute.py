@@ -192,19 +192,52 @@ def test_checkpoint_composes_with_balance() -> None:
     assert_tensor_close(torch.tensor(losses), torch.tensor(expected), "losses")
 
 
+def test_export_capture_recomputes_regions_with_the_unsplit_models_numbers() -> None:
+    """With example_inputs (torch.export: no module calls), each recomputed block's nodes run
+    as one region through the checkpoint: outputs and gradients equal the unsplit model's
+    from the same RNG state (dropout replayed), the parameter names are the plan's without
+    recomputation, and each region runs twice per backward, once without one."""
+    model, reference = DropStack(), DropStack()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    plain = partition(DropStack(), ["blocks.1"], example_inputs=(x,))
+    plan = partition(model, ["blocks.1"], recompute="blocks.*", example_inputs=(x,))
+    assert plan.recomputed == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    for ours, theirs in zip(plan.stages, plain.stages, strict=True):
+        assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    regions = [m for s in plan.stages for n, m in s.named_children() if n.startswith("recomputed")]
+    assert len(regions) == 4
+    counts = [0]
+    for region in regions:
+        region.register_forward_pre_hook(lambda *_: counts.__setitem__(0, counts[0] + 1))
+    target = torch.randn(5, 3, generator=torch.Generator().manual_seed(2))
+    model.train()
+    reference.train()
+    torch.manual_seed(7)
+    expected = reference(x)
+    torch.nn.functional.mse_loss(expected, target).backward()
+    torch.manual_seed(7)
+    ours = plan.graph(x)
+    torch.nn.functional.mse_loss(ours, target).backward()
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+    theirs = _grads(reference)
+    assert _grads(model).keys() == theirs.keys()
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, theirs[name], rtol=0, atol=0, msg=name)
+    assert counts[0] == 2 * 4
+    with torch.no_grad():
+        plan.graph(x)
+    assert counts[0] == 2 * 4 + 4
+
+
 def test_bad_checkpoint_requests_are_refused_by_name() -> None:
     model = TinyGPT()
     with pytest.raises(RecomputeError, match=r"'blokcs\.\*' matches no module.*blocks"):
         partition(model, ["blocks.1"], recompute="blokcs.*")
     with pytest.raises(RecomputeError, match=r"'blocks\.1\.attn' is inside .*'blocks\.1'"):
         partition(model, ["blocks.1.attn"], recompute="blocks.1")
-    with pytest.raises(RecomputeError, match=r"torch\.export"):
-        partition(
-            model,
-            ["blocks.1"],
-            recompute="blocks.*",
-            example_inputs={"input_ids": torch.zeros(2, 8, dtype=torch.long)},
-        )
+    normed = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with pytest.raises(RecomputeError, match=r"'1' writes '1\.num_batches_tracked' in place"):
+        partition(normed, ["0"], recompute="1", example_inputs=(torch.randn(3, 4),))
     encoder = nn.Sequential(nn.Linear(4, 4), nn.TransformerEncoderLayer(4, 1, 8))
     with pytest.raises(RecomputeError, match=r"'1\.linear1'.*inside '1'"):
         partition(encoder, ["0"], recompute="1.linear1")

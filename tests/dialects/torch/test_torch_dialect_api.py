@@ -216,3 +216,22 @@ def test_wire_tensors_become_plain_tensors_torch_can_send_and_detach() -> None:
         t.detach_()  # what the zero-bubble schedules do to stage outputs
     with pytest.raises(ConfigError, match=r"\[Stage 3\] a stage module must return"):
         normalize_wire({"h": h}, "[Stage 3]")
+
+
+def test_the_micro_batch_rule_each_schedule_declares_is_torchs() -> None:
+    """The rule the engine checks when it is built (issue 37: never at the first step) is the
+    one torch's own schedule classes apply, over a grid of ranks and micro-batch counts."""
+    from pipedialect.planner._schedules import torch_program
+
+    for name in available_schedules():
+        spec = resolve_schedule(name)
+        for ranks in (2, 3, 4):
+            stages = ranks * spec.default_stages_per_rank()
+            for count in range(1, 10):
+                try:
+                    torch_program(name, ranks, count)
+                    refused = False
+                except ConfigError as exc:
+                    refused = "micro-batches" in str(exc)
+                ours = spec.micro_batch_problem(count, stages, ranks)
+                assert (ours is not None) == refused, (name, ranks, count, ours)
