@@ -952,14 +952,10 @@ class PipelineTrainer(transformers.Trainer):
             module, config=config, param_groups=groups, optimizer=lambda g: cls(g, **kwargs)
         )
         if not isinstance(engine, TrainerEngine):
-            missing = [
-                m
-                for m in ("module", "optimizer", "lr_scheduler", "get_lr", "get_global_grad_norm")
-                if not hasattr(engine, m)
-            ]
             raise MissingCapabilityError(
                 f"the {self.pipe_dialect.name} dialect declares trainer-loop, but its "
-                f"{type(engine).__name__} lacks {', '.join(missing)} (TrainerEngine)",
+                f"{type(engine).__name__} is not a TrainerEngine: it needs module, optimizer, "
+                "lr_scheduler, eval_batch, get_lr and get_global_grad_norm",
                 dialect=self.pipe_dialect.name,
                 capability=Capability.TRAINER_LOOP.value,
             )
