@@ -14,7 +14,7 @@ from torch import nn
 
 from pipedialect import ConfigError
 from pipedialect.contracts import AttributeCounters, EngineState, HeldStage
-from pipedialect.runtime.stage import StageWrapper
+from pipedialect.sdk import StageWrapper
 
 __all__ = ["deepspeed_engine_state"]
 
