@@ -88,45 +88,59 @@ from .dialect import (
 )
 from .engine import (
     EngineBase,
-    checkpoint_files,
-    read_checkpoint_file,
-    shape_mismatch,
-    stage_param_name,
-)
-from .engine.config import (
+    ParamGroupsFn,
+    Precision,
     TrainingConfig,
     batch_triple,
     build_optimizer,
+    cast_parameters,
     check_config_keys,
     check_one_optimizer,
+    checkpoint_files,
     clip_gradients,
     parse_config,
+    read_checkpoint_file,
+    resolve_param_groups,
+    shape_mismatch,
+    stage_param_name,
 )
-from .engine.param_groups import ParamGroupsFn, resolve_param_groups
-from .engine.precision import Precision, cast_parameters
 from .errors import *  # every exception and warning: errors.__all__
 from .hookspecs import hookimpl
-from .plan.batches import input_spec
-from .plan.partition import PipelinePlan
-from .plan.ties import DefaultTieAnalyzer, analyze_tie_ranks, retie_parameters, tie_keys
-from .plan.weights import prepare_local_stages
-from .runtime.agreement import (
+from .plan import (
+    DefaultTieAnalyzer,
+    PipelinePlan,
+    analyze_tie_ranks,
+    input_spec,
+    prepare_local_stages,
+    retie_parameters,
+    tie_keys,
+)
+from .runtime import (
+    GridTopology,
+    StageWrapper,
     agree_on_error,
     agreed,
     check_frozen_ties,
     check_inputs,
+    check_topology,
+    check_world_size,
+    counted_square_norm,
     first_nonfinite_grad,
     first_nonfinite_loss,
+    is_sharded,
+    joined_world_size,
+    local_part,
     nonfinite_grad_error,
     nonfinite_loss_error,
+    pass_through,
+    preserved_state,
     pull_micro_batches,
+    read_layout,
+    recompute_with_state,
     root_nonfinite,
+    stage_root,
 )
-from .runtime.module_state import preserved_state, recompute_with_state
-from .runtime.sharded import counted_square_norm, is_sharded, local_part
-from .runtime.stage import StageWrapper, stage_root
-from .runtime.topology import GridTopology, check_topology, check_world_size, joined_world_size
-from .runtime.wire import leaf_paths, pass_through, read_layout
+from .runtime.wire import leaf_paths
 from .trace import patch_attribute
 
 #: The module's own names; every contract and every error is added from their ``__all__``.
