@@ -39,8 +39,6 @@ def deepspeed_engine_state(engine: Any) -> EngineState:
         if not isinstance(layer, nn.Module):
             continue
         root = stage_root(layer)
-        if not isinstance(root, nn.Module):
-            continue
         stage_id = getattr(layer, "stage_id", None)
         held.append(HeldStage(int(engine.stage_id if stage_id is None else stage_id), layer, root))
     return EngineState(
