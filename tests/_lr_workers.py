@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import _model_registry
 import torch.distributed as dist
 
 import pipedialect
@@ -20,9 +21,7 @@ MICRO = 2
 
 def config_for(section: dict[str, Any]) -> dict[str, Any]:
     """A DeepSpeed config: plain Adam (lr 1e-2, betas for OneCycle to cycle), ``section``."""
-    import _ds_workers
-
-    config = _ds_workers.ds_config("adam", gas=GAS, micro=MICRO, dp=1)
+    config = _model_registry.ds_config("adam", gas=GAS, micro=MICRO, dp=1)
     config["scheduler"] = section
     return config
 
@@ -32,7 +31,7 @@ def _engine(dialect_name: str, config: dict[str, Any]) -> Any:
 
     if dialect_name == "deepspeed":
         return _ds_workers.build(MODEL, 2, 1, config)[1]
-    spec = _ds_workers.spec_for(MODEL)
+    spec = _model_registry.spec_for(MODEL)
     plan = partition(spec.build(0), spec.split_points_for(2))
     dialect = pipedialect.get_dialect(dialect_name)
     module = dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn, schedule="1f1b")
@@ -41,14 +40,12 @@ def _engine(dialect_name: str, config: dict[str, Any]) -> Any:
 
 def lr_run(dialect_name: str, sections: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
     """Train ``steps`` batches per scheduler section; return the per-step rates and losses."""
-    import _ds_workers
-
     pipedialect.get_dialect(dialect_name).init_distributed()
-    spec = _ds_workers.spec_for(MODEL)
+    spec = _model_registry.spec_for(MODEL)
     results = []
     for section in sections:
         engine = _engine(dialect_name, config_for(section))
-        data = _ds_workers.data_stream(spec, steps * GAS, MICRO, 0)
+        data = _model_registry.data_stream(spec, steps * GAS, MICRO, 0)
         lrs, losses = [], []
         for _ in range(steps):
             lrs.append([float(lr) for lr in engine.get_lr()])

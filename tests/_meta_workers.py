@@ -12,8 +12,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
-import _ds_workers as ds
 import _hf_workers as hf
+import _model_registry
 import torch
 import transformers
 from torch import nn
@@ -52,20 +52,20 @@ def _train(
 
 def tinygpt_meta_run(dialect_name: str) -> dict[str, Any]:
     """TinyGPT built on meta, 2 stages, each rank's stage filled from the CPU model's state."""
-    spec = ds.spec_for(MODEL)
+    spec = _model_registry.spec_for(MODEL)
     dialect = pipedialect.get_dialect(dialect_name)
     dialect.init_distributed()
     with torch.device("meta"):
         meta = spec.build(0)
     plan = partition(meta, spec.split_points_for(2))
     state = spec.build(0).state_dict()
-    config = ds.ds_config("sgd", gas=GAS, micro=MICRO, dp=1)
+    config = _model_registry.ds_config("sgd", gas=GAS, micro=MICRO, dp=1)
     kwargs: dict[str, Any] = {"init_weights": from_state_dict(state, plan=plan)}
     if dialect_name == "deepspeed":
         kwargs["topology"] = dialect.make_topology(2, 1)
     else:
         kwargs["schedule"] = "1F1B"
-    data = ds.data_stream(spec, STEPS * GAS, MICRO, 0)
+    data = _model_registry.data_stream(spec, STEPS * GAS, MICRO, 0)
     return _train(dialect, plan, config, spec.loss_fn, data, **kwargs)
 
 
@@ -102,7 +102,7 @@ def pretrained_checkpoint_runs(directories: dict[str, str]) -> dict[str, dict[st
         example = dict(zip(("input_ids", "attention_mask"), batches[0][0], strict=True))
         plan = partition(meta, [split], example_inputs=example, concrete_args=PRETRAINED_FIXED)
         buffers = rotary_buffers(meta) if name == "llama" else None
-        config = ds.ds_config("sgd", gas=4, micro=2, dp=1)
+        config = _model_registry.ds_config("sgd", gas=4, micro=2, dp=1)
         results[name] = _train(
             dialect,
             plan,

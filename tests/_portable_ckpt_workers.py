@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import _ds_workers
+import _model_registry
 import torch
 import torch.distributed as dist
 
@@ -40,13 +40,13 @@ KILL_ENV = "PIPEDIALECT_TEST_KILL_IN_SAVE"
 
 def stream() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every micro-batch of the whole run, in order."""
-    spec = _ds_workers.spec_for(MODEL)
+    spec = _model_registry.spec_for(MODEL)
     return list(spec.micro_batches(STEPS * MICRO_PER_STEP, batch_size=MICRO, seed=500))
 
 
 def config(dp: int) -> dict[str, Any]:
     """Plain Adam, clipping at the global norm, 8 samples per step over ``dp`` replicas."""
-    cfg = _ds_workers.ds_config("adam", gas=MICRO_PER_STEP // dp, micro=MICRO, dp=dp, clip=CLIP)
+    cfg = _model_registry.ds_config("adam", gas=MICRO_PER_STEP // dp, micro=MICRO, dp=dp, clip=CLIP)
     cfg["optimizer"]["params"]["lr"] = LR
     return cfg
 
@@ -78,7 +78,7 @@ def build(
 ) -> tuple[Any, Any, int]:
     """The plan, the engine and this rank's replica (``seed``: the initial weights;
     ``options``: the dialect's own ``pipe_engine`` options)."""
-    spec = _ds_workers.spec_for(MODEL)
+    spec = _model_registry.spec_for(MODEL)
     dialect = pipedialect.get_dialect(dialect_name)
     dialect.init_distributed()
     split = spec.split_points_for(stages) if stages > 1 else ()

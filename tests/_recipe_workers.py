@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import _ds_workers
+import _model_registry
 import torch
 from torch import nn
 
@@ -23,8 +23,8 @@ from pipedialect.plan.partition import partition
 def recipe_config(
     optimizer: str, *, gas: int, micro: int, dp: int, zero_stage: int = 0, clip: float = 0.0
 ) -> dict[str, Any]:
-    """``_ds_workers.ds_config`` with a ``zero_optimization`` section when ``zero_stage > 0``."""
-    config = _ds_workers.ds_config(optimizer, gas=gas, micro=micro, dp=dp, clip=clip)
+    """``_model_registry.ds_config``, with a ``zero_optimization`` section if ``zero_stage > 0``."""
+    config = _model_registry.ds_config(optimizer, gas=gas, micro=micro, dp=dp, clip=clip)
     if zero_stage:
         config["zero_optimization"] = {"stage": zero_stage}
     return config
@@ -82,7 +82,7 @@ def zero_run(
     (stage,) = dialect.local_stages(engine)
     dp_rank = engine.grid.get_data_parallel_rank()
     spec = get_model("gpt")
-    data = _ds_workers.data_stream(spec, steps * gas, micro, dp_rank)
+    data = _model_registry.data_stream(spec, steps * gas, micro, dp_rank)
     losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
     local = sum(p.numel() for p in plan.stages[stage].parameters())
     # The Adam state this rank holds: with ZeRO-1 only its partition of the flat fp32 copy.
@@ -103,7 +103,7 @@ def zero_run(
         "losses": losses,
         "stage": stage,
         "dp_rank": dp_rank,
-        "params": _ds_workers.local_params(plan, stage),
+        "params": _model_registry.local_params(plan, stage),
         "optimizer": type(engine.optimizer).__name__,
         "zero_stage": int(engine.zero_optimization_stage()),
         "local_numel": local,
@@ -137,7 +137,7 @@ def training_data_run(steps: int, *, gas: int = 2, micro: int = 2) -> dict[str, 
     plan, engine, dialect = _build(2, 1, config, training_data=dataset, collate_fn=shift_collate)
     (stage,) = dialect.local_stages(engine)
     losses = [float(engine.train_batch()) for _ in range(steps)]
-    return {"losses": losses, "stage": stage, "params": _ds_workers.local_params(plan, stage)}
+    return {"losses": losses, "stage": stage, "params": _model_registry.local_params(plan, stage)}
 
 
 def _error_of(build: Any) -> str:
@@ -197,7 +197,7 @@ def grouping_errors() -> dict[str, str]:
     )
     engine = dialect.runtime_engine(module)
     assert engine.gradient_accumulation_steps() == config["gradient_accumulation_steps"]
-    engine.train_batch(data_iter=_ds_workers.data_stream(spec, 2, 2, 0))
+    engine.train_batch(data_iter=_model_registry.data_stream(spec, 2, 2, 0))
     assert stage == dialect.local_stages(engine)[0]
     out["after"] = "trained"
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import _ds_workers
+import _model_registry
 import torch
 import torch.distributed as dist
 
@@ -24,8 +24,8 @@ DP = 2
 def _engine(case: dict[str, Any], seed: int = 0) -> tuple[Any, Any, int, dict[str, Any], Any]:
     """Build ``case``'s engine; return the plan, the engine, this rank's replica, the config
     and the model spec."""
-    spec = _ds_workers.spec_for(case["model"])
-    config = _ds_workers.ds_config(
+    spec = _model_registry.spec_for(case["model"])
+    config = _model_registry.ds_config(
         "adam", gas=case["gas"], micro=case["micro"], dp=DP, clip=case.get("clip", 0.0)
     )
     dialect = type(pipedialect.get_dialect("torch"))(
@@ -52,9 +52,9 @@ def _params(plan: Any, stages: list[int]) -> dict[str, torch.Tensor]:
 def _one(case: dict[str, Any]) -> dict[str, Any]:
     plan, engine, replica, _, spec = _engine(case)
     gas, micro, steps = case["gas"], case["micro"], case["steps"]
-    data = _ds_workers.data_stream(spec, steps * gas, micro, replica)
+    data = _model_registry.data_stream(spec, steps * gas, micro, replica)
     losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
-    eval_data = _ds_workers.data_stream(spec, gas, micro, DP + replica)
+    eval_data = _model_registry.data_stream(spec, gas, micro, DP + replica)
     eval_loss = float(engine.eval_batch(eval_data))
     return {
         "case": case,
@@ -72,7 +72,7 @@ def _checkpoint_run(case: dict[str, Any], ckpt_dir: str, save_at: int) -> dict[s
     weights) from the checkpoint and train the remaining steps on the same data."""
     plan, engine, replica, _, spec = _engine(case)
     gas, micro, steps = case["gas"], case["micro"], case["steps"]
-    data = _ds_workers.data_stream(spec, steps * gas, micro, replica)
+    data = _model_registry.data_stream(spec, steps * gas, micro, replica)
     losses = []
     for step in range(steps):
         losses.append(float(engine.train_batch(data_iter=data)))
@@ -80,7 +80,7 @@ def _checkpoint_run(case: dict[str, Any], ckpt_dir: str, save_at: int) -> dict[s
             engine.save_checkpoint(ckpt_dir, tag="mid")
     plan2, engine2, _, _, _ = _engine(case, seed=7)
     engine2.load_checkpoint(ckpt_dir)
-    data = _ds_workers.data_stream(spec, steps * gas, micro, replica)
+    data = _model_registry.data_stream(spec, steps * gas, micro, replica)
     for _ in range(save_at * gas):
         next(data)
     resumed = [float(engine2.train_batch(data_iter=data)) for _ in range(steps - save_at)]

@@ -2,7 +2,7 @@
 
 Four ranks, one gloo process group: every case is a pipeline of two ranks whose stages are
 sharded over two replicas (``make_topology(2, 2)``, ``data_parallel_mode="fsdp"``). Replica ``d``
-reads the stream seeded ``DATA_SEED + d`` (:func:`_ds_workers.data_stream`); each case saves a
+reads the stream seeded ``DATA_SEED + d`` (:func:`_model_registry.data_stream`); each case saves a
 portable checkpoint at its end, which the test process consolidates and compares with the
 unsplit model trained on both replicas' micro-batches (``tests/_reference.py``). Each rank also
 reports what it saw itself: its losses, how much of its stage it holds, how many all-gathers
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import _ds_workers
+import _model_registry
 import torch
 import torch.distributed as dist
 
@@ -48,7 +48,7 @@ def no_decay(named: list[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]
 
 def config(case: dict[str, Any]) -> dict[str, Any]:
     """The case's DeepSpeed-style config."""
-    cfg = _ds_workers.ds_config(
+    cfg = _model_registry.ds_config(
         case["opt"], gas=case["gas"], micro=case["micro"], dp=DP, clip=case.get("clip", 0.0)
     )
     if case.get("bf16"):
@@ -105,7 +105,7 @@ class CollectiveCounter:
 
 def build(case: dict[str, Any], seed: int = 0, **extra: Any) -> tuple[Any, Any, Any, int]:
     """The case's plan, dialect, engine and this rank's replica."""
-    spec = _ds_workers.spec_for(case.get("model", MODEL))
+    spec = _model_registry.spec_for(case.get("model", MODEL))
     cfg = config(case)
     dialect = type(pipedialect.get_dialect("torch"))(schedule=case["schedule"])
     topology = dialect.make_topology(2, DP)
@@ -166,19 +166,19 @@ def _error(call: Any) -> str:
 
 
 def _train_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
-    spec = _ds_workers.spec_for(case.get("model", MODEL))
+    spec = _model_registry.spec_for(case.get("model", MODEL))
     with default_dtype(case.get("dtype", "float32")):
         plan, _, engine, replica = build(case)
         counter = CollectiveCounter()
         try:
-            data = _ds_workers.data_stream(
+            data = _model_registry.data_stream(
                 spec, case["steps"] * case["gas"], case["micro"], replica
             )
             losses, counts = [], []
             for _ in range(case["steps"]):
                 losses.append(float(engine.train_batch(data_iter=data)))
                 counts.append(counter.take())
-            eval_data = _ds_workers.data_stream(spec, case["gas"], case["micro"], DP + replica)
+            eval_data = _model_registry.data_stream(spec, case["gas"], case["micro"], DP + replica)
             eval_loss = float(engine.eval_batch(eval_data))
             counter.take()
         finally:
@@ -202,9 +202,9 @@ def _train_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
 def _resume_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
     """The engine's own checkpoint after 2 steps, resumed by an engine built from other
     weights: its later steps must be the uninterrupted run's, bit for bit."""
-    spec = _ds_workers.spec_for(MODEL)
+    spec = _model_registry.spec_for(MODEL)
     _, _, engine, replica = build(case)
-    data = _ds_workers.data_stream(spec, case["steps"] * case["gas"], case["micro"], replica)
+    data = _model_registry.data_stream(spec, case["steps"] * case["gas"], case["micro"], replica)
     losses = []
     for step in range(case["steps"]):
         losses.append(float(engine.train_batch(data_iter=data)))
@@ -212,7 +212,7 @@ def _resume_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
             engine.save_checkpoint(str(Path(ckpt_dir) / "own"), tag="mid")
     _, _, again, _ = build(case, seed=7)
     again.load_checkpoint(str(Path(ckpt_dir) / "own"))
-    data = _ds_workers.data_stream(spec, case["steps"] * case["gas"], case["micro"], replica)
+    data = _model_registry.data_stream(spec, case["steps"] * case["gas"], case["micro"], replica)
     for _ in range(2 * case["gas"]):
         next(data)
     resumed = [float(again.train_batch(data_iter=data)) for _ in range(case["steps"] - 2)]
@@ -223,7 +223,7 @@ def _resume_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
     # The guards, on the engine that has trained: each is refused on every rank, by name.
     rank = dist.get_rank()
     runner = again.module._runners()[0]
-    batch = list(_ds_workers.data_stream(spec, case["gas"], case["micro"], replica))
+    batch = list(_model_registry.data_stream(spec, case["gas"], case["micro"], replica))
     poisoned = next(again.module.parameters())
     saved = local_part(poisoned).detach().clone()
     with torch.no_grad():

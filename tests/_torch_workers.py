@@ -25,16 +25,16 @@ DATA_SEED = 100
 
 def spec_for(name: str) -> ModelSpec:
     """The shared test models, plus the extra ones of the DeepSpeed tests."""
-    import _ds_workers
+    import _model_registry
 
-    return _ds_workers.spec_for(name)
+    return _model_registry.spec_for(name)
 
 
 def ds_config(optimizer: str, *, gas: int, micro: int, clip: float = 0.0) -> dict[str, Any]:
     """A DeepSpeed config; ``optimizer`` is sgd, adam (plain Adam) or adamw (DeepSpeed's Adam)."""
-    import _ds_workers
+    import _model_registry
 
-    return _ds_workers.ds_config(optimizer, gas=gas, micro=micro, dp=1, clip=clip)
+    return _model_registry.ds_config(optimizer, gas=gas, micro=micro, dp=1, clip=clip)
 
 
 def data_stream(spec: ModelSpec, count: int, micro: int) -> Iterator[Any]:
@@ -245,21 +245,23 @@ def check_schedules(schedules: list[str], select: str) -> int:
 def module_checkpoint_run(steps: int = 3, gas: int = 2) -> dict[str, Any]:
     """DropNet partitioned with ``recompute=`` on 2 torch-dialect stages (1F1B); losses,
     parameters and how often the recomputed module of this rank's stage ran."""
-    import _ds_workers
+    import _model_registry
 
-    spec = _ds_workers.DROPNET
+    spec = _model_registry.DROPNET
     dialect = pipedialect.get_dialect("torch")
     dialect.init_distributed()
     plan = partition(
-        spec.build(0), spec.split_points_for(2), recompute=_ds_workers.MODULE_RECOMPUTE
+        spec.build(0), spec.split_points_for(2), recompute=_model_registry.MODULE_RECOMPUTE
     )
     config = ds_config("sgd", gas=gas, micro=2)
     module = dialect.pipe_engine(plan, config=config, loss_fn=spec.loss_fn, schedule="1F1B")
     engine = dialect.runtime_engine(module, config=config)
     (stage,) = dialect.local_stages(engine)
-    calls = _ds_workers._count_module_calls(plan.stages[stage], "block0" if stage == 0 else "head")
-    torch.manual_seed(_ds_workers.DROPOUT_SEED + stage)
-    data = _ds_workers.data_stream(spec, steps * gas, 2, 0)
+    calls = _model_registry.count_module_calls(
+        plan.stages[stage], "block0" if stage == 0 else "head"
+    )
+    torch.manual_seed(_model_registry.DROPOUT_SEED + stage)
+    data = _model_registry.data_stream(spec, steps * gas, 2, 0)
     losses, calls_after = [], []
     for _ in range(steps):
         losses.append(float(engine.train_batch(data_iter=data)))

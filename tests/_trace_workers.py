@@ -19,11 +19,11 @@ GAS, MICRO, STEPS = 4, 2, 2
 
 
 def _run(dialect_name: str, traced: bool, path: Path | None, **pipe_kwargs: Any) -> dict[str, Any]:
-    import _ds_workers
+    import _model_registry
 
-    spec = _ds_workers.spec_for("gpt")
+    spec = _model_registry.spec_for("gpt")
     plan = partition(spec.build(0), spec.split_points_for(2))
-    config = _ds_workers.ds_config("sgd", gas=GAS, micro=MICRO, dp=1)
+    config = _model_registry.ds_config("sgd", gas=GAS, micro=MICRO, dp=1)
     dialect = pipedialect.get_dialect(dialect_name)
     if dialect_name == "deepspeed":
         pipe_kwargs["topology"] = dialect.make_topology(2, 1)

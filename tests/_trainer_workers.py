@@ -52,9 +52,9 @@ def make_schedule(optimizer: torch.optim.Optimizer) -> Any:
 
 def engine_for(dialect_name: str, clip: float) -> tuple[Any, Any, Any]:
     """``(plan, engine, dialect)`` of the two-stage ``gpt`` with the client factories."""
-    import _ds_workers
+    import _model_registry
 
-    spec = _ds_workers.spec_for(MODEL)
+    spec = _model_registry.spec_for(MODEL)
     plan = partition(spec.build(0), spec.split_points_for(2))
     dialect = pipedialect.get_dialect(dialect_name)
     extra: dict[str, Any] = {}
@@ -73,13 +73,13 @@ def engine_for(dialect_name: str, clip: float) -> tuple[Any, Any, Any]:
 
 def train(dialect_name: str, clip: float) -> dict[str, Any]:
     """Train ``STEPS`` batches; return the per-step records and this rank's parameters."""
-    import _ds_workers
+    import _model_registry
 
     dialect = pipedialect.get_dialect(dialect_name)
     dialect.init_distributed()
     plan, engine, dialect = engine_for(dialect_name, clip)
-    spec = _ds_workers.spec_for(MODEL)
-    data = _ds_workers.data_stream(spec, STEPS * GAS, MICRO, 0)
+    spec = _model_registry.spec_for(MODEL)
+    data = _model_registry.data_stream(spec, STEPS * GAS, MICRO, 0)
     losses, lrs, norms = [], [], []
     for _ in range(STEPS):
         lrs.append([float(lr) for lr in engine.get_lr()])
@@ -88,7 +88,7 @@ def train(dialect_name: str, clip: float) -> dict[str, Any]:
         norms.append(None if norm is None else float(norm))
     params: dict[str, torch.Tensor] = {}
     for stage in dialect.local_stages(engine):
-        params.update(_ds_workers.local_params(plan, stage))
+        params.update(_model_registry.local_params(plan, stage))
     return {
         "losses": losses,
         "lrs": lrs,

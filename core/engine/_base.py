@@ -50,6 +50,7 @@ from ..runtime.agreement import (
     pull_micro_batches,
 )
 from ..runtime.sharded import local_part
+from ..runtime.stage import stage_root
 from . import checkpoint_files
 from .checkpoint_files import LATEST_FILE
 from .config import TrainingConfig, build_optimizer, check_one_optimizer
@@ -447,7 +448,7 @@ class EngineBase:
         """The error for the first stage (in order) with a non-finite gradient, or None (under
         bf16 the gradient buffers are checked)."""
         for stage_id, stage in stages:
-            named = getattr(stage, "mod", stage).named_parameters()
+            named = stage_root(stage).named_parameters()
             found = (
                 first_nonfinite_grad(named)
                 if self.mixed is None

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..contracts import TieAnalyzer, TieGroup, TieRanks, Topology
 from ..errors import TieError, TopologyError
-from ..runtime.stage import StageWrapper
+from ..runtime.stage import stage_root
 from ..runtime.topology import check_topology_object
 
 __all__ = [
@@ -46,11 +46,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _stage_root(stage: nn.Module) -> nn.Module:
-    """The module whose parameter names are the original ones (a wrapper's ``mod``)."""
-    return stage.mod if isinstance(stage, StageWrapper) else stage
 
 
 def _key_part(name: str) -> str:
@@ -70,7 +65,7 @@ def find_tie_groups(stages: Sequence[nn.Module]) -> tuple[TieGroup, ...]:
     held: dict[int, list[tuple[str, int]]] = {}
     keep: dict[int, nn.Parameter] = {}
     for stage_id, stage in enumerate(stages):
-        for name, param in _stage_root(stage).named_parameters(remove_duplicate=False):
+        for name, param in stage_root(stage).named_parameters(remove_duplicate=False):
             held.setdefault(id(param), []).append((name, stage_id))
             keep[id(param)] = param
     spans = [
@@ -182,7 +177,7 @@ def check_tie_objects(
                     f"{len(stages)} stage modules"
                 )
             try:
-                param = _stage_root(stages[stage]).get_parameter(name)
+                param = stage_root(stages[stage]).get_parameter(name)
             except AttributeError:
                 raise TieError(
                     f"{where}[Stage {stage}] has no parameter {name!r} of tie group "
@@ -218,7 +213,7 @@ def _slot(stages: Sequence[nn.Module], name: str, stage: int, key: str) -> _Slot
         raise TieError(
             f"tie group {key} names stage {stage}, but there are {len(stages)} stage modules"
         )
-    root = _stage_root(stages[stage])
+    root = stage_root(stages[stage])
     prefix, _, attr = name.rpartition(".")
     try:
         module = root.get_submodule(prefix) if prefix else root

@@ -64,7 +64,7 @@ from torch import nn
 
 from ..errors import WeightsError
 from ..runtime.sharded import copy_full_into, is_sharded, local_part
-from ..runtime.stage import StageWrapper
+from ..runtime.stage import stage_root
 from .partition import MODEL_NAMES, PipelinePlan
 
 __all__ = [
@@ -89,10 +89,6 @@ class _Source(Protocol):
     def keys(self) -> Iterable[str]: ...
 
     def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]: ...
-
-
-def _unwrap(stage_module: nn.Module) -> nn.Module:
-    return stage_module.mod if isinstance(stage_module, StageWrapper) else stage_module
 
 
 def _alias_groups(
@@ -141,7 +137,7 @@ class _Loader:
             self._non_persistent = frozenset(b.name for b in plan.buffers if not b.persistent)
 
     def __call__(self, stage_module: nn.Module) -> None:
-        module = _unwrap(stage_module)
+        module = stage_root(stage_module)
         stage = self._stage_of.get(id(module))
         where = f"[Stage {stage}] " if stage is not None else ""
         targets = _named_state(module)

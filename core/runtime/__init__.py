@@ -34,7 +34,7 @@ from .sharded import (
     local_slice,
     shard_like,
 )
-from .stage import StageWrapper
+from .stage import StageWrapper, stage_root
 from .topology import (
     GridCoord,
     GridTopology,
@@ -81,4 +81,5 @@ __all__ = [
     "recompute_with_state",
     "root_nonfinite",
     "shard_like",
+    "stage_root",
 ]

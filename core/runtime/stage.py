@@ -43,7 +43,7 @@ from .codec import decoded_by
 from .module_state import UpdatedBuffers
 from .wire import WireDecoder, WireEncoder
 
-__all__ = ["StageWrapper"]
+__all__ = ["StageWrapper", "stage_root"]
 
 
 class StageWrapper(nn.Module):
@@ -258,3 +258,14 @@ def _device_of(out: Any, received: Sequence[Any], mod: nn.Module) -> torch.devic
 # -- module state: buffers updated in place, recomputation ------------------------------------
 
 #: A buffer's place: the module that registers it and its name there.
+
+
+def stage_root(stage: nn.Module) -> nn.Module:
+    """The module that holds ``stage``'s parameters under the unsplit model's names.
+
+    A :class:`StageWrapper` runs its stage module (``.mod``), whose parameter and buffer names
+    are the original model's; any other module (a stage not wrapped yet, a runtime's own layer)
+    is its own root. Checkpoints, ties and weight loading read names from here, never from the
+    wrapper, whose names carry a ``mod.`` prefix.
+    """
+    return stage.mod if isinstance(stage, StageWrapper) else stage

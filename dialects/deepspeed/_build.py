@@ -16,12 +16,10 @@ from torch import nn
 
 from pipedialect import ConfigError, TieAnalyzer, TieError, Topology, TopologyError
 from pipedialect.contracts import TieGroup
-from pipedialect.dialect import given_options
-from pipedialect.plan.ties import DefaultTieAnalyzer, retie_parameters
+from pipedialect.sdk import DefaultTieAnalyzer, given_options, retie_parameters, stage_root
 
 if TYPE_CHECKING:
-    from pipedialect.dialect import PipelineRequest
-    from pipedialect.plan.partition import PipelinePlan
+    from pipedialect.sdk import PipelinePlan, PipelineRequest
 
     from ._module import PipeDialectPipelineModule, TieSpec
 
@@ -79,7 +77,7 @@ def _materialise_local_stage(plan: PipelinePlan, topology: Topology, init_weight
     import torch
     import torch.distributed as dist
 
-    from pipedialect.plan.weights import prepare_local_stages
+    from pipedialect.sdk import prepare_local_stages
 
     stage = int(topology.get_coord(dist.get_rank()).pipe)
     if dist.get_backend() == "nccl":
@@ -254,7 +252,7 @@ def resolve_ties(
 
 
 def _owner(stage: nn.Module, name: str, key: str, stage_id: int) -> tuple[nn.Module, str, Any]:
-    root = getattr(stage, "mod", stage)  # a stage wrapper holds the stage module as .mod
+    root = stage_root(stage)
     prefix, _, attr = name.rpartition(".")
     try:
         module = root.get_submodule(prefix) if prefix else root

@@ -14,7 +14,7 @@ from torch import nn
 
 from pipedialect import ConfigError
 from pipedialect.contracts import AttributeCounters, EngineState, HeldStage
-from pipedialect.runtime.stage import StageWrapper
+from pipedialect.sdk import stage_root
 
 __all__ = ["deepspeed_engine_state"]
 
@@ -38,9 +38,7 @@ def deepspeed_engine_state(engine: Any) -> EngineState:
     for layer in layers:
         if not isinstance(layer, nn.Module):
             continue
-        root = layer.mod if isinstance(layer, StageWrapper) else getattr(layer, "mod", layer)
-        if not isinstance(root, nn.Module):
-            continue
+        root = stage_root(layer)
         stage_id = getattr(layer, "stage_id", None)
         held.append(HeldStage(int(engine.stage_id if stage_id is None else stage_id), layer, root))
     return EngineState(

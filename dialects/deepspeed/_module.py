@@ -45,8 +45,7 @@ from torch import nn
 
 from pipedialect import ConfigError, Topology
 from pipedialect.errors import CheckpointError
-from pipedialect.runtime.agreement import check_frozen_ties
-from pipedialect.runtime.module_state import recompute_with_state
+from pipedialect.sdk import check_frozen_ties, recompute_with_state, stage_root
 
 __all__ = ["PipeDialectPipelineModule", "TieSpec", "recompute_stage"]
 
@@ -193,7 +192,7 @@ class PipeDialectPipelineModule(PipelineModule):  # type: ignore[misc]
                 id(p): n
                 for layer in self.forward_funcs
                 if isinstance(layer, nn.Module)
-                for n, p in getattr(layer, "mod", layer).named_parameters()
+                for n, p in stage_root(layer).named_parameters()
             }
             stage = int(self.stage_id)
             mine: dict[str, tuple[str, int, bool]] = {}

@@ -19,7 +19,7 @@ from pipedialect.contracts import (
     Instrumented,
     SpanRecorder,
 )
-from pipedialect.dialect import (
+from pipedialect.sdk import (
     ENGINE_FEATURES,
     EngineRequest,
     PipelineRequest,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pipedialect import StageWrapper, WireError
-from pipedialect.runtime.wire import leaf_paths
+from pipedialect.sdk import leaf_paths
 
 __all__ = ["DeepSpeedStageWrapper"]
 

@@ -17,7 +17,7 @@ from typing import Any
 from deepspeed.runtime.pipe import schedule
 
 from pipedialect.contracts import Instrumented, SpanRecorder
-from pipedialect.trace import patch_attribute
+from pipedialect.sdk import patch_attribute
 
 __all__ = ["instrument"]
 

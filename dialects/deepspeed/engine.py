@@ -63,22 +63,25 @@ from pipedialect import (
     StageWrapper,
     WireError,
 )
-from pipedialect.engine import checkpoint_files
-from pipedialect.engine.config import check_config_keys, check_one_optimizer
-from pipedialect.engine.param_groups import ParamGroupsFn, resolve_param_groups
-from pipedialect.plan.batches import input_spec
-from pipedialect.runtime.agreement import (
+from pipedialect.sdk import (
+    ParamGroupsFn,
     agree_on_error,
     agreed,
+    check_config_keys,
     check_inputs,
+    check_one_optimizer,
+    checkpoint_files,
     first_nonfinite_grad,
     first_nonfinite_loss,
+    input_spec,
     nonfinite_grad_error,
     nonfinite_loss_error,
     pull_micro_batches,
+    read_layout,
+    resolve_param_groups,
     root_nonfinite,
+    stage_root,
 )
-from pipedialect.runtime.wire import read_layout
 
 from .pipeline import without_slapo_keys
 
@@ -673,7 +676,7 @@ def _named_local_parameters(model: PipelineModule) -> list[tuple[str, nn.Paramet
         if not isinstance(layer, nn.Module):
             continue
         if isinstance(layer, StageWrapper):
-            items = getattr(layer, "mod", layer).named_parameters()
+            items = stage_root(layer).named_parameters()
         else:
             items = ((f"{index}.{n}", p) for n, p in layer.named_parameters())
         for name, param in items:
@@ -833,7 +836,7 @@ def _check_batch_sizes(config: Mapping[str, Any], model: PipelineModule) -> None
     ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps *
     data-parallel size`` with every entry positive.
     """
-    from pipedialect.engine.config import batch_triple
+    from pipedialect.sdk import batch_triple
 
     batch_triple(config, int(model._topo.get_dim("data")) or 1)
 

@@ -73,7 +73,7 @@ from torch import fx, nn
 
 from pipedialect import ConfigError, PipelinePlan, TensorCodec
 from pipedialect.contracts import StageSpec
-from pipedialect.plan.ties import analyze_tie_ranks
+from pipedialect.sdk import analyze_tie_ranks
 
 from ._codec_path import (
     PathCodec,

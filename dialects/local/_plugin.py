@@ -9,7 +9,7 @@ from torch import nn
 import pipedialect
 from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine, TopologyError
 from pipedialect.contracts import BOUNDARY_CAPABILITIES, EngineState, HeldStage
-from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, NoOptions, PipelineRequest
+from pipedialect.sdk import ENGINE_FEATURES, EngineRequest, NoOptions, PipelineRequest
 
 __all__ = ["LocalDialect", "register_dialects"]
 
@@ -36,10 +36,12 @@ class LocalDialect(Dialect):
         parallelism. ``init_weights(stage_module)`` fills every stage of a meta-device plan on
         the CPU (every stage is local here).
         """
-        from pipedialect.engine.config import parse_config
-        from pipedialect.plan.ties import retie_parameters
-        from pipedialect.plan.weights import prepare_local_stages
-        from pipedialect.runtime.topology import check_topology
+        from pipedialect.sdk import (
+            check_topology,
+            parse_config,
+            prepare_local_stages,
+            retie_parameters,
+        )
 
         from .engine import LocalPipeline
 
@@ -93,15 +95,14 @@ class LocalDialect(Dialect):
 
     def engine_state(self, engine: RuntimeEngine) -> EngineState:
         """Every stage of the plan, each run by its wrapper, named as the model."""
-        from pipedialect.runtime.stage import StageWrapper
+        from pipedialect.sdk import stage_root
 
         from .engine import LocalEngine
 
         if not isinstance(engine, LocalEngine):
             raise ConfigError(f"not a local engine: {type(engine).__name__}")
         held = [
-            HeldStage(k, stage, stage.mod if isinstance(stage, StageWrapper) else stage)
-            for k, stage in enumerate(engine.module.stages)
+            HeldStage(k, stage, stage_root(stage)) for k, stage in enumerate(engine.module.stages)
         ]
         return engine.engine_state(held, engine.module.plan)
 

@@ -23,20 +23,19 @@ import torch
 from torch import nn
 
 from pipedialect import CheckpointError, ConfigError, StageWrapper
-from pipedialect.engine import (
+from pipedialect.sdk import (
     EngineBase,
+    ParamGroupsFn,
+    PipelinePlan,
+    check_inputs,
     checkpoint_files,
+    clip_gradients,
+    first_nonfinite_loss,
+    nonfinite_loss_error,
+    parse_config,
     read_checkpoint_file,
     shape_mismatch,
     stage_param_name,
-)
-from pipedialect.engine.config import clip_gradients, parse_config
-from pipedialect.engine.param_groups import ParamGroupsFn
-from pipedialect.plan.partition import PipelinePlan
-from pipedialect.runtime.agreement import (
-    check_inputs,
-    first_nonfinite_loss,
-    nonfinite_loss_error,
 )
 
 __all__ = ["LocalEngine", "LocalPipeline"]

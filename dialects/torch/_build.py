@@ -16,17 +16,20 @@ import torch
 from torch import nn
 
 from pipedialect import ConfigError, Topology, TopologyError
-from pipedialect.engine.config import parse_config
-from pipedialect.engine.precision import Precision
-from pipedialect.runtime.topology import check_topology, check_world_size, joined_world_size
+from pipedialect.sdk import (
+    Precision,
+    check_topology,
+    check_world_size,
+    joined_world_size,
+    parse_config,
+)
 
 from ._fsdp import check_fsdp_schedule, fsdp_reduce_dtype
 from ._replicas import check_data_parallel_mode
 from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
 
 if TYPE_CHECKING:
-    from pipedialect.dialect import PipelineRequest
-    from pipedialect.plan.partition import PipelinePlan
+    from pipedialect.sdk import PipelinePlan, PipelineRequest
 
     from .engine import TorchPipeline
 
@@ -172,8 +175,7 @@ def _construct(
 ) -> TorchPipeline:
     import torch.distributed as dist
 
-    from pipedialect.engine.precision import cast_parameters
-    from pipedialect.plan.weights import prepare_local_stages
+    from pipedialect.sdk import cast_parameters, prepare_local_stages
 
     from ._fsdp import FsdpStages
     from ._replicas import Replicas

@@ -76,8 +76,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pipedialect import ConfigError, StageWrapper
-from pipedialect.engine.precision import Precision
+from pipedialect import ConfigError
+from pipedialect.sdk import Precision, stage_root
 
 from ._schedules import ScheduleSpec
 from ._stage import StageRunner
@@ -142,7 +142,7 @@ class Unit:
 
 
 def _graph(stage: nn.Module) -> fx.Graph | None:
-    root = stage.mod if isinstance(stage, StageWrapper) else stage
+    root = stage_root(stage)
     graph = getattr(root, "graph", None)
     return graph if isinstance(graph, fx.Graph) else None
 
@@ -176,7 +176,7 @@ def unit_plan(
     (``recomputed``, the plan's paths) is read by a ``get_attr`` and called by the
     recomputation, so it counts as called.
     """
-    root = stage.mod if isinstance(stage, StageWrapper) else stage
+    root = stage_root(stage)
     graph = _graph(stage)
     if graph is None:  # not a graph: its children's forwards are not known to run
         return []
@@ -262,7 +262,7 @@ class FsdpStages:
         for runner in runners:
             stage = runner.stage
             units = unit_plan(stage, model, recomputed)
-            root = stage.mod if isinstance(stage, StageWrapper) else stage
+            root = stage_root(stage)
             for unit in units:
                 group = [root.get_submodule(path) for path in unit.called]
                 fully_shard(

@@ -18,7 +18,7 @@ from pipedialect.contracts import (
     Instrumented,
     SpanRecorder,
 )
-from pipedialect.dialect import ENGINE_FEATURES, EngineRequest, NoOptions, PipelineRequest
+from pipedialect.sdk import ENGINE_FEATURES, EngineRequest, NoOptions, PipelineRequest
 
 from ._schedules import resolve_schedule
 
@@ -159,7 +159,7 @@ class TorchDialect(Dialect):
 
     def engine_state(self, engine: RuntimeEngine) -> EngineState:
         """This rank's stages, each run by its wrapper inside a stage runner."""
-        from pipedialect.runtime.stage import StageWrapper
+        from pipedialect.sdk import stage_root
 
         from .engine import TorchEngine
 
@@ -168,7 +168,7 @@ class TorchDialect(Dialect):
         held = []
         for runner in engine.module._runners():
             stage = runner.stage
-            root = stage.mod if isinstance(stage, StageWrapper) else stage
+            root = stage_root(stage)
             held.append(HeldStage(int(runner.stage_id), stage, root))
         return engine.engine_state(held, engine.module.plan)
 
@@ -193,7 +193,7 @@ class TorchDialect(Dialect):
                 declared by this dialect yet).
         """
         from pipedialect import GridTopology
-        from pipedialect.dialect import check_tensor_axis
+        from pipedialect.sdk import check_tensor_axis
 
         check_tensor_axis(self, tensor_parallel)
 

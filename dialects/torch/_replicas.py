@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import ConfigError, Topology
-from pipedialect.runtime.sharded import is_sharded
+from pipedialect.sdk import is_sharded
 
 __all__: list[str] = []
 

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipedialect.runtime.module_state import preserved_state
+from pipedialect.sdk import preserved_state
 
 from ._stage import StageRunner, normalize_wire, to_device
 

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from pipedialect import ConfigError
-from pipedialect.runtime import pass_through
+from pipedialect.sdk import pass_through
 
 __all__: list[str] = []
 

@@ -33,9 +33,13 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import TieError, TieGroup
-from pipedialect.plan.ties import retie_parameters
-from pipedialect.runtime.agreement import check_frozen_ties
-from pipedialect.runtime.sharded import counted_square_norm, local_part
+from pipedialect.sdk import (
+    check_frozen_ties,
+    counted_square_norm,
+    local_part,
+    retie_parameters,
+    stage_root,
+)
 
 __all__: list[str] = []
 
@@ -62,12 +66,6 @@ class TiedCopy:
     def owner(self) -> int:
         """The rank that broadcasts the weight and counts it in the gradient norm."""
         return self.ranks[0]
-
-
-def _root(stage: nn.Module) -> nn.Module:
-    from pipedialect import StageWrapper
-
-    return stage.mod if isinstance(stage, StageWrapper) else stage
 
 
 class TieSync:
@@ -109,7 +107,7 @@ class TieSync:
             held: dict[int, tuple[str, int, nn.Parameter]] = {}
             for name, stage in group:
                 try:
-                    found = _root(stages[stage]).get_parameter(name)
+                    found = stage_root(stages[stage]).get_parameter(name)
                 except AttributeError:
                     raise TieError(
                         f"[Stage {stage}] tie group {group.key} names parameter {name!r}, which "
@@ -135,7 +133,7 @@ class TieSync:
                     if mine is not None
                     for name, stage in group
                     if placement[stage] == rank
-                    and _root(stages[stage]).get_parameter(name) is mine[2]
+                    and stage_root(stages[stage]).get_parameter(name) is mine[2]
                 }
             )
         copies = []
@@ -166,7 +164,9 @@ class TieSync:
         for copy in self.copies:
             if copy.where is not None:
                 name, stage = copy.where
-                copy = dataclasses.replace(copy, param=_root(stages[stage]).get_parameter(name))
+                copy = dataclasses.replace(
+                    copy, param=stage_root(stages[stage]).get_parameter(name)
+                )
             copies.append(copy)
         return TieSync(copies)
 

@@ -21,7 +21,7 @@ from typing import Any
 from torch.distributed.pipelining import schedules
 
 from pipedialect.contracts import Instrumented, SpanRecorder
-from pipedialect.trace import patch_attribute
+from pipedialect.sdk import patch_attribute
 
 __all__ = ["instrument"]
 

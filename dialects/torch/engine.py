@@ -34,19 +34,25 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import CheckpointError, ConfigError, DataError, PipeDialectError, StageWrapper
-from pipedialect.engine import EngineBase, checkpoint_files, read_checkpoint_file, shape_mismatch
-from pipedialect.engine.config import TrainingConfig, parse_config
-from pipedialect.engine.param_groups import ParamGroupsFn
-from pipedialect.plan.partition import PipelinePlan
-from pipedialect.runtime.agreement import (
+from pipedialect.sdk import (
+    EngineBase,
+    ParamGroupsFn,
+    PipelinePlan,
+    TrainingConfig,
     agree_on_error,
     agreed,
     check_inputs,
+    checkpoint_files,
     first_nonfinite_loss,
+    is_sharded,
+    local_part,
     nonfinite_loss_error,
+    parse_config,
+    read_checkpoint_file,
     root_nonfinite,
+    shape_mismatch,
+    stage_root,
 )
-from pipedialect.runtime.sharded import is_sharded, local_part
 
 from ._fsdp import FsdpStages
 from ._replicas import Replicas
@@ -337,7 +343,7 @@ class TorchEngine(EngineBase):
         seen: set[int] = set()
         for runner in module._runners():
             stage = runner.stage
-            root = stage.mod if isinstance(stage, StageWrapper) else stage
+            root = stage_root(stage)
             for name, param in root.named_parameters():
                 if id(param) not in seen:
                     seen.add(id(param))

@@ -11,8 +11,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
-import _ds_workers
 import _lr_workers
+import _model_registry
 import pytest
 import torch
 from _compare import ATOL, RTOL
@@ -122,7 +122,7 @@ def test_the_four_schedules_are_implemented_and_others_refused_by_name() -> None
 
 
 def _local_module(config: dict[str, Any]) -> Any:
-    spec = _ds_workers.spec_for(_lr_workers.MODEL)
+    spec = _model_registry.spec_for(_lr_workers.MODEL)
     plan = partition(spec.build(0), spec.split_points_for(2))
     return pipedialect.get_dialect("local").pipe_engine(plan, config=config, loss_fn=spec.loss_fn)
 
@@ -130,7 +130,7 @@ def _local_module(config: dict[str, Any]) -> Any:
 def reference(section: dict[str, Any] | None, steps: int, client: Any = None) -> dict[str, Any]:
     """The unsplit model, plain Adam, DeepSpeed's schedule class (or ``client(optimizer)``)
     stepped after each optimizer step; the rates before each step and after the last."""
-    spec = _ds_workers.spec_for(_lr_workers.MODEL)
+    spec = _model_registry.spec_for(_lr_workers.MODEL)
     model = spec.build(0)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     if client is not None:
@@ -138,7 +138,7 @@ def reference(section: dict[str, Any] | None, steps: int, client: Any = None) ->
     else:
         assert section is not None
         schedule = getattr(ds_lr, section["type"])(optimizer, **section["params"])
-    data = _ds_workers.data_stream(spec, steps * _lr_workers.GAS, _lr_workers.MICRO, 0)
+    data = _model_registry.data_stream(spec, steps * _lr_workers.GAS, _lr_workers.MICRO, 0)
     lrs = [[g["lr"] for g in optimizer.param_groups]]
 
     def step_schedule() -> None:
@@ -154,8 +154,8 @@ def _local_run(config: dict[str, Any], steps: int, **kwargs: Any) -> dict[str, A
     engine = pipedialect.get_dialect("local").runtime_engine(
         _local_module(config), config=config, **kwargs
     )
-    spec = _ds_workers.spec_for(_lr_workers.MODEL)
-    data = _ds_workers.data_stream(spec, steps * _lr_workers.GAS, _lr_workers.MICRO, 0)
+    spec = _model_registry.spec_for(_lr_workers.MODEL)
+    data = _model_registry.data_stream(spec, steps * _lr_workers.GAS, _lr_workers.MICRO, 0)
     lrs, losses = [], []
     for _ in range(steps):
         lrs.append(engine.get_lr())
@@ -196,11 +196,11 @@ def test_local_checkpoint_resumes_the_schedule(tmp_path: Path) -> None:
     section = ENGINE_SECTIONS[3]
     config = _lr_workers.config_for(section)
     local = pipedialect.get_dialect("local")
-    spec = _ds_workers.spec_for(_lr_workers.MODEL)
+    spec = _model_registry.spec_for(_lr_workers.MODEL)
     module = _local_module(config)
     fresh = copy.deepcopy(module)
     first = local.runtime_engine(module, config=config)
-    data = _ds_workers.data_stream(spec, 5 * _lr_workers.GAS, _lr_workers.MICRO, 0)
+    data = _model_registry.data_stream(spec, 5 * _lr_workers.GAS, _lr_workers.MICRO, 0)
     for _ in range(3):
         first.train_batch(data)
     first.save_checkpoint(tmp_path)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import _ds_workers
+import _model_registry
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
@@ -23,7 +23,7 @@ GAS, MICRO, STEPS = 2, 2, 4
 
 def _config() -> dict[str, Any]:
     # DeepSpeed's "Adam" with torch_adam and weight_decay: torch's AdamW, weight_decay 0.1.
-    return _ds_workers.ds_config("adamw", gas=GAS, micro=MICRO, dp=1)
+    return _model_registry.ds_config("adamw", gas=GAS, micro=MICRO, dp=1)
 
 
 def _exempt(name: str) -> bool:
@@ -31,7 +31,7 @@ def _exempt(name: str) -> bool:
 
 
 def _reference(groups: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    spec = _ds_workers.spec_for("gpt")
+    spec = _model_registry.spec_for("gpt")
     model = spec.build(0)
     named = list(model.named_parameters())  # the tied weight once
     if groups:
@@ -42,18 +42,18 @@ def _reference(groups: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     else:
         params = [p for _, p in named]
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    data = _ds_workers.data_stream(spec, STEPS * GAS, MICRO, 0)
+    data = _model_registry.data_stream(spec, STEPS * GAS, MICRO, 0)
     losses = train_unsplit(model, optimizer, steps_from([data], STEPS, GAS), spec.loss_fn).losses
     return losses, dict(model.named_parameters(remove_duplicate=False))
 
 
 def _local(**kwargs: Any) -> tuple[Any, Any, list[float]]:
-    spec = _ds_workers.spec_for("gpt")
+    spec = _model_registry.spec_for("gpt")
     plan = partition(spec.build(0), spec.split_points_for(2))
     dialect = pipedialect.get_dialect("local")
     module = dialect.pipe_engine(plan, config=_config(), loss_fn=spec.loss_fn)
     engine = dialect.runtime_engine(module, config=_config(), **kwargs)
-    data = _ds_workers.data_stream(spec, STEPS * GAS, MICRO, 0)
+    data = _model_registry.data_stream(spec, STEPS * GAS, MICRO, 0)
     losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
     return plan, engine, losses
 

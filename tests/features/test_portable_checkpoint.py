@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import _hf_workers as hf
+import _model_registry
 import _portable_ckpt_workers as workers
 import pytest
 import torch
@@ -35,7 +36,7 @@ LAUNCH_TIMEOUT = 900.0
 
 def reference(steps: int) -> tuple[list[float], nn.Module]:
     """The unsplit model trained ``steps`` steps by hand: per-step losses and the model."""
-    spec = workers._ds_workers.spec_for(workers.MODEL)
+    spec = _model_registry.spec_for(workers.MODEL)
     model = spec.build(0)
     optimizer = torch.optim.Adam(model.parameters(), lr=workers.LR)
     data = workers.stream()
@@ -159,7 +160,7 @@ def test_consolidate_after_a_pipeline_run_equals_the_unsplit_model(
     assert index["aliases"]["out.weight"] == "embed.weight"
     assert "out.weight" not in index["params"]
     assert state["out.weight"] is state["embed.weight"]
-    fresh = workers._ds_workers.spec_for(workers.MODEL).build(5)
+    fresh = _model_registry.spec_for(workers.MODEL).build(5)
     fresh.load_state_dict(state, strict=True)
     assert fresh.out.weight is fresh.embed.weight
     assert index["layout"] == {"dialect": "deepspeed", "world_size": 4, "num_stages": 4}
@@ -194,7 +195,7 @@ def _local(model: nn.Module, split: list[str], *, loss: str = "skip", **extra: A
     """A local engine over ``model`` split at ``split``; ``loss``: whose model's loss."""
     config = {**workers.config(1), **extra}
     dialect = pipedialect.get_dialect("local")
-    loss_fn = workers._ds_workers.spec_for(loss).loss_fn
+    loss_fn = _model_registry.spec_for(loss).loss_fn
     module = dialect.pipe_engine(partition(model, split), config=config, loss_fn=loss_fn)
     return dialect.runtime_engine(module, config=config)
 
@@ -237,8 +238,8 @@ def test_dropout_model_resumes_with_identical_later_losses_on_another_plan(
 
 
 def test_flipped_bytes_in_a_saved_shard_are_a_checkpoint_error(tmp_path: Path) -> None:
-    engine = _local(workers._ds_workers.spec_for("skip").build(0), ["blocks.1"])
-    engine.train_batch(iter(workers._ds_workers.spec_for("skip").micro_batches(4, batch_size=2)))
+    engine = _local(_model_registry.spec_for("skip").build(0), ["blocks.1"])
+    engine.train_batch(iter(_model_registry.spec_for("skip").micro_batches(4, batch_size=2)))
     path = ckpt.save(engine, tmp_path, tag="t")
     shard = path / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -258,7 +259,7 @@ def test_flipped_bytes_in_a_saved_shard_are_a_checkpoint_error(tmp_path: Path) -
 
 
 def test_a_different_model_is_a_checkpoint_error_naming_the_parameters(tmp_path: Path) -> None:
-    spec = workers._ds_workers.spec_for("skip")
+    spec = _model_registry.spec_for("skip")
     engine = _local(spec.factory(seed=0, dim=16), ["blocks.1"])
     ckpt.save(engine, tmp_path, tag="small")
     wider = _local(spec.factory(seed=0, dim=24), ["blocks.1"])
@@ -271,7 +272,7 @@ def test_a_different_model_is_a_checkpoint_error_naming_the_parameters(tmp_path:
 
 
 def test_a_checkpoint_that_is_not_portable_or_not_there_is_named(tmp_path: Path) -> None:
-    spec = workers._ds_workers.spec_for("skip")
+    spec = _model_registry.spec_for("skip")
     engine = _local(spec.factory(seed=0, dim=16), ["blocks.1"])
     engine.save_checkpoint(tmp_path / "own", tag="x")  # the dialect's own format
     with pytest.raises(CheckpointError, match=r"has no pipedialect_index\.pt: it is not a"):
@@ -286,7 +287,7 @@ def test_a_checkpoint_that_is_not_portable_or_not_there_is_named(tmp_path: Path)
 
 
 def test_local_resume_on_another_plan_is_exact_with_scheduler_and_groups(tmp_path: Path) -> None:
-    spec = workers._ds_workers.spec_for(workers.MODEL)
+    spec = _model_registry.spec_for(workers.MODEL)
     schedule = {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 0.02}}
     data = workers.stream()
     split = ["blocks.0", "blocks.1", "blocks.2"]

@@ -2,7 +2,7 @@
 device trains exactly like the model built normally.
 
 References: the unsplit model built on the CPU from the same seed and trained by hand in this
-process (``_ds_workers.checkpoint_reference``), and, for GPT-2 and Llama, the unsplit
+process (``_model_registry.checkpoint_reference``), and, for GPT-2 and Llama, the unsplit
 ``from_pretrained`` model of the directory ``save_pretrained`` wrote, trained by hand.
 """
 
@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import _ds_workers
 import _hf_workers as hf
 import _meta_workers as meta_workers
+import _model_registry
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
@@ -33,9 +33,7 @@ CLI = [sys.executable, "-m", "pipedialect.cli", "demo"]
 
 
 def _meta_plan() -> pipedialect.PipelinePlan:
-    import _ds_workers as ds
-
-    spec = ds.spec_for(SPEC_NAME)
+    spec = _model_registry.spec_for(SPEC_NAME)
     with torch.device("meta"):
         model = spec.build(0)
     return partition(model, spec.split_points_for(2))
@@ -51,12 +49,10 @@ def _check_run(result: dict[str, Any], ref: dict[str, Any], where: str) -> None:
 def test_local_meta_plan_with_init_weights_trains_like_the_real_model() -> None:
     """Local dialect: every stage is materialised by pipe_engine, the tie across stages is one
     Parameter, and losses and every parameter equal the unsplit CPU model's."""
-    import _ds_workers as ds
-
-    spec = ds.spec_for(SPEC_NAME)
+    spec = _model_registry.spec_for(SPEC_NAME)
     plan = _meta_plan()
     state = spec.build(0).state_dict()
-    config = ds.ds_config("sgd", gas=meta_workers.GAS, micro=meta_workers.MICRO, dp=1)
+    config = _model_registry.ds_config("sgd", gas=meta_workers.GAS, micro=meta_workers.MICRO, dp=1)
     dialect = pipedialect.get_dialect("local")
     module = dialect.pipe_engine(
         plan, config=config, loss_fn=spec.loss_fn, init_weights=from_state_dict(state, plan=plan)
@@ -65,7 +61,9 @@ def test_local_meta_plan_with_init_weights_trains_like_the_real_model() -> None:
     tied = {id(plan.stages[s].get_parameter(n)) for n, s in group}
     assert len(tied) == 1, group
     engine = dialect.runtime_engine(module, config=config)
-    data = ds.data_stream(spec, meta_workers.STEPS * meta_workers.GAS, meta_workers.MICRO, 0)
+    data = _model_registry.data_stream(
+        spec, meta_workers.STEPS * meta_workers.GAS, meta_workers.MICRO, 0
+    )
     losses = [float(engine.train_batch(data_iter=data)) for _ in range(meta_workers.STEPS)]
     params = {
         n: p.detach().clone()
@@ -73,17 +71,17 @@ def test_local_meta_plan_with_init_weights_trains_like_the_real_model() -> None:
         for n, p in stage.named_parameters(remove_duplicate=False)
     }
     _check_run(
-        {"losses": losses, "params": params}, _ds_workers.checkpoint_reference(SPEC_NAME), "local"
+        {"losses": losses, "params": params},
+        _model_registry.checkpoint_reference(SPEC_NAME),
+        "local",
     )
 
 
 def test_meta_plans_are_refused_by_name_without_complete_weights() -> None:
     """No init_weights, an init_weights that writes nothing, or one that is not callable:
     a WeightsError naming the stage and its parameters, before anything runs."""
-    import _ds_workers as ds
-
-    spec = ds.spec_for(SPEC_NAME)
-    config = ds.ds_config("sgd", gas=2, micro=2, dp=1)
+    spec = _model_registry.spec_for(SPEC_NAME)
+    config = _model_registry.ds_config("sgd", gas=2, micro=2, dp=1)
     dialect = pipedialect.get_dialect("local")
     with pytest.raises(
         WeightsError, match=r"\[Stage 0\] \['wpe', 'wte.weight'.*meta device.*init_we"
@@ -104,7 +102,7 @@ def test_deepspeed_and_torch_meta_plans_train_like_the_real_model() -> None:
     """Two ranks on DeepSpeed's PipelineEngine and on torch.distributed.pipelining: each rank
     materialises only its stage (the other stays on meta), the tied embedding and head are
     synchronised across the ranks, and losses and parameters equal the unsplit model's."""
-    ref = _ds_workers.checkpoint_reference(SPEC_NAME)
+    ref = _model_registry.checkpoint_reference(SPEC_NAME)
     for dialect in ("deepspeed", "torch"):
         results = launch(meta_workers.tinygpt_meta_run, 2, dialect, timeout=300)
         assert sorted(s for r in results for s in r["stages"]) == [0, 1], dialect

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import _ds_workers
+import _model_registry
 import _trainer_workers as workers
 import pytest
 import torch
@@ -27,12 +27,12 @@ from pipedialect.engine.param_groups import no_weight_decay
 
 def reference(clip: float) -> dict[str, Any]:
     """The unsplit model, the same optimizer, schedule and clipping, by hand."""
-    spec = _ds_workers.spec_for(workers.MODEL)
+    spec = _model_registry.spec_for(workers.MODEL)
     model = spec.build(0)
     named = list(model.named_parameters())  # the tied weight once, as the engines name it
     optimizer = workers.make_optimizer(no_weight_decay()(named))
     schedule = workers.make_schedule(optimizer)
-    data = _ds_workers.data_stream(spec, workers.STEPS * workers.GAS, workers.MICRO, 0)
+    data = _model_registry.data_stream(spec, workers.STEPS * workers.GAS, workers.MICRO, 0)
     lrs = [[g["lr"] for g in optimizer.param_groups]]
 
     def step_schedule() -> None:
@@ -65,14 +65,14 @@ def assert_matches(run: dict[str, Any], ref: dict[str, Any]) -> None:
     assert run["params"], "no parameter compared"
     for name, value in run["params"].items():
         assert_tensor_close(value, ref["params"][name].detach(), name)
-    initial = dict(_ds_workers.spec_for(workers.MODEL).build(0).named_parameters())
+    initial = dict(_model_registry.spec_for(workers.MODEL).build(0).named_parameters())
     assert any(not torch.equal(v, initial[n]) for n, v in run["params"].items() if n in initial)
 
 
 def _local_run(clip: float) -> dict[str, Any]:
     plan, engine, dialect = workers.engine_for("local", clip)
-    spec = _ds_workers.spec_for(workers.MODEL)
-    data = _ds_workers.data_stream(spec, workers.STEPS * workers.GAS, workers.MICRO, 0)
+    spec = _model_registry.spec_for(workers.MODEL)
+    data = _model_registry.data_stream(spec, workers.STEPS * workers.GAS, workers.MICRO, 0)
     losses, lrs, norms = [], [], []
     for _ in range(workers.STEPS):
         lrs.append(engine.get_lr())
@@ -80,7 +80,7 @@ def _local_run(clip: float) -> dict[str, Any]:
         norms.append(engine.get_global_grad_norm())
     params: dict[str, torch.Tensor] = {}
     for stage in dialect.local_stages(engine):
-        params.update(_ds_workers.local_params(plan, stage))
+        params.update(_model_registry.local_params(plan, stage))
     assert isinstance(engine.optimizer, torch.optim.AdamW)
     return {"losses": losses, "lrs": lrs, "norms": norms, "params": params}
 
@@ -115,7 +115,7 @@ def test_pipeline_dialects_train_with_a_client_adamw_and_cosine_schedule(
 
 
 def _module(config: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    spec = _ds_workers.spec_for(workers.MODEL)
+    spec = _model_registry.spec_for(workers.MODEL)
     plan = partition(spec.build(0), spec.split_points_for(2))
     dialect = pipedialect.get_dialect("local")
     return plan, dialect.pipe_engine(
@@ -152,8 +152,8 @@ def test_the_factory_gets_the_engines_groups_and_under_bf16_the_fp32_masters() -
     assert {p.dtype for p in given} == {torch.float32}
     assert {id(p) for p in given} == masters
     assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
-    spec = _ds_workers.spec_for(workers.MODEL)
-    engine.train_batch(_ds_workers.data_stream(spec, workers.GAS, workers.MICRO, 0))
+    spec = _model_registry.spec_for(workers.MODEL)
+    engine.train_batch(_model_registry.data_stream(spec, workers.GAS, workers.MICRO, 0))
     norm = engine.get_global_grad_norm()
     assert norm is not None and math.isfinite(norm) and norm > 0
 
@@ -165,8 +165,8 @@ def test_an_optimizer_object_over_exactly_the_engines_parameters_is_taken() -> N
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
     engine = local.runtime_engine(module, optimizer=optimizer, lr_scheduler=schedule)
     assert engine.optimizer is optimizer and engine.lr_scheduler is schedule
-    spec = _ds_workers.spec_for(workers.MODEL)
-    engine.train_batch(_ds_workers.data_stream(spec, workers.GAS, workers.MICRO, 0))
+    spec = _model_registry.spec_for(workers.MODEL)
+    engine.train_batch(_model_registry.data_stream(spec, workers.GAS, workers.MICRO, 0))
     assert engine.get_lr() == [pytest.approx(0.5e-3)]
 
 
@@ -186,11 +186,11 @@ def test_an_optimizer_object_over_exactly_the_engines_parameters_is_taken() -> N
     ],
 )
 def test_what_cannot_be_honoured_is_refused_by_name(case: str, match: str) -> None:
-    spec = _ds_workers.spec_for(workers.MODEL)
+    spec = _model_registry.spec_for(workers.MODEL)
     unsplit = spec.build(0)
     config = workers.config(0.0)
     if case == "section":
-        config = _ds_workers.ds_config("adam", gas=workers.GAS, micro=workers.MICRO, dp=1)
+        config = _model_registry.ds_config("adam", gas=workers.GAS, micro=workers.MICRO, dp=1)
     if case == "bf16_object":
         config = {**config, "bf16": {"enabled": True}}
     _plan, module = _module(config)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import _ds_workers
 import _ds_workers as ds_workers
+import _model_registry
 import _torch_workers as torch_workers
 import pytest
 import torch
@@ -251,7 +251,7 @@ def test_deepspeed_and_torch_checkpoint_train_like_the_unsplit_model() -> None:
     PipelineEngine and on torch.distributed.pipelining: the losses, gradients (DeepSpeed) and
     weights of the unsplit model drawing the same dropout masks, and each recomputed module
     ran twice per training micro-batch."""
-    ref = _ds_workers.checkpoint_reference("dropnet")
+    ref = _model_registry.checkpoint_reference("dropnet")
     runs = {
         "deepspeed": launch(ds_workers.module_checkpoint_run, 2, timeout=300),
         "torch": launch(torch_workers.module_checkpoint_run, 2, timeout=300),

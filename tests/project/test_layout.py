@@ -15,9 +15,13 @@ imports the package ``a.b`` (its ``__init__``), as Python does. On that graph:
 
 - no import cycle among the core modules;
 - the leaves import nothing of ours;
-- no dialect imports another dialect, and no built-in dialect imports a private core module
-  (one with a ``_``-prefixed part, as ``pipedialect.engine._base``): a built-in dialect uses
-  only what a third party can import;
+- no dialect imports another dialect, and a built-in dialect imports of the core only
+  ``pipedialect.sdk`` (the module dialects are written with), ``pipedialect.contracts``,
+  ``pipedialect.errors`` and the package root: it uses only what a third party imports, from
+  where a third party imports it; no core module imports ``pipedialect.sdk``, which sits above
+  every room as the dialects do;
+- the example third-party dialect and the dialect of docs/write-a-dialect.rst import nothing of
+  pipedialect but ``pipedialect.sdk``;
 - the package root is plain imports: ``partition`` and ``trace`` stay the functions whatever
   is imported first. (That pytest never loads the suite's plugin unasked is checked from a real
   install, in test_packaging.py.)
@@ -37,6 +41,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _doc_examples
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,20 +191,109 @@ def test_the_leaves_import_nothing_of_ours() -> None:
     assert {leaf: _imports(leaf) for leaf in LEAVES} == {leaf: set() for leaf in LEAVES}
 
 
-def test_no_dialect_imports_another_dialect_or_a_private_core_module() -> None:
+#: What a built-in dialect may import of the core: the dialect authors' module, the two leaves
+#: and the package root.
+DIALECT_MAY_IMPORT = frozenset(
+    {"pipedialect", "pipedialect.sdk", "pipedialect.contracts", "pipedialect.errors"}
+)
+SDK = "pipedialect.sdk"
+
+
+def dialect_import_problems(name: str, imports: set[str]) -> list[str]:
+    """What is wrong with dialect module ``name`` importing ``imports`` (project modules)."""
+    own = name.split(".")[2]
     problems = []
-    for name in MODULES:
-        parts = name.split(".")
-        if len(parts) < 3 or parts[1] != "dialects":
-            continue
-        for target in _imports(name):
-            tparts = target.split(".")
-            if tparts[:2] == ["pipedialect", "dialects"] and len(tparts) > 2:
-                if tparts[2] != parts[2]:
-                    problems.append(f"{name} imports another dialect: {target}")
-            elif _is_core(target) and any(part.startswith("_") for part in tparts[1:]):
-                problems.append(f"{name} imports a private core module: {target}")
+    for target in sorted(imports):
+        tparts = target.split(".")
+        if tparts[:2] == ["pipedialect", "dialects"]:
+            if len(tparts) > 2 and tparts[2] != own:
+                problems.append(f"{name} imports another dialect: {target}")
+        elif target not in DIALECT_MAY_IMPORT:
+            problems.append(f"{name} imports {target}: import it from {SDK}")
+    return problems
+
+
+def test_the_dialect_rule_sees_each_form() -> None:
+    """The rule flags a core room, a private module and another dialect, and nothing else; and
+    the real graph shows a dialect importing the SDK (so an empty graph cannot pass)."""
+    name = "pipedialect.dialects.torch.engine"
+    imports = {
+        "pipedialect",
+        "pipedialect.sdk",
+        "pipedialect.contracts",
+        "pipedialect.errors",
+        "pipedialect.dialects",
+        "pipedialect.dialects.torch._ties",
+        "pipedialect.dialects.local",
+        "pipedialect.runtime.agreement",
+        "pipedialect.engine._base",
+        "pipedialect.dialect",
+    }
+    assert dialect_import_problems(name, imports) == [
+        f"{name} imports pipedialect.dialect: import it from {SDK}",
+        f"{name} imports another dialect: pipedialect.dialects.local",
+        f"{name} imports pipedialect.engine._base: import it from {SDK}",
+        f"{name} imports pipedialect.runtime.agreement: import it from {SDK}",
+    ]
+    assert SDK in _imports("pipedialect.dialects.torch._ties")
+    assert SDK in _imports("pipedialect.dialects.local._plugin")  # a function-level import too
+    assert SDK in MODULES
+
+
+def test_a_dialect_imports_only_the_sdk_the_leaves_and_the_root() -> None:
+    problems = [
+        problem
+        for name in MODULES
+        if len(name.split(".")) > 2 and name.split(".")[1] == "dialects"
+        for problem in dialect_import_problems(name, _imports(name))
+    ]
     assert problems == []
+
+
+def test_no_core_module_imports_the_sdk() -> None:
+    assert [name for name in MODULES if _is_core(name) and SDK in _imports(name)] == []
+
+
+def _pipedialect_imports(source: str) -> set[str]:
+    """Every ``pipedialect`` module ``source`` imports (``import x`` or ``from x import``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "pipedialect")
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.update({node.module} if node.module.split(".")[0] == "pipedialect" else ())
+    return found
+
+
+def test_the_third_party_dialects_import_only_the_sdk() -> None:
+    """The example distribution's package and the page's ``mine`` package (not their tests,
+    which import the conformance suite)."""
+    assert _pipedialect_imports("import pipedialect\nfrom pipedialect.plan import x\n") == {
+        "pipedialect",
+        "pipedialect.plan",
+    }
+    example = ROOT / "examples" / "pipedialect-sendrecv" / "pipedialect_sendrecv"
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in sorted(example.glob("*.py"))}
+    page = ROOT / "docs" / "write-a-dialect.rst"
+    files = _doc_examples.collect().files[page]
+    sources.update(
+        {
+            f"{page.name}: {path}": code
+            for path, code in files.items()
+            if path.endswith(".py") and path.startswith("mine/")
+        }
+    )
+    assert len(sources) >= 5, sorted(sources)
+    found = {where: _pipedialect_imports(code) for where, code in sources.items()}
+    assert found == {where: {SDK} for where in sources}
+
+
+def test_the_sdk_exports_every_contract_and_error_and_a_sorted_all() -> None:
+    from pipedialect import contracts, errors, sdk
+
+    assert set(contracts.__all__) | set(errors.__all__) <= set(sdk.__all__)
+    assert sdk.__all__ == sorted(sdk.__all__)
+    assert all(hasattr(sdk, name) for name in sdk.__all__)
 
 
 @pytest.mark.distributed

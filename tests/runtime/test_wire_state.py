@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from _ds_workers import NoGradFloatFirst, float_batches, gpt16, token_batches
+from _model_registry import NoGradFloatFirst, float_batches, gpt16, token_batches
 from _reference import train_unsplit
 from torch import nn
 

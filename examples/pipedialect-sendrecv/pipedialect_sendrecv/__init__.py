@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import pipedialect
+from pipedialect.sdk import Dialect, hookimpl
 
 from ._dialect import SendRecvDialect
 from ._engine import SendRecvEngine, SendRecvPipeline
@@ -16,7 +16,7 @@ from ._engine import SendRecvEngine, SendRecvPipeline
 __all__ = ["SendRecvDialect", "SendRecvEngine", "SendRecvPipeline", "register_dialects"]
 
 
-@pipedialect.hookimpl
-def register_dialects(register: Callable[[type[pipedialect.Dialect]], None]) -> None:
+@hookimpl
+def register_dialects(register: Callable[[type[Dialect]], None]) -> None:
     """Register the ``sendrecv`` dialect."""
     register(SendRecvDialect)

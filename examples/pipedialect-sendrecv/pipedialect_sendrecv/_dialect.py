@@ -7,19 +7,25 @@ from typing import Any
 
 from torch import nn
 
-from pipedialect import Capability, ConfigError, Dialect, RuntimeEngine
-from pipedialect.contracts import (
+from pipedialect.sdk import (
     BOUNDARY_CAPABILITIES,
     AttributeCounters,
+    Capability,
+    ConfigError,
+    Dialect,
+    EngineRequest,
     EngineState,
     HeldStage,
     Instrumented,
+    NoOptions,
+    PipelineRequest,
+    RuntimeEngine,
     SpanRecorder,
+    parse_config,
+    patch_attribute,
+    stage_root,
+    tie_keys,
 )
-from pipedialect.dialect import EngineRequest, NoOptions, PipelineRequest
-from pipedialect.engine.config import parse_config
-from pipedialect.plan.ties import tie_keys
-from pipedialect.trace import patch_attribute
 
 from ._engine import SendRecvEngine, SendRecvPipeline
 
@@ -81,12 +87,12 @@ class SendRecvDialect(Dialect):
 
     def engine_state(self, engine: RuntimeEngine) -> EngineState:
         """What ``pipedialect.checkpoint`` and ``pipedialect.trace`` read: this rank's stage
-        (run by its wrapper; named as the model by the wrapper's ``mod``), the optimizer, the
+        (run by its wrapper; named as the model by :func:`stage_root`), the optimizer, the
         tied weights' keys and the step counter."""
         if not isinstance(engine, SendRecvEngine):
             raise ConfigError(f"not a sendrecv engine: {type(engine).__name__}")
         module = engine.module
-        root = getattr(module.stage, "mod", module.stage)
+        root = stage_root(module.stage)
         stage = HeldStage(module.stage_id, module.stage, root)
         return EngineState(
             stages=(stage,),

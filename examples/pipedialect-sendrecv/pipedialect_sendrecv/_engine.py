@@ -23,8 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedialect import ConfigError, PipelinePlan, Topology
-from pipedialect.engine.config import TrainingConfig, build_optimizer
+from pipedialect.sdk import (
+    ConfigError,
+    PipelinePlan,
+    Topology,
+    TrainingConfig,
+    build_optimizer,
+    stage_root,
+)
 
 __all__ = ["SendRecvEngine", "SendRecvPipeline"]
 
@@ -108,7 +114,7 @@ class SendRecvPipeline(nn.Module):
         self.config = dict(config)
         self.prev = self._rank_at(topology, self.stage_id - 1)
         self.next = self._rank_at(topology, self.stage_id + 1)
-        root = getattr(self.stage, "mod", self.stage)
+        root = stage_root(self.stage)
         # Every rank creates every group, in the same order: new_group is a collective.
         self.ties: list[tuple[nn.Parameter, Any, int, bool]] = []
         for group, rank_lists in zip(plan.tie_groups, tie_ranks, strict=True):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import _ds_workers as workers
+import _model_registry
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
@@ -39,7 +40,7 @@ def assert_matches_reference(
     assert stages_seen == set(range(num_stages))
     all_names = set().union(*(r["params"] for r in results))
     assert all_names == set(ref_params)  # every parameter was trained by some stage
-    untrained = workers.spec_for(model).build(0).state_dict(keep_vars=False)
+    untrained = _model_registry.spec_for(model).build(0).state_dict(keep_vars=False)
     assert any(not torch.equal(untrained[n], p) for n, p in ref_params.items())  # it trained
 
 
@@ -246,7 +247,7 @@ def test_activation_checkpoint_interval_trains_exactly_like_the_unsplit_model() 
         assert "plain deepspeed.pipe.PipelineModule" in refusals["plain_refused"], refusals
         for r in trained:
             name, model_name, pipeline, interval = cases[r["case"]]
-            ref = workers.checkpoint_reference(model_name)
+            ref = _model_registry.checkpoint_reference(model_name)
             assert r["losses"] == pytest.approx(ref["losses"], rel=RTOL, abs=ATOL), name
             assert len(r["grads"]) == len(ref["grads"]) == 3
             for step, (ours, theirs) in enumerate(zip(r["grads"], ref["grads"], strict=True)):

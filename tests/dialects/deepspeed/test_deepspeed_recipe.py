@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import _ds_workers
+import _model_registry
 import _recipe_workers as workers
 import pytest
 import torch
@@ -55,7 +55,7 @@ def reference(
     ``optimizer``: ``adam`` (torch's Adam) or ``adamw`` (DeepSpeed's "Adam" with weight decay
     is torch's AdamW); ``groups``: biases and norm weights without weight decay, chosen here by
     name, independently of ``no_weight_decay``. ``batches``: one list of micro-batches per
-    data-parallel rank (default: ``_ds_workers.data_stream``'s). ``clip``: the gradients'
+    data-parallel rank (default: ``_model_registry.data_stream``'s). ``clip``: the gradients'
     global norm (the tied weight counted once) clipped to it before each step.
     """
     spec = get_model("gpt")
@@ -73,7 +73,9 @@ def reference(
     else:
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     if batches is None:
-        batches = [list(_ds_workers.data_stream(spec, steps * GAS, MICRO, r)) for r in range(dp)]
+        batches = [
+            list(_model_registry.data_stream(spec, steps * GAS, MICRO, r)) for r in range(dp)
+        ]
     streams = [iter(b) for b in batches]
     tied_once = [p for _, p in named]
     steps_ = steps_from(streams, steps, GAS)
@@ -191,7 +193,7 @@ def test_grouping_mistakes_are_named_on_every_rank() -> None:
 
 
 def _config() -> dict[str, Any]:
-    return _ds_workers.ds_config("adam", gas=GAS, micro=MICRO, dp=1)
+    return _model_registry.ds_config("adam", gas=GAS, micro=MICRO, dp=1)
 
 
 @pytest.mark.parametrize(

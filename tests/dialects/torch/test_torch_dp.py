@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import _ds_workers
+import _model_registry
 import _torch_dp_workers as workers
 import pytest
 import torch
@@ -42,18 +42,18 @@ def _case(schedule: str, stages: int, clip: float = 0.0, steps: int = 3) -> dict
 
 def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """The unsplit model trained on every replica's micro-batches: losses, parameters, eval."""
-    spec = _ds_workers.spec_for(case["model"])
+    spec = _model_registry.spec_for(case["model"])
     model = spec.build(0)
     params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=1e-2)
     gas, micro, steps = case["gas"], case["micro"], case["steps"]
-    streams = [_ds_workers.data_stream(spec, steps * gas, micro, d) for d in range(DP)]
+    streams = [_model_registry.data_stream(spec, steps * gas, micro, d) for d in range(DP)]
     batches = steps_from(streams, steps, gas)
     losses = train_unsplit(model, opt, batches, spec.loss_fn, clip=case["clip"]).losses
     evals = []
     with torch.no_grad():
         for d in range(DP):
-            for inputs, labels in _ds_workers.data_stream(spec, gas, micro, DP + d):
+            for inputs, labels in _model_registry.data_stream(spec, gas, micro, DP + d):
                 evals.append(spec.loss_fn(call_model(model, inputs), labels).item())
     return losses, dict(model.named_parameters(remove_duplicate=False)), sum(evals) / len(evals)
 

@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-import _ds_workers
+import _model_registry
 import _torch_fsdp_workers as workers
 import pytest
 import torch
@@ -67,7 +67,7 @@ def _case(case: dict[str, Any]) -> dict[str, Any]:
 
 def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """The unsplit model trained on both replicas' micro-batches: losses, state, eval loss."""
-    spec = _ds_workers.spec_for(workers.MODEL)
+    spec = _model_registry.spec_for(workers.MODEL)
     dtype = "float32" if case.get("bf16") else case.get("dtype", "float32")
     with workers.default_dtype(dtype):
         model = spec.build(0)
@@ -86,7 +86,7 @@ def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor
             else None
         )
         gas, micro, steps = case["gas"], case["micro"], case["steps"]
-        streams = [_ds_workers.data_stream(spec, steps * gas, micro, d) for d in range(DP)]
+        streams = [_model_registry.data_stream(spec, steps * gas, micro, d) for d in range(DP)]
         losses = train_unsplit(
             model,
             optimizer,
@@ -98,7 +98,7 @@ def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor
         evals = []
         with torch.no_grad():
             for d in range(DP):
-                for inputs, labels in _ds_workers.data_stream(spec, gas, micro, DP + d):
+                for inputs, labels in _model_registry.data_stream(spec, gas, micro, DP + d):
                     evals.append(spec.loss_fn(call_model(model, inputs), labels).item())
         return losses, model.state_dict(), sum(evals) / len(evals)
 
