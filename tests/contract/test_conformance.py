@@ -9,6 +9,7 @@ third-party dialect and its broken variants are in test_conformance_dialects.py.
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -185,7 +186,9 @@ def test_suite_is_inert_without_a_dialect(tmp_path: Path) -> None:
     )
     proc = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "1 passed, 49 deselected" in proc.stdout  # the 49 tests of the suite
+    # Only the file's own test ran: every test of the suite was deselected, none skipped.
+    counts = re.search(r"\b1 passed, (\d+) deselected in", proc.stdout)
+    assert counts is not None and int(counts.group(1)) > 0, proc.stdout
     assert "conformance summary" not in proc.stdout
 
 
