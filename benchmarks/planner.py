@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import _smoke
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -171,9 +172,9 @@ class Block(nn.Module):
 class Emulated(nn.Module):
     """Blocks of :data:`BLOCK_MS` (or of no cost at all, for the calibration), in sequence."""
 
-    def __init__(self, free: bool = False) -> None:
+    def __init__(self, block_ms: Sequence[float] = BLOCK_MS, free: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(k, 0.0 if free else ms) for k, ms in enumerate(BLOCK_MS))
+        self.blocks = nn.ModuleList(Block(k, 0.0 if free else ms) for k, ms in enumerate(block_ms))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -253,7 +254,7 @@ def _run_layouts(
     results = []
     for layout in layouts:
         torch.manual_seed(0)
-        model = Emulated(free=layout.get("free", False))
+        model = Emulated(layout["block_ms"], free=layout["free"])
         plan = pipedialect.partition(model, **layout["partition"], leaf_modules=LEAVES)
         config = _config(layout)
         topology = layout["topology"](dialect)
@@ -323,7 +324,7 @@ def _find(plan: LayoutPlan, spec: tuple[Any, ...]) -> Layout:
             and (lay.schedule, lay.pipeline, lay.stages_per_rank, lay.data_parallel)
             == (schedule, p, v, d)
             and lay.micro_batches == m
-            and lay.checkpoint == ckpt
+            and lay.recompute == ckpt
         ):
             return lay
     raise SystemExit(f"the planner did not predict {spec}")
@@ -341,6 +342,7 @@ def _payload(plan: LayoutPlan, lay: Layout, dialect: str, free: bool = False) ->
     return {
         "dialect": dialect,
         "free": free,
+        "block_ms": BLOCK_MS,
         "partition": lay.partition_kwargs(),
         "engine": lay.pipe_engine_kwargs(),
         "config": lay.config(),
@@ -390,7 +392,7 @@ def _calibrate(dialect: str, latency: float, steps: int) -> tuple[float, float]:
 
     schedule = "deepspeed_1f1b" if dialect == "deepspeed" else "1f1b"
     plan = _plan(
-        Emulated(free=True),
+        Emulated(BLOCK_MS, free=True),
         dialect,
         2,
         latency,
@@ -422,13 +424,23 @@ def main() -> None:
     parser.add_argument("--only", choices=("torch", "deepspeed"), default=None)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--select", default=None, help="comma-separated indices into LAYOUTS")
-    opts = parser.parse_args()
+    parser.add_argument("--rounds", type=int, default=50, help="ping-pong rounds")
+    parser.add_argument("--scale", type=float, default=1.0, help="times every block's cost")
+    opts = _smoke.parse_args(
+        parser,
+        # Two layouts of torch on 2 ranks and one of DeepSpeed, blocks at a 20th of their cost.
+        {"steps": 1, "rounds": 3, "scale": 0.05, "select": "18,19,23"},
+    )
+    global BLOCK_MS, CALIBRATION_COUNTS
+    BLOCK_MS = tuple(ms * opts.scale for ms in BLOCK_MS)
+    if opts.smoke:
+        CALIBRATION_COUNTS = (2, 4)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime: {load}")
     print(f"{os.cpu_count()} cores, torch {torch.__version__}")
-    latency = launch(_ping_pong, 2, 50, GLOBAL_BATCH // 8, timeout=300)[0]
+    latency = launch(_ping_pong, 2, opts.rounds, GLOBAL_BATCH // 8, timeout=300)[0]
     print(f"measured message time (ping-pong, half a round trip): {latency * 1e3:.2f} ms")
-    model = Emulated()
+    model = Emulated(BLOCK_MS)
     plans: dict[tuple[str, int], LayoutPlan] = {}
     specs = [s for s in LAYOUTS if opts.only in (None, s[0])]
     if opts.select:
