@@ -117,7 +117,10 @@ def plan_layout(
         action_overhead: seconds every forward, backward and weight pass costs beyond its work.
         step_overhead: seconds every step costs beyond its schedule.
         batch_size: samples in ``example_inputs`` (default: their first dimension).
-        candidates, concrete_args, leaf_modules: as for ``partition``.
+        candidates: the modules a stage may end after (default: the model's blocks, the
+            layers of its ``base_model_pp_plan`` or of its outermost ``ModuleList``; pass
+            ``profile_model(model, ...).candidates`` to consider every module that can).
+        concrete_args, leaf_modules: as for ``partition``.
         exhaustive: predict every layout instead of stopping once none can win.
         refine: how many of the fastest layouts get their split points moved to faster
             neighbours of the solver's (0: the solver's split points as they are).

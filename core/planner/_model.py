@@ -149,7 +149,9 @@ def model_chains(
         flops_per_second: without ``measure_time``, the sustained FLOP/s that turns counted
             FLOPs into seconds.
         batch_size: samples in ``example_inputs`` (default: their first dimension).
-        candidates: the modules that may end a stage (default: every candidate).
+        candidates: the modules that may end a stage (default: the model's blocks, [Note:
+            blocks] in :mod:`pipedialect.plan.balance`, or every candidate when it has none;
+            ``profile_model(...).candidates`` lists every module that can).
         concrete_args, leaf_modules: as for :func:`pipedialect.partition`.
         weight_fraction: the share of each backward in its weight pass.
         profile: a measurement already taken (:func:`pipedialect.plan.balance.profile_model` with
@@ -190,7 +192,9 @@ def model_chains(
             raise ConfigError("the measurement has no times; pass measure_time=True")
         forward, backward = list(trace.forward_time), list(trace.backward_time)
     batch = batch_size if batch_size is not None else _batch_of(example_inputs)
-    pool = list(profile.candidates)
+    # The model's blocks by default ([Note: blocks] in plan.balance): a cut a person would make,
+    # never one inside attention between two projections.
+    pool = list(profile.blocks) if len(profile.blocks) > 1 else list(profile.candidates)
     if candidates is not None:
         resolved = []
         for path in candidates:
@@ -198,7 +202,7 @@ def model_chains(
             if why is not None:
                 raise SplitPointError(f"candidate {path!r} cannot end a pipeline stage: {why}")
             resolved.append(profile._aliases[path])
-        pool = [p for p in pool if p in set(resolved)]
+        pool = [p for p in profile.candidates if p in set(resolved)]
     tensor = _tensor_modules(model, tensor_parallel, trace, example_inputs, concrete_args or {})
     chains: dict[str, Chain] = {}
     for option in recompute_options:
