@@ -645,12 +645,30 @@ def measure_time(
     trace.backward_time = [statistics.median(r.backward[g] for r in runs) for g in gaps]
 
 
+#: Seconds a rank that measured waits for every other rank to reach the agreement before it
+#: refuses ([Note: measurements agree across ranks]).
+ARRIVAL_TIMEOUT = 300.0
+_AGREEMENTS = [0]
+
+
 def agree_across_ranks(trace: Trace) -> None:
-    """Replace the measured times with rank 0's, so that every rank chooses the same cuts."""
+    """Replace the measured times with rank 0's, so that every rank chooses the same cuts.
+
+    [Note: measurements agree across ranks]
+    Timings differ between ranks, and ranks that chose different split points would build
+    different pipelines; so under ``torch.distributed`` every rank measures and takes rank 0's
+    times (a broadcast). A broadcast that only some ranks join waits forever, so first every
+    rank checks in on the process group's store and waits, at most :data:`ARRIVAL_TIMEOUT`
+    seconds, for the others: a call on rank 0 alone (``if rank == 0: plan_layout(...)``) is
+    refused with a :class:`~pipedialect.PlanDisagreementError` naming the ranks that never
+    came, instead of hanging. A measurement meant for one rank passes ``every_rank=False``
+    and skips all this.
+    """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
+    _wait_for_every_rank(dist)
     payload: list[Any] = [(trace.num_events, trace.forward_time, trace.backward_time)]
     dist.broadcast_object_list(payload, src=0)
     num_events, forward, backward = payload[0]
@@ -682,3 +700,36 @@ def fold(trace: Trace, xs: Sequence[int]) -> Atoms:
         state=tuple(frozenset().union(*(trace.state_used[g] for g in r)) for r in gap_ranges),
         gaps=gap_ranges,
     )
+
+
+def _wait_for_every_rank(dist: Any) -> None:
+    """Check in on the default store and wait for every rank's check-in ([Note: measurements
+    agree across ranks])."""
+    import time
+
+    from ..errors import PlanDisagreementError
+
+    store = dist.distributed_c10d._get_default_store()
+    _AGREEMENTS[0] += 1
+    prefix = f"pipedialect/measurement/{_AGREEMENTS[0]}"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"{prefix}/{rank}", "1")
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    deadline = time.monotonic() + ARRIVAL_TIMEOUT
+    while True:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise PlanDisagreementError(
+                f"[rank {rank}] a measured plan (plan_layout or profile_model with "
+                f"measure_time=True, balance='time') shares rank 0's times with every rank, so "
+                f"every rank must call it; rank(s) {missing} did not within "
+                f"{ARRIVAL_TIMEOUT:.0f} s. Call it on every rank (they all get the same "
+                "layout), or pass every_rank=False to measure on this rank alone and send the "
+                "result to the others yourself",
+                field="measurement",
+                ranks=tuple(missing),
+            )
+        time.sleep(0.02)
+

@@ -586,6 +586,7 @@ def profile_model(
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     measure_time: bool = False,
     repeats: int = 3,
+    every_rank: bool = True,
 ) -> ModelProfile:
     """Measure ``model`` once for :meth:`ModelProfile.choose` and :meth:`ModelProfile.costs`.
 
@@ -603,6 +604,9 @@ def profile_model(
             runs after a warm-up, the median per module); under ``torch.distributed`` every
             rank must call this, and all take rank 0's times.
         repeats: timed runs.
+        every_rank: under ``torch.distributed``, every rank calls this and all take rank 0's
+            times (a rank that is alone in calling it is refused by name, [Note: measurements
+            agree across ranks]); False: this rank's own times, no collective.
     """
     leaf_ids, leaf_types, _ = resolve_leaves(model, leaf_modules or ())
     hidden = _profile._hidden_modules(model, leaf_ids, leaf_types)
@@ -626,7 +630,8 @@ def profile_model(
                     "device. Use balance='flops' or 'memory', which need only shapes."
                 )
             _profile.measure_time(model, example_inputs, concrete_args or {}, trace, repeats)
-            _profile.agree_across_ranks(trace)
+            if every_rank:
+                _profile.agree_across_ranks(trace)
     canonical = {id(m): name for name, m in model.named_modules()}
     aliases = {name: canonical[id(m)] for name, m in model.named_modules(remove_duplicate=False)}
     return ModelProfile(type(model).__name__, trace, aliases, _blocks(model))

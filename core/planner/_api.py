@@ -82,6 +82,7 @@ def plan_layout(
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     exhaustive: bool = False,
     refine: int = 3,
+    every_rank: bool = True,
 ) -> LayoutPlan:
     """Choose how to run ``model`` on ``world_size`` ranks: the fastest layout that fits.
 
@@ -124,9 +125,18 @@ def plan_layout(
         exhaustive: predict every layout instead of stopping once none can win.
         refine: how many of the fastest layouts get their split points moved to faster
             neighbours of the solver's (0: the solver's split points as they are).
+        every_rank: plan on every rank (the default): under ``torch.distributed`` with
+            ``measure_time``, rank 0's measurement is shared with every rank, so all choose the
+            same layout, and a call on some ranks only is refused with a
+            :class:`~pipedialect.PlanDisagreementError` naming the missing ranks. False: plan
+            with this rank's own measurement and no collective (to plan on one rank and send
+            the layout to the others yourself). Without ``measure_time`` planning involves no
+            collective and every rank gets the same layout either way.
 
     Raises:
         ConfigError: bad arguments, or no layout fits (the message names the closest).
+        PlanDisagreementError: with ``measure_time`` under ``torch.distributed``, some rank
+            did not call it (``every_rank=True``).
     """
     from ..dialect import Dialect
     from ..plugins import get_dialect
@@ -164,6 +174,7 @@ def plan_layout(
         concrete_args=concrete_args,
         leaf_modules=leaf_modules,
         weight_fraction=weight_fraction,
+        every_rank=every_rank,
     )
     notes = []
     if tensor_parallel and not offer.tensor_parallel:

@@ -133,6 +133,7 @@ def model_chains(
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     weight_fraction: float = 0.5,
     profile: ModelProfile | None = None,
+    every_rank: bool = True,
 ) -> dict[str, Chain]:
     """The chain of ``model`` for each recomputation option, by label
     ([Note: measuring a model for the planner]).
@@ -156,6 +157,8 @@ def model_chains(
         weight_fraction: the share of each backward in its weight pass.
         profile: a measurement already taken (:func:`pipedialect.plan.balance.profile_model` with
             these inputs).
+        every_rank: with ``measure_time`` under ``torch.distributed``: every rank calls this
+            and takes rank 0's times (see :func:`pipedialect.plan.balance.profile_model`).
 
     Raises:
         ConfigError: no way to turn work into seconds, or a bad ``tensor_parallel`` plan.
@@ -180,6 +183,7 @@ def model_chains(
             leaf_modules=leaf_modules,
             measure_time=measure_time,
             repeats=repeats,
+            every_rank=every_rank,
         )
     trace = profile._trace
     if flops_per_second is not None and not measure_time:
