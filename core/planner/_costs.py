@@ -295,6 +295,7 @@ def stage_inputs(
         activation=activation,
         gathered=gathered if fsdp else 0.0,
         gradient=gathered if fsdp else 0.0,
+        transient=stage.rematerialized_bytes * scale,
     )
     message = cluster.latency + stage.boundary_bytes * scale / cluster.bandwidth
     return StageInputs(times, memory, base, trainable / shard, trainable, message)

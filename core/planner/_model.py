@@ -12,7 +12,10 @@ Recomputation (``recompute=``, resolved as :func:`pipedialect.partition` resolve
 patterns over module paths, the outermost match counting) changes the atoms of a recomputed
 module: what its forward saved is dropped and the tensors live at its entry are kept instead
 (what the checkpoint keeps, counted generously), and its forward seconds are run again in the
-backward. No split point may fall inside a recomputed module, so candidates inside are left
+backward. While its backward runs, the recomputation holds again what its forward saved (one
+recomputed module at a time: each is re-materialised when its own backward starts and freed
+when it ends), so a stage's backward briefly holds the largest of them on top of its
+micro-batches in flight (``Atom.rematerialized``). No split point may fall inside a recomputed module, so candidates inside are left
 out.
 
 Tensor parallelism (``tensor_parallel={"glob": "colwise" | "rowwise"}``, the torch dialect's
@@ -299,9 +302,15 @@ def _chain(
                 saved[key] = nbytes
                 if g in tp_gaps:
                     tp_saved.add(key)
+        rematerialized = 0
         for path in recomputed:
             if modules[path].enter + 1 in gaps:
                 saved[("recompute", path)] = crossing[modules[path].enter]
+                rec = modules[path]
+                again: dict[Hashable, int] = {}
+                for g in range(rec.enter + 1, rec.exit + 1):
+                    again.update(saved_per_gap[g])
+                rematerialized = max(rematerialized, sum(again.values()))
         names = atoms_of.state[a]
         params = {
             n: trace.state[n].nbytes
@@ -338,6 +347,7 @@ def _chain(
                 tensor_saved=frozenset(tp_saved),
                 tensor_forward_bytes=fwd_bytes,
                 tensor_backward_bytes=bwd_bytes,
+                rematerialized=rematerialized,
             )
         )
     return Chain(
