@@ -15,7 +15,9 @@ from pipedialect.planner import plan_layout
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)) for _ in range(4)))
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)) for _ in range(4))
+    )
 
 
 def _plan(**kwargs: Any) -> tuple[str, tuple[str, ...]]:

@@ -732,4 +732,3 @@ def _wait_for_every_rank(dist: Any) -> None:
                 ranks=tuple(missing),
             )
         time.sleep(0.02)
-

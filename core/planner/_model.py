@@ -15,8 +15,8 @@ module: what its forward saved is dropped and the tensors live at its entry are 
 backward. While its backward runs, the recomputation holds again what its forward saved (one
 recomputed module at a time: each is re-materialised when its own backward starts and freed
 when it ends), so a stage's backward briefly holds the largest of them on top of its
-micro-batches in flight (``Atom.rematerialized``). No split point may fall inside a recomputed module, so candidates inside are left
-out.
+micro-batches in flight (``Atom.rematerialized``). No split point may fall inside a recomputed
+module, so candidates inside are left out.
 
 Tensor parallelism (``tensor_parallel={"glob": "colwise" | "rowwise"}``, the torch dialect's
 option): the matched modules' seconds, parameters and saved tensors are marked as sharded; a

@@ -457,11 +457,15 @@ def _occupancy(
                     peak_stage[k] = max(peak_stage[k], count[k])
                 peak_rank[r] = max(peak_rank[r], sum(count))
                 if memory is not None:
-                    held = during + base[r] + sum(
-                        count[k] * memory[k].activation
-                        + (memory[k].gathered if gathered[k] else 0.0)
-                        + (memory[k].gradient if grads[k] else 0.0)
-                        for k in program.stages_of(r)
+                    held = (
+                        during
+                        + base[r]
+                        + sum(
+                            count[k] * memory[k].activation
+                            + (memory[k].gathered if gathered[k] else 0.0)
+                            + (memory[k].gradient if grads[k] else 0.0)
+                            for k in program.stages_of(r)
+                        )
                     )
                     peak_bytes[r] = max(peak_bytes[r], held)
                 if releases:

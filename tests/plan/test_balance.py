@@ -30,8 +30,6 @@ from pipedialect import ConfigError, PartitionError, SplitPointError, partition
 from pipedialect.models import MODELS, ModelSpec, TinyGPT
 from pipedialect.plan._balance_solver import solve, spread_partition, uniform_partition
 from pipedialect.plan.balance import (
-    DEFAULT_BANDWIDTH,
-    DEFAULT_FLOPS_PER_SECOND,
     choose_split_points,
     plan_costs,
     predicted_bubble,

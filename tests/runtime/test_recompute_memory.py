@@ -30,9 +30,7 @@ class _Reads(nn.Module):
 def _tables() -> int:
     """Live tensors of the buffer's size (the buffer and any copy of it)."""
     gc.collect()
-    return sum(
-        1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == BIG
-    )
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == BIG)
 
 
 def test_recomputation_keeps_no_copy_of_a_buffer_its_forward_leaves_alone() -> None:
