@@ -259,6 +259,11 @@ class ModelProfile:
         return None
 
     @property
+    def timing(self) -> _profile.Timing | None:
+        """How the times were measured (threads, runs, spread), None without ``measure_time``."""
+        return self._trace.timing
+
+    @property
     def methods(self) -> tuple[str, ...]:
         """The balance methods this measurement supports."""
         have = ["parameters"]
@@ -600,8 +605,10 @@ def profile_model(
         concrete_args: values for forward's other parameters, as for ``partition``.
         leaf_modules: modules that run as one call, as for ``partition``: nothing inside them
             is a candidate.
-        measure_time: also time forward and backward on the real example inputs (``repeats``
-            runs after a warm-up, the median per module); under ``torch.distributed`` every
+        measure_time: also time forward and backward on the real example inputs (a warm-up,
+            then ``repeats`` runs or more until they agree, the median per module, with torch
+            pinned to this process's share of the cores: :attr:`ModelProfile.timing` says how
+            many threads, runs and what spread); under ``torch.distributed`` every
             rank must call this, and all take rank 0's times.
         repeats: timed runs.
         every_rank: under ``torch.distributed``, every rank calls this and all take rank 0's

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
+from ..plan.balance import profile_model
 from ._costs import Cluster
 from ._model import checkpoint_label, model_chains
 from ._offer import offer_of
@@ -161,9 +162,21 @@ def plan_layout(
     options: list[Sequence[str] | None] = [None]
     if recompute is not None:
         options.append([recompute] if isinstance(recompute, str) else list(recompute))
+    profile = None
+    if measure_time:
+        profile = profile_model(
+            model,
+            example_inputs=example_inputs,
+            concrete_args=concrete_args,
+            leaf_modules=leaf_modules,
+            measure_time=True,
+            repeats=repeats,
+            every_rank=every_rank,
+        )
     chains = model_chains(
         model,
         example_inputs,
+        profile=profile,
         recompute_options=options,
         tensor_parallel=tensor_parallel if offer.tensor_parallel else None,
         measure_time=measure_time,
@@ -177,6 +190,8 @@ def plan_layout(
         every_rank=every_rank,
     )
     notes = []
+    if profile is not None and profile.timing is not None:
+        notes.append(f"the model was {profile.timing.describe()}")
     if tensor_parallel and not offer.tensor_parallel:
         notes.append("the tensor_parallel plan is ignored: the dialect does not offer it")
     if offer.tensor_parallel and not tensor_parallel:

@@ -588,3 +588,47 @@ def test_flops_balances_flops_when_every_cut_carries_the_same_bytes() -> None:
         largest[cuts] = max(sum(block_flops[bounds[k] + 1 : bounds[k + 1] + 1]) for k in range(4))
     chosen = tuple(int(p.split(".")[1]) for p in points)
     assert largest[chosen] == min(largest.values()), (points, largest[chosen])
+
+
+class _CountsThreads(nn.Module):
+    """Records the intra-op threads torch runs it with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_measure_time_pins_its_threads_and_reports_runs_and_spread() -> None:
+    """Timed with this process's share of the cores whatever torch was set to, and put back
+    after; at least ``repeats`` runs; the report says how many threads, runs and what spread."""
+    import os
+
+    from pipedialect.plan._balance_profile import timing_threads
+
+    model = _CountsThreads()
+    previous = torch.get_num_threads()
+    odd = 3 if timing_threads() != 3 else 2
+    torch.set_num_threads(odd)
+    try:
+        profile = profile_model(
+            model, example_inputs={"x": torch.randn(4, 8)}, measure_time=True, repeats=4
+        )
+        assert torch.get_num_threads() == odd
+    finally:
+        torch.set_num_threads(previous)
+    cores = len(os.sched_getaffinity(0))
+    timing = profile.timing
+    assert timing is not None
+    assert timing.threads == cores  # one process: all of its cores
+    timed = model.seen[-timing.runs :]
+    assert timed == [cores] * timing.runs
+    assert 4 <= timing.runs <= 20
+    assert timing.spread >= 0.0
+    assert f"{timing.threads} thread(s)" in timing.describe()
