@@ -740,9 +740,7 @@ def agree_across_ranks(trace: Trace) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     _wait_for_every_rank(dist)
-    payload: list[Any] = [
-        (trace.num_events, trace.forward_time, trace.backward_time, trace.timing)
-    ]
+    payload: list[Any] = [(trace.num_events, trace.forward_time, trace.backward_time, trace.timing)]
     dist.broadcast_object_list(payload, src=0)
     num_events, forward, backward, timing = payload[0]
     if num_events != trace.num_events:

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..plan.balance import profile_model
+from ._calibrate import load_calibration
 from ._costs import Cluster
 from ._model import checkpoint_label, model_chains
 from ._offer import offer_of
@@ -62,9 +63,9 @@ def plan_layout(
     world_size: int,
     memory_per_rank: float | str,
     global_batch: int,
-    bandwidth: float | str,
+    bandwidth: float | str | None = None,
     dialect: Any = "torch",
-    latency: float = 0.0,
+    latency: float | None = None,
     recompute: str | Sequence[str] | None = None,
     tensor_parallel: Mapping[str, str] | None = None,
     measure_time: bool = False,
@@ -75,8 +76,8 @@ def plan_layout(
     max_stages_per_rank: int = 4,
     optimizer_states: int = 2,
     weight_fraction: float = 0.5,
-    action_overhead: float = 0.0,
-    step_overhead: float = 0.0,
+    action_overhead: float | None = None,
+    step_overhead: float | None = None,
     batch_size: int | None = None,
     candidates: Sequence[str] | None = None,
     concrete_args: Mapping[str, Any] | None = None,
@@ -98,10 +99,13 @@ def plan_layout(
         world_size: ranks (one accelerator each).
         memory_per_rank: bytes, or a string such as ``"80GiB"``.
         global_batch: samples per optimizer step over all replicas.
-        bandwidth: bytes per second of one link, or a string such as ``"100GB/s"``.
+        bandwidth: bytes per second of one link, or a string such as ``"100GB/s"``; default:
+            the stored calibration's ([Note: calibration], ``pipedialect plan --calibrate``),
+            whose collectives then also run at its measured all-reduce bandwidth.
         dialect: the dialect (a name or a :class:`~pipedialect.Dialect`); only layouts it runs
             are proposed.
-        latency: seconds per message and per collective step.
+        latency: seconds per message and per collective step (default: the calibration's, else
+            0).
         recompute: recomputation to consider besides none: module paths or glob patterns, as
             ``partition(..., recompute=)`` takes them.
         tensor_parallel: ``{module glob: "colwise" | "rowwise"}``: the modules tensor
@@ -116,8 +120,9 @@ def plan_layout(
         max_stages_per_rank: the most stages per rank looped schedules may get.
         optimizer_states: optimizer-state tensors per trainable parameter (Adam: 2).
         weight_fraction: the share of each backward in its weight pass.
-        action_overhead: seconds every forward, backward and weight pass costs beyond its work.
-        step_overhead: seconds every step costs beyond its schedule.
+        action_overhead: seconds every forward, backward and weight pass costs beyond its work
+            (default: the stored calibration's for this dialect and machine, else 0).
+        step_overhead: seconds every step costs beyond its schedule (likewise).
         batch_size: samples in ``example_inputs`` (default: their first dimension).
         candidates: the modules a stage may end after (default: the model's blocks, the
             layers of its ``base_model_pp_plan`` or of its outermost ``ModuleList``; pass
@@ -150,15 +155,39 @@ def plan_layout(
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ConfigError(f"global_batch must be a positive integer, got {global_batch!r}")
     offer = offer_of(target, schedules)
+    calibration = load_calibration(target.name)
+    if bandwidth is None and calibration is None:
+        raise ConfigError(
+            f"bandwidth is needed: no calibration of the {target.name} dialect is stored for "
+            "this machine; pass bandwidth= (e.g. '100GB/s') or run `pipedialect plan "
+            "--calibrate` (pipedialect.planner.calibrate) once"
+        )
+
+    def calibrated(given: float | None, field: str) -> float:
+        if given is not None:
+            return given
+        return float(getattr(calibration, field)) if calibration is not None else 0.0
+
     cluster = Cluster(
         world_size=world_size,
         memory_per_rank=parse_bytes(memory_per_rank, "memory_per_rank"),
-        bandwidth=parse_rate(bandwidth),
-        latency=latency,
+        bandwidth=(
+            parse_rate(bandwidth) if bandwidth is not None else calibrated(None, "bandwidth")
+        ),
+        latency=calibrated(latency, "latency"),
         optimizer_states=optimizer_states,
-        action_overhead=action_overhead,
-        step_overhead=step_overhead,
+        action_overhead=calibrated(action_overhead, "action_overhead"),
+        step_overhead=calibrated(step_overhead, "step_overhead"),
+        collective_bandwidth=(
+            calibration.collective_bandwidth
+            if calibration is not None and bandwidth is None
+            else None
+        ),
     )
+    used = [latency, action_overhead, step_overhead, bandwidth]
+    calibration_note = None
+    if calibration is not None and any(v is None for v in used):
+        calibration_note = f"runtime costs {calibration.describe()}"
     options: list[Sequence[str] | None] = [None]
     if recompute is not None:
         options.append([recompute] if isinstance(recompute, str) else list(recompute))
@@ -189,7 +218,7 @@ def plan_layout(
         weight_fraction=weight_fraction,
         every_rank=every_rank,
     )
-    notes = []
+    notes = [] if calibration_note is None else [calibration_note]
     if profile is not None and profile.timing is not None:
         notes.append(f"the model was {profile.timing.describe()}")
     if tensor_parallel and not offer.tensor_parallel:

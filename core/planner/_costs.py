@@ -63,6 +63,14 @@ class Cluster:
     action_overhead: float = 0.0
     #: Seconds every step costs on top of its schedule (launch, bookkeeping).
     step_overhead: float = 0.0
+    #: Bytes per second collectives reach (data-parallel gradient reductions, gathers);
+    #: None: ``bandwidth`` ([Note: calibration] measures it).
+    collective_bandwidth: float | None = None
+
+    @property
+    def ring_bandwidth(self) -> float:
+        """The bandwidth collectives run at."""
+        return self.collective_bandwidth or self.bandwidth
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -227,14 +235,17 @@ def ring_all_reduce(nbytes: float, ranks: int, cluster: Cluster) -> float:
     """Seconds of a ring all-reduce ([Note: cost model])."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    return 2 * (ranks - 1) / ranks * nbytes / cluster.bandwidth + 2 * (ranks - 1) * cluster.latency
+    return (
+        2 * (ranks - 1) / ranks * nbytes / cluster.ring_bandwidth
+        + 2 * (ranks - 1) * cluster.latency
+    )
 
 
 def ring_gather(nbytes: float, ranks: int, cluster: Cluster) -> float:
     """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` in all."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    return (ranks - 1) / ranks * nbytes / cluster.bandwidth + (ranks - 1) * cluster.latency
+    return (ranks - 1) / ranks * nbytes / cluster.ring_bandwidth + (ranks - 1) * cluster.latency
 
 
 @dataclass(frozen=True)

@@ -307,7 +307,7 @@ def _chain(
             if modules[path].enter + 1 in gaps:
                 saved[("recompute", path)] = crossing[modules[path].enter]
                 rec = modules[path]
-                again: dict[Hashable, int] = {}
+                again: dict[int, int] = {}
                 for g in range(rec.enter + 1, rec.exit + 1):
                     again.update(saved_per_gap[g])
                 rematerialized = max(rematerialized, sum(again.values()))
