@@ -281,7 +281,7 @@ def main() -> None:
             "classes": 8,
             "widths": [16, 32, 16],
             "repeats": 1,
-            "ranks": True,
+            "ranks": False,
             "steps": 1,
             "warmup": 1,
         },
