@@ -211,12 +211,12 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
     """One rank of :func:`calibrate`."""
     import torch.distributed as dist
 
-    import pipedialect
-
+    from ..plan.partition import partition
+    from ..plugins import get_dialect
     from ._costs import Layout
     from ._offer import offer_of
 
-    dialect = pipedialect.get_dialect(dialect_name)
+    dialect = get_dialect(dialect_name)
     dialect.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     nxt, prv = (rank + 1) % world, (rank - 1) % world
@@ -262,7 +262,7 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
             engine_options=(("schedule", schedule),) if offer.schedule_option else (),
         )
         torch.manual_seed(0)
-        plan = pipedialect.partition(_Free(world), **layout.partition_kwargs())
+        plan = partition(_Free(world), **layout.partition_kwargs())
         config = {
             **layout.config(),
             "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
