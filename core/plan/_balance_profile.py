@@ -654,15 +654,16 @@ STABLE_SPREAD = 0.05
 MAX_RUNS_PER_REPEAT = 5
 
 
-def timing_threads() -> int:
-    """The intra-op threads :func:`measure_time` pins torch to: this process's share of the
-    machine's cores (the cores over the ranks on this host under ``torch.distributed``)."""
+def timing_threads(ranks: int | None = None) -> int:
+    """The intra-op threads :func:`measure_time` pins torch to: one rank's share of the
+    machine's cores: the cores over the ranks on this host under ``torch.distributed``, else
+    over ``ranks`` (the ranks that will share this machine; default 1)."""
     import os
 
     import torch.distributed as dist
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    local = 1
+    local = ranks or 1
     if dist.is_available() and dist.is_initialized():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return max(1, (cores or 1) // max(1, local))

@@ -592,6 +592,7 @@ def profile_model(
     measure_time: bool = False,
     repeats: int = 3,
     every_rank: bool = True,
+    threads: int | None = None,
 ) -> ModelProfile:
     """Measure ``model`` once for :meth:`ModelProfile.choose` and :meth:`ModelProfile.costs`.
 
@@ -614,6 +615,8 @@ def profile_model(
         every_rank: under ``torch.distributed``, every rank calls this and all take rank 0's
             times (a rank that is alone in calling it is refused by name, [Note: measurements
             agree across ranks]); False: this rank's own times, no collective.
+        threads: the intra-op threads to time with (default: this process's share of the
+            cores, ``_balance_profile.timing_threads``).
     """
     leaf_ids, leaf_types, _ = resolve_leaves(model, leaf_modules or ())
     hidden = _profile._hidden_modules(model, leaf_ids, leaf_types)
@@ -636,7 +639,9 @@ def profile_model(
                     "measure_time runs the real model; this one has parameters on the meta "
                     "device. Use balance='flops' or 'memory', which need only shapes."
                 )
-            _profile.measure_time(model, example_inputs, concrete_args or {}, trace, repeats)
+            _profile.measure_time(
+                model, example_inputs, concrete_args or {}, trace, repeats, threads
+            )
             if every_rank:
                 _profile.agree_across_ranks(trace)
     canonical = {id(m): name for name, m in model.named_modules()}

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
+from ..plan._balance_profile import timing_threads
 from ..plan.balance import profile_model
 from ._calibrate import load_calibration
 from ._costs import Cluster
@@ -110,8 +111,9 @@ def plan_layout(
             ``partition(..., recompute=)`` takes them.
         tensor_parallel: ``{module glob: "colwise" | "rowwise"}``: the modules tensor
             parallelism would shard (considered when the dialect offers it).
-        measure_time: time the model on this machine; else ``flops_per_second`` turns counted
-            FLOPs into seconds.
+        measure_time: time the model on this machine (torch pinned to one rank's share of the
+            cores: the cores over the ranks on this host under ``torch.distributed``, else over
+            ``world_size``); else ``flops_per_second`` turns counted FLOPs into seconds.
         repeats: timed runs with ``measure_time`` (the median per module is taken).
         flops_per_second: the target's sustained FLOP/s per rank.
         micro_batches: the micro-batch counts to try (default: divisors of the per-replica
@@ -201,6 +203,9 @@ def plan_layout(
             measure_time=True,
             repeats=repeats,
             every_rank=every_rank,
+            # Outside torch.distributed: the share of the cores each of world_size ranks on
+            # this machine would get (a CPU run's ranks share it).
+            threads=timing_threads(world_size),
         )
     chains = model_chains(
         model,

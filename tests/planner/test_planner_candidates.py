@@ -116,3 +116,23 @@ def test_a_hugging_face_models_blocks_are_its_pp_plans_layers() -> None:
     where a person would cut a causal LM."""
     profile = profile_model(_CausalLM(), example_inputs=IDS)
     assert profile.blocks == tuple(f"model.layers.{i}" for i in range(4))
+
+
+def test_a_measured_plan_times_with_one_ranks_share_of_the_cores() -> None:
+    """Outside torch.distributed, ``world_size`` ranks will share this machine: the model is
+    timed with the cores divided among them, and the plan's notes say so."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    plan = plan_layout(
+        _Decoder(),
+        IDS,
+        world_size=2,
+        memory_per_rank="1GiB",
+        global_batch=8,
+        bandwidth="1GB/s",
+        measure_time=True,
+        repeats=2,
+    )
+    (note,) = [n for n in plan.notes if n.startswith("the model was timed")]
+    assert f"timed with {max(1, cores // 2)} thread(s)" in note
