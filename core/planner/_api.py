@@ -124,7 +124,8 @@ def plan_layout(
         weight_fraction: the share of each backward in its weight pass.
         action_overhead: seconds every forward, backward and weight pass costs beyond its work
             (default: the stored calibration's for this dialect and machine, else 0).
-        step_overhead: seconds every step costs beyond its schedule (likewise).
+        step_overhead: seconds every step costs beyond its schedule (likewise). A stored
+            calibration also adds the memory each rank's runtime holds to every predicted peak.
         batch_size: samples in ``example_inputs`` (default: their first dimension).
         candidates: the modules a stage may end after (default: the model's blocks, the
             layers of its ``base_model_pp_plan`` or of its outermost ``ModuleList``; pass
@@ -185,10 +186,10 @@ def plan_layout(
             if calibration is not None and bandwidth is None
             else None
         ),
+        memory_overhead=calibration.memory_overhead if calibration is not None else 0.0,
     )
-    used = [latency, action_overhead, step_overhead, bandwidth]
     calibration_note = None
-    if calibration is not None and any(v is None for v in used):
+    if calibration is not None:
         calibration_note = f"runtime costs {calibration.describe()}"
     options: list[Sequence[str] | None] = [None]
     if recompute is not None:

@@ -16,7 +16,10 @@ this machine by running it:
   one ping-pong alone), at two sizes: the small one gives the latency, the difference the
   bandwidth;
 - *collectives at size*: a ring all-reduce of the larger size on every rank, whose time gives the
-  bandwidth collectives reach (data-parallel gradient reductions run at it).
+  bandwidth collectives reach (data-parallel gradient reductions run at it);
+- *the runtime's memory*: the resident set each rank grows by while it builds and trains the
+  near-free model (the engine's buffers, caches, the process group's), added to every rank's
+  predicted peak.
 
 The result is stored as JSON in the user's cache (``$PIPEDIALECT_CACHE``, default
 ``~/.cache/pipedialect``, file ``planner-calibration.json``; ``$PIPEDIALECT_CALIBRATION`` names
@@ -72,6 +75,10 @@ class Calibration:
     collective_bandwidth: float
     #: When it was measured (seconds since the epoch).
     measured_at: float
+    #: Bytes a rank's runtime holds beyond the model's state and activations (the resident set
+    #: a near-free model's engine adds, building and training: buffers, caches, the process
+    #: group's), which the planner adds to every rank's predicted peak.
+    memory_overhead: float = 0.0
 
     def describe(self) -> str:
         """One line for tables."""
@@ -80,7 +87,8 @@ class Calibration:
             f"{self.action_overhead * 1e3:.3f} ms per computation, "
             f"{self.step_overhead * 1e3:.2f} ms per step, messages {self.latency * 1e6:.0f} us "
             f"+ {self.bandwidth / 1e9:.2f} GB/s, all-reduce "
-            f"{self.collective_bandwidth / 1e9:.2f} GB/s"
+            f"{self.collective_bandwidth / 1e9:.2f} GB/s, {self.memory_overhead / 2**20:.0f} MiB "
+            "per rank"
         )
 
 
@@ -172,6 +180,7 @@ def calibrate(
         bandwidth=bandwidth,
         collective_bandwidth=first["collective_bandwidth"],
         measured_at=time.time(),
+        memory_overhead=float(max(r["memory"] for r in results)),
     )
     if store:
         _store(result)
@@ -245,6 +254,11 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
     offer = offer_of(dialect)
     schedule = "1f1b" if "1f1b" in offer.schedules else offer.schedules[0]
     measured: dict[int, float] = {}
+    import gc
+
+    gc.collect()
+    baseline = _rss()
+    peak = [baseline]
     for per_rank in _COUNTS:
         m = per_rank * world
         layout = Layout(
@@ -278,7 +292,9 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
         engine = dialect.runtime_engine(module, config=config)
         batches = iter([(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(m * (steps + 1))])
         engine.train_batch(batches)
+        peak.append(_rss())
         measured[m] = _median_seconds(functools.partial(engine.train_batch, batches), steps)
+        peak.append(_rss())
         del engine, module
     return {
         "latency": latency,
@@ -287,4 +303,16 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
         "schedule": schedule,
         "boundary": 2 * 4 * 4,
         "steps": measured,
+        "memory": max(peak) - baseline,
     }
+
+
+def _rss() -> int:
+    """This process's resident set in bytes (0 where /proc is missing)."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0

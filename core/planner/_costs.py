@@ -66,6 +66,8 @@ class Cluster:
     #: Bytes per second collectives reach (data-parallel gradient reductions, gathers);
     #: None: ``bandwidth`` ([Note: calibration] measures it).
     collective_bandwidth: float | None = None
+    #: Bytes every rank's runtime holds beyond state and activations ([Note: calibration]).
+    memory_overhead: float = 0.0
 
     @property
     def ring_bandwidth(self) -> float:
@@ -368,7 +370,7 @@ def predict(
         memory=[i.memory for i in inputs],
         base_memory=base,
     )
-    peak = simulation.peak_memory or tuple(base)
+    peak = tuple(m + cluster.memory_overhead for m in (simulation.peak_memory or tuple(base)))
     return Prediction(
         layout=layout,
         step_time=simulation.step_time + cluster.step_overhead,
@@ -411,7 +413,7 @@ def lower_bounds(
         + cluster.optimizer_seconds_per_byte * trainable[r]
         for r in range(p)
     )
-    return step + cluster.step_overhead, max(memory)
+    return step + cluster.step_overhead, max(memory) + cluster.memory_overhead
 
 
 def stage_weights(chain: Chain, layout: Layout, cluster: Cluster) -> list[float]:
