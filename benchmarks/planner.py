@@ -456,9 +456,13 @@ def _payload(
     }
 
 
-def _plan(workload: str, dialect: str, world: int, scale: float, repeats: int) -> LayoutPlan:
+def _plan(
+    workload: str, dialect: str, world: int, scale: float, repeats: int, runtime_memory: float
+) -> LayoutPlan:
     """The planner with nothing but the stored calibration: no bandwidth, latency or
-    overheads given."""
+    overheads given. The memory per rank is the workload's plus what the calibration says the
+    runtime itself holds (so the compute workload's 32 MiB of blocks still cannot fit one
+    rank)."""
     model = _model(workload, scale)
     gen = torch.Generator().manual_seed(0)
     example = _batch(workload, EXAMPLE_BATCH, gen)[0]
@@ -467,7 +471,7 @@ def _plan(workload: str, dialect: str, world: int, scale: float, repeats: int) -
         model,
         {name: example},
         world_size=world,
-        memory_per_rank=WORKLOADS[workload][4],
+        memory_per_rank=WORKLOADS[workload][4] + runtime_memory,
         global_batch=GLOBAL_BATCH,
         dialect=dialect,
         measure_time=True,
@@ -505,13 +509,14 @@ def main() -> None:
     env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     rows = []
     calibrated = None
+    runtime_memory = 0.0
     # Grouped by dialect and world size: the runtime is calibrated once for each.
     for dialect, world, workload in sorted({(s[1], s[2], s[0]) for s in specs}):
         if calibrated != (dialect, world):
             done = calibrate(dialect, world_size=world, steps=max(1, opts.steps))
             print(done.describe())
-            calibrated = (dialect, world)
-        plan = _plan(workload, dialect, world, opts.scale, opts.repeats)
+            calibrated, runtime_memory = (dialect, world), done.memory_overhead
+        plan = _plan(workload, dialect, world, opts.scale, opts.repeats, runtime_memory)
         group = [s for s in specs if (s[0], s[1], s[2]) == (workload, dialect, world)]
         chosen = plan.layout
         runs = [_find(plan, s) for s in group]
