@@ -30,6 +30,10 @@ micro-batches in flight per stage against the counted ones (emulated workloads).
     python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--workloads compute,gpt]
     python benchmarks/planner.py --smoke        # a few layouts, seconds of compute: it runs
 
+``--isolate`` launches every layout in fresh ranks (slower): without it a launch runs several
+layouts and only its first pays the runtime's one-time memory, so the memory comparison holds
+for ``--isolate`` runs.
+
 ``--out`` keeps the predicted Chrome traces of every layout. Run it when the machine is quiet
 (the table starts with ``uptime``'s load average): the full run takes about an hour on 4 idle
 cores.
@@ -492,6 +496,11 @@ def main() -> None:
     parser.add_argument("--select", default=None, help="comma-separated indices into LAYOUTS")
     parser.add_argument("--scale", type=float, default=1.0, help="times every emulated cost")
     parser.add_argument("--repeats", type=int, default=5, help="measure_time's least runs")
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="one launch per layout: slower, but every measured peak memory is a fresh job's",
+    )
     opts = _smoke.parse_args(parser, {"steps": 1, "scale": 0.05, "select": SMOKE, "repeats": 1})
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime: {load}")
@@ -523,7 +532,16 @@ def main() -> None:
         if chosen not in runs:
             runs.append(chosen)
         payload = [_payload(plan, lay, workload, dialect, opts.scale) for lay in runs]
-        per_rank = launch(_run_layouts, world, payload, opts.steps, timeout=3600, env=env)
+        if opts.isolate:
+            # One launch per layout: each rank's peak is a one-layout job's (lazy inits and the
+            # first engine included), as the memory target needs.
+            parts = [
+                launch(_run_layouts, world, [one], opts.steps, timeout=3600, env=env)
+                for one in payload
+            ]
+            per_rank = [[part[r][0] for part in parts] for r in range(world)]
+        else:
+            per_rank = launch(_run_layouts, world, payload, opts.steps, timeout=3600, env=env)
         for i, lay in enumerate(runs):
             pred = plan.prediction(lay)
             counted: dict[int, int] = {}
