@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import _smoke
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
@@ -268,7 +269,23 @@ def main() -> None:
     parser.add_argument("--ranks", action="store_true", help="also run p ranks over gloo")
     parser.add_argument("--steps", type=int, default=10, help="real pipeline steps")
     parser.add_argument("--warmup", type=int, default=2)
-    args = parser.parse_args()
+    args = _smoke.parse_args(
+        parser,
+        {
+            "stages": 2,
+            "micro_batches": 2,
+            "micro": 2,
+            "dim": 16,
+            "seq": 8,
+            "vocab": 64,
+            "classes": 8,
+            "widths": [16, 32, 16],
+            "repeats": 1,
+            "ranks": False,
+            "steps": 1,
+            "warmup": 1,
+        },
+    )
     torch.set_num_threads(1)
     p, m = args.stages, args.micro_batches
 

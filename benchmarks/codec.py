@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _slapo
+import _smoke
 
 from pipedialect import SchemaCodec
 from pipedialect.dialects.deepspeed import pipeline as path_codec
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--number", type=int, default=3000, help="calls per timing run")
     parser.add_argument("--repeat", type=int, default=5, help="timing runs; the best is kept")
-    args = parser.parse_args(argv)
+    args = _smoke.parse_args(parser, {"number": 5, "repeat": 1}, argv)
     torch.set_num_threads(1)
 
     slapo = _slapo.load_pipeline()

@@ -30,6 +30,7 @@ import statistics
 import time
 from typing import Any
 
+import _smoke
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -195,7 +196,20 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--gas", type=int, default=8)
-    args = parser.parse_args()
+    args = _smoke.parse_args(
+        parser,
+        {
+            "rounds": 1,
+            "steps": 1,
+            "warmup": 1,
+            "dim": 16,
+            "blocks": 2,
+            "seq": 8,
+            "vocab": 32,
+            "micro": 2,
+            "gas": 2,
+        },
+    )
     load_before = _load()
     results = launch(worker, 2, args, timeout=3600)
     load_after = _load()

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _smoke
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -341,7 +342,19 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--gas", type=int, default=4)
-    args = parser.parse_args()
+    args = _smoke.parse_args(
+        parser,
+        {
+            "steps": 1,
+            "warmup": 1,
+            "dim": 16,
+            "blocks": 2,
+            "seq": 8,
+            "vocab": 32,
+            "micro": 2,
+            "gas": 2,
+        },
+    )
     results = launch(timing, PP * DP, args, timeout=3600)
     with tempfile.TemporaryDirectory() as tmp:
         state_file = str(Path(tmp) / "model.pt")

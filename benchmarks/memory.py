@@ -54,6 +54,7 @@ import subprocess
 import sys
 from typing import Any
 
+import _smoke
 import torch
 from torch import nn
 
@@ -446,7 +447,20 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2, help="--pipeline: micro-batch size")
     parser.add_argument("--gas", type=int, default=4, help="--pipeline: micro-batches per step")
     parser.add_argument("--steps", type=int, default=2, help="--pipeline: training steps")
-    args = parser.parse_args()
+    args = _smoke.parse_args(
+        parser,
+        {
+            "seq": 64,
+            "dim": 16,
+            "depth": 4,
+            "batch": 2,
+            "blocks": 4,
+            "vocab": 32,
+            "micro": 2,
+            "gas": 2,
+            "steps": 1,
+        },
+    )
     if args.bf16:
         if "--seq" not in sys.argv:
             args.seq = 64

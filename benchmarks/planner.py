@@ -1,24 +1,42 @@
-"""The planner's predictions against measured runs: step time, micro-batches in flight, choice.
+"""The planner's predictions against measured runs, over four workloads: step time, memory,
+micro-batches in flight, choice.
 
-A model of 8 blocks of unequal cost whose compute is emulated: each block holds its rank for
-``cost x samples`` milliseconds in its forward, in its input-gradient backward and in its
-weight-gradient backward (the weight pass sits on the parameter's path, so a split backward
-runs it separately), by sleeping, so the measurement does not depend on how many cores the
-ranks share. The planner measures the model once (``plan_layout(..., measure_time=True)``),
-with the link latency measured by a ping-pong between two ranks and each runtime's own cost
-per computation and per step fitted to runs of the same model at no cost, and predicts every
-layout of the search space; then each layout in ``LAYOUTS`` (degrees, schedules, micro-batch
-counts, recomputation; torch and DeepSpeed dialects) trains for real over gloo on this
-machine, one warm-up step and ``--steps`` timed steps, with the planner's split points.
-Printed: predicted against measured step time per layout (targets: median relative error <=
-10%, Spearman rank correlation >= 0.9), the predicted peak of micro-batches in flight per stage
-against the one counted in the run (target: equal), and the measured step of the planner's
-choice against the fastest measured layout of its dialect and world size (target: within 5%).
+Workloads (``WORKLOADS``), each a model of 8 blocks:
 
-    python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--out DIR]
+- ``compute``: blocks of unequal cost whose compute is emulated: each block holds its rank for
+  ``cost x samples`` milliseconds in its forward, in its input-gradient backward and in its
+  weight-gradient backward (the weight pass sits on the parameter's path, so a split backward
+  runs it separately), by sleeping, so the measurement does not depend on how many cores the
+  ranks share;
+- ``comm``: the same blocks at about a millisecond of compute per micro-batch with 1 MiB per
+  sample crossing every boundary (8-32 MiB per micro-batch): communication-heavy;
+- ``dp``: 16 MiB of trainable parameters per block: data parallelism's gradient all-reduce
+  dominates;
+- ``gpt``: a small TinyGPT (``pipedialect.models``) computing for real.
 
-``--out`` keeps the predicted and measured Chrome traces of every layout. Run it when the
-machine is quiet: the table starts with ``uptime``'s load average.
+For each dialect (torch, deepspeed) and world size (2, 4) the runtime is first calibrated with
+``pipedialect.planner.calibrate`` (what ``pipedialect plan --calibrate`` stores; here into a
+temporary file), then the planner measures the model (``measure_time=True``) and predicts every
+layout with nothing else given (no bandwidth, latency or overheads: the calibration's), and each
+layout in ``LAYOUTS`` trains for real over gloo on this machine, one warm-up step and
+``--steps`` timed steps, with the planner's split points, sampling the rank's resident set.
+Printed per workload: predicted against measured step time (targets: median relative error <=
+10%, Spearman >= 0.8), the planner's choice against the fastest measured layout of its dialect
+and world size (target: within 5%), the predicted peak memory per rank against the measured
+growth of the resident set (benchmarks/memory.py's method: peak RSS above the RSS before the
+model is built, glibc returning freed memory at once; target: within 15%), and the predicted
+micro-batches in flight per stage against the counted ones (emulated workloads).
+
+    python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--workloads compute,gpt]
+    python benchmarks/planner.py --smoke        # a few layouts, seconds of compute: it runs
+
+``--isolate`` launches every layout in fresh ranks (slower): without it a launch runs several
+layouts and only its first pays the runtime's one-time memory, so the memory comparison holds
+for ``--isolate`` runs.
+
+``--out`` keeps the predicted Chrome traces of every layout. Run it when the machine is quiet
+(the table starts with ``uptime``'s load average): the full run takes about an hour on 4 idle
+cores.
 """
 
 from __future__ import annotations
@@ -26,63 +44,103 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import statistics
 import subprocess
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import _smoke
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import pipedialect
-from pipedialect.planner import Layout, LayoutPlan, plan_layout, write_chrome_trace
+from pipedialect.models import TinyGPT, cross_entropy_loss
+from pipedialect.planner import Layout, LayoutPlan, calibrate, plan_layout, write_chrome_trace
 from pipedialect.runtime.launch import launch
 
 #: Emulated milliseconds per sample of each block's forward (its input and weight gradients
 #: cost the same again each: a backward twice the forward, half of it in the weight pass).
 BLOCK_MS = (3.0, 6.0, 5.0, 4.0, 4.0, 5.0, 6.0, 9.0)
-DIM = 32
 GLOBAL_BATCH = 32
-#: Frozen bytes per block, and the bytes per rank the planner is told: the 8 blocks' 32 MiB do
-#: not fit one rank, so every layout pipelines.
+#: Frozen bytes per block of the compute workload, and the bytes per rank the planner is told:
+#: the 8 blocks' 32 MiB do not fit one rank, so every layout pipelines.
 BALLAST = 4 << 20
-MEMORY = 24 << 20
 #: Samples of the micro-batch the planner measures (larger: the timer's own cost matters less).
 EXAMPLE_BATCH = 8
+GPT = {"vocab": 512, "dim": 64, "max_len": 32, "num_blocks": 8}
 
-#: (dialect, world size, schedule, pipeline ranks, stages per rank, data replicas, micro-batches,
-#: recomputation pattern or None).
-LAYOUTS: tuple[tuple[str, int, str, int, int, int, int, str | None], ...] = (
-    ("torch", 4, "1f1b", 4, 1, 1, 4, None),
-    ("torch", 4, "1f1b", 4, 1, 1, 8, None),
-    ("torch", 4, "1f1b", 4, 1, 1, 16, None),
-    ("torch", 4, "gpipe", 4, 1, 1, 8, None),
-    ("torch", 4, "1f1b", 2, 1, 2, 8, None),
-    ("torch", 4, "interleaved_1f1b", 4, 2, 1, 8, None),
-    ("torch", 4, "interleaved_1f1b", 2, 2, 2, 8, None),
-    ("torch", 4, "looped_bfs", 4, 2, 1, 8, None),
-    ("torch", 4, "interleaved_zero_bubble", 4, 1, 1, 8, None),
-    ("torch", 4, "interleaved_zero_bubble", 4, 2, 1, 8, None),
-    ("torch", 4, "zbv_zero_bubble", 4, 2, 1, 8, None),
-    ("torch", 4, "dualpipev", 4, 2, 1, 8, None),
-    ("torch", 4, "1f1b", 4, 1, 1, 8, "blocks.*"),
-    ("torch", 4, "zbv_zero_bubble", 4, 2, 1, 8, "blocks.*"),
-    ("deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 4, None),
-    ("deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, None),
-    ("deepspeed", 4, "deepspeed_1f1b", 2, 1, 2, 8, None),
-    ("deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, "blocks.*"),
-    ("torch", 2, "1f1b", 2, 1, 1, 8, None),
-    ("torch", 2, "gpipe", 2, 1, 1, 4, None),
-    ("torch", 2, "interleaved_1f1b", 2, 2, 1, 8, None),
-    ("torch", 2, "zbv_zero_bubble", 2, 2, 1, 8, None),
-    ("torch", 2, "dualpipev", 2, 2, 1, 8, None),
-    ("deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 8, None),
+#: name: (milliseconds per sample per block, features per sample across a boundary, trainable
+#: elements per block, frozen bytes per block, bytes per rank the planner is told).
+WORKLOADS: dict[str, tuple[tuple[float, ...], int, int, int, int]] = {
+    "compute": (BLOCK_MS, 32, 32, BALLAST, 24 << 20),
+    "comm": ((0.03,) * 8, 1 << 18, 32, 0, 2 << 30),
+    "dp": ((0.5,) * 8, 32, 4 << 20, 0, 2 << 30),
+    "gpt": ((), 0, 0, 0, 2 << 30),
+}
+
+#: (workload, dialect, world size, schedule, pipeline ranks, stages per rank, data replicas,
+#: micro-batches, recomputation pattern or None).
+Spec = tuple[str, str, int, str, int, int, int, int, str | None]
+LAYOUTS: tuple[Spec, ...] = (
+    ("compute", "torch", 4, "1f1b", 4, 1, 1, 4, None),
+    ("compute", "torch", 4, "1f1b", 4, 1, 1, 8, None),
+    ("compute", "torch", 4, "1f1b", 4, 1, 1, 16, None),
+    ("compute", "torch", 4, "gpipe", 4, 1, 1, 8, None),
+    ("compute", "torch", 4, "1f1b", 2, 1, 2, 8, None),
+    ("compute", "torch", 4, "interleaved_1f1b", 4, 2, 1, 8, None),
+    ("compute", "torch", 4, "interleaved_1f1b", 2, 2, 2, 8, None),
+    ("compute", "torch", 4, "looped_bfs", 4, 2, 1, 8, None),
+    ("compute", "torch", 4, "interleaved_zero_bubble", 4, 1, 1, 8, None),
+    ("compute", "torch", 4, "interleaved_zero_bubble", 4, 2, 1, 8, None),
+    ("compute", "torch", 4, "zbv_zero_bubble", 4, 2, 1, 8, None),
+    ("compute", "torch", 4, "dualpipev", 4, 2, 1, 8, None),
+    ("compute", "torch", 4, "1f1b", 4, 1, 1, 8, "blocks.*"),
+    ("compute", "torch", 4, "zbv_zero_bubble", 4, 2, 1, 8, "blocks.*"),
+    ("compute", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 4, None),
+    ("compute", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, None),
+    ("compute", "deepspeed", 4, "deepspeed_1f1b", 2, 1, 2, 8, None),
+    ("compute", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, "blocks.*"),
+    ("compute", "torch", 2, "1f1b", 2, 1, 1, 8, None),
+    ("compute", "torch", 2, "gpipe", 2, 1, 1, 4, None),
+    ("compute", "torch", 2, "interleaved_1f1b", 2, 2, 1, 8, None),
+    ("compute", "torch", 2, "zbv_zero_bubble", 2, 2, 1, 8, None),
+    ("compute", "torch", 2, "dualpipev", 2, 2, 1, 8, None),
+    ("compute", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 8, None),
+    ("comm", "torch", 2, "1f1b", 2, 1, 1, 4, None),
+    ("comm", "torch", 2, "1f1b", 2, 1, 1, 8, None),
+    ("comm", "torch", 2, "gpipe", 2, 1, 1, 4, None),
+    ("comm", "torch", 4, "1f1b", 4, 1, 1, 8, None),
+    ("comm", "torch", 4, "1f1b", 2, 1, 2, 8, None),
+    ("comm", "torch", 4, "interleaved_1f1b", 4, 2, 1, 8, None),
+    ("comm", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 4, None),
+    ("comm", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 8, None),
+    ("comm", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, None),
+    ("comm", "deepspeed", 4, "deepspeed_1f1b", 2, 1, 2, 8, None),
+    ("dp", "torch", 2, "1f1b", 2, 1, 1, 8, None),
+    ("dp", "torch", 4, "1f1b", 4, 1, 1, 8, None),
+    ("dp", "torch", 4, "1f1b", 2, 1, 2, 4, None),
+    ("dp", "torch", 4, "1f1b", 2, 1, 2, 8, None),
+    ("dp", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 4, None),
+    ("dp", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, None),
+    ("dp", "deepspeed", 4, "deepspeed_1f1b", 2, 1, 2, 8, None),
+    ("gpt", "torch", 2, "1f1b", 2, 1, 1, 4, None),
+    ("gpt", "torch", 2, "1f1b", 2, 1, 1, 8, None),
+    ("gpt", "torch", 2, "gpipe", 2, 1, 1, 4, None),
+    ("gpt", "torch", 2, "1f1b", 2, 1, 1, 8, "blocks.*"),
+    ("gpt", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 4, None),
+    ("gpt", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 8, None),
 )
+#: What --smoke runs: one layout of each workload's torch and DeepSpeed runs on 2 ranks, at a
+#: twentieth of the emulated costs.
+SMOKE = "18,23,24,41,45"
 
-# -- the emulated model -------------------------------------------------------------------------
+# -- the models ---------------------------------------------------------------------------------
 
 #: What this process's blocks did, for the in-flight counts: (time, block, "F" | "I" | "W").
 EVENTS: list[tuple[float, int, str]] = []
@@ -141,39 +199,44 @@ class Hold(nn.Module):
 
 
 class HoldWeight(nn.Module):
-    """A parameter whose gradient costs ``cost x samples`` ms (the weight pass)."""
+    """``size`` trainable elements whose gradient costs ``cost x samples`` ms (the weight
+    pass); the first ``width`` of them are added to the activation."""
 
-    def __init__(self, block: int, ms: float) -> None:
+    def __init__(self, block: int, ms: float, size: int, width: int) -> None:
         super().__init__()
-        self.block, self.ms = block, ms
-        self.weight = nn.Parameter(torch.zeros(DIM))
+        self.block, self.ms, self.width = block, ms, width
+        self.weight = nn.Parameter(torch.zeros(max(size, width)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w: torch.Tensor = _HoldWeight.apply(self.weight, self.block, self.ms * x.shape[0] / 1e3)
-        return x + w
+        return x + w[: self.width]
 
 
 class Block(nn.Module):
     """One emulated block: forward, input gradient and weight gradient each ``ms x samples``,
-    and :data:`BALLAST` bytes of frozen state (so that the whole model does not fit one rank)."""
+    ``grad`` trainable elements and ``ballast`` bytes of frozen state."""
 
-    def __init__(self, block: int, ms: float) -> None:
+    def __init__(self, block: int, ms: float, width: int, grad: int, ballast: int) -> None:
         super().__init__()
-        self.weight = HoldWeight(block, ms)
+        self.weight = HoldWeight(block, ms, grad, width)
         self.hold = Hold(block, ms)
-        self.register_buffer("ballast", torch.zeros(BALLAST // 4))
+        self.register_buffer("ballast", torch.zeros(max(ballast // 4, width)))
+        self.width = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.hold(self.weight(x) + self.ballast[:DIM] * 0)
+        out: torch.Tensor = self.hold(self.weight(x) + self.ballast[: self.width] * 0)
         return out
 
 
 class Emulated(nn.Module):
-    """Blocks of :data:`BLOCK_MS` (or of no cost at all, for the calibration), in sequence."""
+    """A workload's blocks, in sequence."""
 
-    def __init__(self, free: bool = False) -> None:
+    def __init__(self, workload: str, scale: float = 1.0) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(k, 0.0 if free else ms) for k, ms in enumerate(BLOCK_MS))
+        block_ms, width, grad, ballast, _ = WORKLOADS[workload]
+        self.blocks = nn.ModuleList(
+            Block(k, ms * scale, width, grad, ballast) for k, ms in enumerate(block_ms)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -184,7 +247,30 @@ class Emulated(nn.Module):
 LEAVES = [Hold, HoldWeight]
 
 
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _model(workload: str, scale: float) -> nn.Module:
+    torch.manual_seed(0)
+    if workload == "gpt":
+        return TinyGPT(**GPT, seed=0)
+    return Emulated(workload, scale)
+
+
+def _batch(workload: str, samples: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """One micro-batch: (input, target)."""
+    if workload == "gpt":
+        shape = (samples, GPT["max_len"])
+        return (
+            torch.randint(0, GPT["vocab"], shape, generator=gen),
+            torch.randint(0, GPT["vocab"], shape, generator=gen),
+        )
+    width = WORKLOADS[workload][1]
+    return torch.randn(samples, width, generator=gen), torch.randn(samples, width, generator=gen)
+
+
+def _loss(workload: str) -> Any:
+    return cross_entropy_loss if workload == "gpt" else _mse
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
@@ -200,25 +286,32 @@ def _config(layout: dict[str, Any]) -> dict[str, Any]:
 # -- measuring ----------------------------------------------------------------------------------
 
 
-def _ping_pong(rounds: int, samples: int) -> float:
-    """Seconds of one boundary message between two ranks (half a round trip, the median)."""
-    import torch.distributed as dist
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
 
-    pipedialect.get_dialect("torch").init_distributed()
-    rank = dist.get_rank()
-    buf = torch.zeros(samples, DIM)
-    times = []
-    for _ in range(rounds):
-        dist.barrier()
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        else:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
-        times.append((time.perf_counter() - start) / 2)
-    return statistics.median(times)
+
+class _PeakRSS:
+    """Samples the resident set every millisecond while running (the peak above a baseline)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.001)
+
+    def __enter__(self) -> _PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
 
 
 def _in_flight(
@@ -240,10 +333,10 @@ def _in_flight(
     return peaks
 
 
-def _run_layouts(
-    layouts: list[dict[str, Any]], steps: int, out_dir: str | None
-) -> list[dict[str, Any]]:
+def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
     """On every rank: each layout, one warm-up step, then ``steps`` timed steps."""
+    import gc
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -252,39 +345,49 @@ def _run_layouts(
     rank = dist.get_rank()
     results = []
     for layout in layouts:
-        torch.manual_seed(0)
-        model = Emulated(free=layout.get("free", False))
-        plan = pipedialect.partition(model, **layout["partition"], leaf_modules=LEAVES)
-        config = _config(layout)
-        topology = layout["topology"](dialect)
-        module = dialect.pipe_engine(
-            plan, config=config, loss_fn=_loss, topology=topology, **layout["engine"]
-        )
-        engine = dialect.runtime_engine(module, config=config)
-        mbs, m = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
-        gen = torch.Generator().manual_seed(1 + rank)
-        batches = [
-            (torch.randn(mbs, DIM, generator=gen), torch.randn(mbs, DIM, generator=gen))
-            for _ in range(m * (steps + 2))
-        ]
-        data = iter(batches)
-        engine.train_batch(data)
-        dist.barrier()
-        durations = []
-        for _ in range(steps):
-            EVENTS.clear()
-            start = time.perf_counter()
+        workload = layout["workload"]
+        gc.collect()
+        baseline = _rss()
+        with _PeakRSS() as peak:
+            model = _model(workload, layout["scale"])
+            leaves = None if workload == "gpt" else LEAVES
+            plan = pipedialect.partition(model, **layout["partition"], leaf_modules=leaves)
+            config = _config(layout)
+            module = dialect.pipe_engine(
+                plan,
+                config=config,
+                loss_fn=_loss(workload),
+                topology=layout["topology"](dialect),
+                **layout["engine"],
+            )
+            engine = dialect.runtime_engine(module, config=config)
+            del model, plan
+            mbs = config["train_micro_batch_size_per_gpu"]
+            m = config["gradient_accumulation_steps"]
+            gen = torch.Generator().manual_seed(1 + rank)
+            data = iter([_batch(workload, mbs, gen) for _ in range(m * (steps + 2))])
             engine.train_batch(data)
-            durations.append(time.perf_counter() - start)
+            dist.barrier()
+            durations = []
+            for _ in range(steps):
+                EVENTS.clear()
+                start = time.perf_counter()
+                engine.train_batch(data)
+                durations.append(time.perf_counter() - start)
         local = [
             k for k, r in enumerate(layout["placement"]) if r == rank // layout["replica_size"]
         ]
-        if rank % layout["replica_size"] == 0:
-            stages = {k: layout["blocks_of"][k] for k in local}
-            in_flight = _in_flight(EVENTS, stages)
-        else:
-            in_flight = {}
-        results.append({"steps": durations, "in_flight": in_flight})
+        in_flight = {}
+        if rank % layout["replica_size"] == 0 and workload != "gpt":
+            in_flight = _in_flight(EVENTS, {k: layout["blocks_of"][k] for k in local})
+        results.append(
+            {
+                "steps": durations,
+                "in_flight": in_flight,
+                "memory": peak.peak - baseline,
+                "pipe_rank": rank // layout["replica_size"],
+            }
+        )
         del engine, module
         dist.barrier()
     return results
@@ -314,8 +417,8 @@ def _spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     return cov / var if var else 1.0
 
 
-def _find(plan: LayoutPlan, spec: tuple[Any, ...]) -> Layout:
-    _, _, schedule, p, v, d, m, ckpt = spec
+def _find(plan: LayoutPlan, spec: Spec) -> Layout:
+    _, _, _, schedule, p, v, d, m, recompute = spec
     for row in plan.rows:
         lay = row.layout
         if (
@@ -323,24 +426,27 @@ def _find(plan: LayoutPlan, spec: tuple[Any, ...]) -> Layout:
             and (lay.schedule, lay.pipeline, lay.stages_per_rank, lay.data_parallel)
             == (schedule, p, v, d)
             and lay.micro_batches == m
-            and lay.checkpoint == ckpt
+            and lay.recompute == recompute
         ):
             return lay
     raise SystemExit(f"the planner did not predict {spec}")
 
 
 def _blocks_of(layout: Layout) -> dict[int, list[int]]:
-    names = [f"blocks.{k}" for k in range(len(BLOCK_MS))]
+    names = [f"blocks.{k}" for k in range(8)]
     ends = [names.index(p) for p in layout.split_points]
     bounds = [-1, *ends, len(names) - 1]
     return {s: list(range(bounds[s] + 1, bounds[s + 1] + 1)) for s in range(len(bounds) - 1)}
 
 
-def _payload(plan: LayoutPlan, lay: Layout, dialect: str, free: bool = False) -> dict[str, Any]:
+def _payload(
+    plan: LayoutPlan, lay: Layout, workload: str, dialect: str, scale: float
+) -> dict[str, Any]:
     program = plan.programs[(lay.schedule, lay.pipeline, lay.micro_batches, lay.stages_per_rank)]
     return {
+        "workload": workload,
         "dialect": dialect,
-        "free": free,
+        "scale": scale,
         "partition": lay.partition_kwargs(),
         "engine": lay.pipe_engine_kwargs(),
         "config": lay.config(),
@@ -348,138 +454,113 @@ def _payload(plan: LayoutPlan, lay: Layout, dialect: str, free: bool = False) ->
         "placement": program.placement,
         "replica_size": lay.data_parallel,
         "blocks_of": _blocks_of(lay),
-        "name": re.sub(r"[^A-Za-z0-9=._-]+", "_", f"{dialect}-{lay.world_size}-{lay.describe()}"),
+        "name": re.sub(
+            r"[^A-Za-z0-9=._-]+", "_", f"{workload}-{dialect}-{lay.world_size}-{lay.describe()}"
+        ),
     }
 
 
 def _plan(
-    model: nn.Module,
-    dialect: str,
-    world: int,
-    latency: float,
-    memory: float = MEMORY,
-    **kwargs: Any,
+    workload: str, dialect: str, world: int, scale: float, repeats: int, runtime_memory: float
 ) -> LayoutPlan:
+    """The planner with nothing but the stored calibration: no bandwidth, latency or
+    overheads given. The memory per rank is the workload's plus what the calibration says the
+    runtime itself holds (so the compute workload's 32 MiB of blocks still cannot fit one
+    rank)."""
+    model = _model(workload, scale)
+    gen = torch.Generator().manual_seed(0)
+    example = _batch(workload, EXAMPLE_BATCH, gen)[0]
+    name = "input_ids" if workload == "gpt" else "x"
     return plan_layout(
         model,
-        {"x": torch.randn(EXAMPLE_BATCH, DIM)},
+        {name: example},
         world_size=world,
-        memory_per_rank=memory,
+        memory_per_rank=WORKLOADS[workload][4] + runtime_memory,
         global_batch=GLOBAL_BATCH,
-        bandwidth="1GB/s",
-        latency=latency,
         dialect=dialect,
         measure_time=True,
-        repeats=5,
-        leaf_modules=LEAVES,
-        candidates=[f"blocks.{k}" for k in range(len(BLOCK_MS) - 1)],
+        repeats=repeats,
+        optimizer_states=0,
+        leaf_modules=None if workload == "gpt" else LEAVES,
+        recompute="blocks.*",
         exhaustive=True,
-        **kwargs,
     )
-
-
-CALIBRATION_COUNTS = (4, 8, 16, 32)
-
-
-def _calibrate(dialect: str, latency: float, steps: int) -> tuple[float, float]:
-    """Seconds the runtime adds per computation and per step, from runs of the model at no
-    cost (2 ranks, 1F1B, :data:`CALIBRATION_COUNTS` micro-batches, the median of ``steps + 2``
-    steps each): the least-squares fit ``step = a * computations on the critical path + c``,
-    the count taken from the simulator."""
-    from pipedialect.planner import StageTimes, build_program, simulate
-
-    schedule = "deepspeed_1f1b" if dialect == "deepspeed" else "1f1b"
-    plan = _plan(
-        Emulated(free=True),
-        dialect,
-        2,
-        latency,
-        memory=1 << 40,
-        schedules=[schedule],
-        micro_batches=list(CALIBRATION_COUNTS),
-    )
-    runs = [_find(plan, (dialect, 2, schedule, 2, 1, 1, m, None)) for m in CALIBRATION_COUNTS]
-    per_rank = launch(
-        _run_layouts,
-        2,
-        [_payload(plan, lay, dialect, free=True) for lay in runs],
-        steps + 2,
-        None,
-        timeout=1800,
-    )
-    measured = [statistics.median(per_rank[0][i]["steps"]) for i in range(len(runs))]
-    free = [StageTimes(0.0, 0.0, 0.0, action_overhead=1.0)] * 2
-    counts = [
-        simulate(build_program(schedule, 2, m, 1), free).step_time for m in CALIBRATION_COUNTS
-    ]
-    slope, intercept = statistics.linear_regression(counts, measured)
-    return max(0.0, slope), max(0.0, intercept)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", choices=("torch", "deepspeed"), default=None)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--select", default=None, help="comma-separated indices into LAYOUTS")
-    opts = parser.parse_args()
+    parser.add_argument("--scale", type=float, default=1.0, help="times every emulated cost")
+    parser.add_argument("--repeats", type=int, default=5, help="measure_time's least runs")
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="one launch per layout: slower, but every measured peak memory is a fresh job's",
+    )
+    opts = _smoke.parse_args(parser, {"steps": 1, "scale": 0.05, "select": SMOKE, "repeats": 1})
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime: {load}")
     print(f"{os.cpu_count()} cores, torch {torch.__version__}")
-    latency = launch(_ping_pong, 2, 50, GLOBAL_BATCH // 8, timeout=300)[0]
-    print(f"measured message time (ping-pong, half a round trip): {latency * 1e3:.2f} ms")
-    model = Emulated()
-    plans: dict[tuple[str, int], LayoutPlan] = {}
-    specs = [s for s in LAYOUTS if opts.only in (None, s[0])]
+    # The calibrations go to a file of their own, which plan_layout then reads.
+    os.environ["PIPEDIALECT_CALIBRATION"] = str(
+        Path(tempfile.mkdtemp(prefix="planner-benchmark-")) / "calibration.json"
+    )
+    wanted = set(opts.workloads.split(","))
+    specs = [s for s in LAYOUTS if opts.only in (None, s[1]) and s[0] in wanted]
     if opts.select:
         specs = [LAYOUTS[int(i)] for i in opts.select.split(",")]
-    overheads = {}
-    for dialect in sorted({s[0] for s in specs}):
-        overheads[dialect] = _calibrate(dialect, latency, opts.steps)
-        per_action, per_step = overheads[dialect]
-        print(
-            f"calibration ({dialect}, a model of no cost, {len(CALIBRATION_COUNTS)} micro-batch "
-            f"counts): {per_action * 1e3:.2f} ms per computation, {per_step * 1e3:.1f} ms per "
-            "step"
-        )
-    for dialect, world in sorted({(s[0], s[1]) for s in specs}):
-        per_action, per_step = overheads[dialect]
-        plans[(dialect, world)] = _plan(
-            model,
-            dialect,
-            world,
-            latency,
-            recompute="blocks.*",
-            action_overhead=per_action,
-            step_overhead=per_step,
-        )
+    if opts.out is not None:
+        opts.out.mkdir(parents=True, exist_ok=True)
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     rows = []
-    for (dialect, world), plan in plans.items():
-        group = [s for s in specs if (s[0], s[1]) == (dialect, world)]
+    calibrated = None
+    runtime_memory = 0.0
+    # Grouped by dialect and world size: the runtime is calibrated once for each.
+    for dialect, world, workload in sorted({(s[1], s[2], s[0]) for s in specs}):
+        if calibrated != (dialect, world):
+            done = calibrate(dialect, world_size=world, steps=max(1, opts.steps))
+            print(done.describe())
+            calibrated, runtime_memory = (dialect, world), done.memory_overhead
+        plan = _plan(workload, dialect, world, opts.scale, opts.repeats, runtime_memory)
+        group = [s for s in specs if (s[0], s[1], s[2]) == (workload, dialect, world)]
         chosen = plan.layout
         runs = [_find(plan, s) for s in group]
         if chosen not in runs:
             runs.append(chosen)
-        payload = [_payload(plan, lay, dialect) for lay in runs]
-        out = None if opts.out is None else str(opts.out)
-        if opts.out is not None:
-            opts.out.mkdir(parents=True, exist_ok=True)
-        per_rank = launch(_run_layouts, world, payload, opts.steps, out, timeout=3600)
+        payload = [_payload(plan, lay, workload, dialect, opts.scale) for lay in runs]
+        if opts.isolate:
+            # One launch per layout: each rank's peak is a one-layout job's (lazy inits and the
+            # first engine included), as the memory target needs.
+            parts = [
+                launch(_run_layouts, world, [one], opts.steps, timeout=3600, env=env)
+                for one in payload
+            ]
+            per_rank = [[part[r][0] for part in parts] for r in range(world)]
+        else:
+            per_rank = launch(_run_layouts, world, payload, opts.steps, timeout=3600, env=env)
         for i, lay in enumerate(runs):
             pred = plan.prediction(lay)
-            measured = statistics.median(per_rank[0][i]["steps"])
             counted: dict[int, int] = {}
+            memory: dict[int, int] = {}
             for r in per_rank:
                 counted.update(r[i]["in_flight"])
+                memory[r[i]["pipe_rank"]] = max(memory.get(r[i]["pipe_rank"], 0), r[i]["memory"])
             rows.append(
                 {
+                    "workload": workload,
                     "dialect": dialect,
                     "world": world,
                     "layout": lay,
                     "predicted": pred.step_time,
-                    "measured": measured,
+                    "measured": statistics.median(per_rank[0][i]["steps"]),
                     "in_flight": pred.simulation.in_flight,
                     "counted": tuple(counted[k] for k in sorted(counted)),
+                    "memory_predicted": pred.peak_memory,
+                    "memory_measured": tuple(memory[k] for k in sorted(memory)),
                     "chosen": lay == chosen,
                 }
             )
@@ -488,49 +569,64 @@ def main() -> None:
     _report(rows)
 
 
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
 def _report(rows: list[dict[str, Any]]) -> None:
+    mib = float(1 << 20)
     header = (
-        f"{'dialect':<9} {'W':>1}  {'layout':<52} {'predicted':>9} {'measured':>9} {'error':>7}"
-        f"  {'in flight (predicted / counted)':<34}"
+        f"{'workload':<8} {'dialect':<9} {'W':>1}  {'layout':<46} {'predicted':>9} "
+        f"{'measured':>9} {'error':>7}  {'memory MiB (predicted / measured)':<34} in flight"
     )
     print(header)
     print("-" * len(header))
-    errors = []
-    equal = 0
     for r in rows:
         err = r["predicted"] / r["measured"] - 1
-        errors.append(abs(err))
-        same = r["in_flight"] == r["counted"]
-        equal += same
-        mark = " <- planner's choice" if r["chosen"] else ""
-        flights = f"{list(r['in_flight'])} {'=' if same else '!='} {list(r['counted'])}"
-        print(
-            f"{r['dialect']:<9} {r['world']:>1}  {r['layout'].describe():<52} "
-            f"{r['predicted'] * 1e3:>7.0f}ms {r['measured'] * 1e3:>7.0f}ms {err:>+7.1%}  "
-            f"{flights:<34}{mark}"
+        mem = " ".join(
+            f"{p / mib:.0f}/{m / mib:.0f}"
+            for p, m in zip(r["memory_predicted"], r["memory_measured"], strict=False)
         )
-    rho = _spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
-    median = statistics.median(errors)
+        flights = ""
+        if r["counted"]:
+            same = r["in_flight"] == r["counted"]
+            flights = f"{list(r['in_flight'])} {'=' if same else '!='} {list(r['counted'])}"
+        mark = " <- planner's choice" if r["chosen"] else ""
+        print(
+            f"{r['workload']:<8} {r['dialect']:<9} {r['world']:>1}  "
+            f"{r['layout'].describe():<46} {r['predicted'] * 1e3:>7.0f}ms "
+            f"{r['measured'] * 1e3:>7.0f}ms {err:>+7.1%}  {mem:<34} {flights}{mark}"
+        )
     print()
     print(f"layouts: {len(rows)}")
-    print(
-        f"median relative error of the step time: {median:.1%} (target <= 10%: "
-        f"{'met' if median <= 0.10 else 'not met'})"
-    )
-    verdict = "met" if rho >= 0.9 else "not met"
-    print(f"Spearman rank correlation: {rho:.3f} (target >= 0.9: {verdict})")
-    print(f"peak in flight per stage equal to the counted one: {equal} of {len(rows)} layouts")
-    for dialect, world in sorted({(r["dialect"], r["world"]) for r in rows}):
-        group = [r for r in rows if (r["dialect"], r["world"]) == (dialect, world)]
-        chosen = next(r for r in group if r["chosen"])
-        fastest = min(group, key=lambda r: r["measured"])
-        ratio = chosen["measured"] / fastest["measured"]
+    for workload in sorted({r["workload"] for r in rows}):
+        group = [r for r in rows if r["workload"] == workload]
+        errors = [abs(r["predicted"] / r["measured"] - 1) for r in group]
+        median = statistics.median(errors)
+        rho = _spearman([r["predicted"] for r in group], [r["measured"] for r in group])
+        mem_errors = [
+            abs(p / m - 1)
+            for r in group
+            for p, m in zip(r["memory_predicted"], r["memory_measured"], strict=False)
+            if m > 0
+        ]
+        mem = max(mem_errors) if mem_errors else float("nan")
         print(
-            f"{dialect} on {world} ranks: the planner chose {chosen['layout'].describe()}, "
-            f"measured {chosen['measured'] * 1e3:.0f} ms; fastest measured "
-            f"{fastest['layout'].describe()} {fastest['measured'] * 1e3:.0f} ms: ratio "
-            f"{ratio:.3f} (target <= 1.05: {'met' if ratio <= 1.05 else 'not met'})"
+            f"{workload}: {len(group)} layouts; median step error {median:.1%} (<= 10%: "
+            f"{_verdict(median <= 0.10)}); Spearman {rho:.3f} (>= 0.8: {_verdict(rho >= 0.8)}); "
+            f"largest peak-memory error per rank {mem:.1%} (<= 15%: {_verdict(mem <= 0.15)})"
         )
+        for dialect, world in sorted({(r["dialect"], r["world"]) for r in group}):
+            sub = [r for r in group if (r["dialect"], r["world"]) == (dialect, world)]
+            chosen = next(r for r in sub if r["chosen"])
+            fastest = min(sub, key=lambda r: r["measured"])
+            ratio = chosen["measured"] / fastest["measured"]
+            print(
+                f"  {dialect} on {world} ranks: chose {chosen['layout'].describe()} "
+                f"({chosen['measured'] * 1e3:.0f} ms), fastest {fastest['layout'].describe()} "
+                f"({fastest['measured'] * 1e3:.0f} ms): ratio {ratio:.3f} (<= 1.05: "
+                f"{_verdict(ratio <= 1.05)})"
+            )
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime at the end: {load}")
 

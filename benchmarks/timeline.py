@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import _smoke
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -179,7 +180,9 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, default=100.0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dialects", default="torch,deepspeed")
-    opts = parser.parse_args()
+    opts = _smoke.parse_args(
+        parser, {"ranks": 2, "micro_batches": 2, "steps": 1, "work": "wait", "forward_ms": 2.0}
+    )
     out = opts.out or Path(tempfile.mkdtemp(prefix="pipedialect-timeline-"))
     out.mkdir(parents=True, exist_ok=True)
     works = ("matmul", "wait") if opts.work == "both" else (opts.work,)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _smoke
 import torch
 from torch import nn
 
@@ -220,7 +221,19 @@ def main() -> None:
     parser.add_argument("--gas", type=int, default=8)
     parser.add_argument("--schedule", default="1f1b", help="the torch dialect's schedule")
     parser.add_argument("--data-parallel", type=int, default=1, help="pipeline replicas")
-    args = parser.parse_args()
+    args = _smoke.parse_args(
+        parser,
+        {
+            "steps": 1,
+            "warmup": 1,
+            "dim": 16,
+            "blocks": 2,
+            "seq": 8,
+            "vocab": 32,
+            "micro": 2,
+            "gas": 2,
+        },
+    )
     ranks = 2 * args.data_parallel
     results = launch(worker, ranks, args, timeout=1800)
     first = next(r for r in results if r["rank"] == 0)

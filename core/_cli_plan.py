@@ -42,8 +42,21 @@ def add_plan_parser(sub: Any) -> None:
     parser.add_argument("--world-size", type=int, required=True, help="ranks")
     parser.add_argument("--memory", required=True, help="memory per rank, e.g. 80GiB")
     parser.add_argument("--global-batch", type=int, required=True, help="samples per step")
-    parser.add_argument("--bandwidth", required=True, help="one link's bandwidth, e.g. 100GB/s")
-    parser.add_argument("--latency", type=float, default=0.0, help="seconds per message")
+    parser.add_argument(
+        "--bandwidth",
+        help="one link's bandwidth, e.g. 100GB/s (default: the stored calibration's)",
+    )
+    parser.add_argument(
+        "--latency", type=float, help="seconds per message (default: calibrated, else 0)"
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first measure what the dialect's runtime costs on this machine (per computation, "
+        "per step, messages with every link busy, all-reduce) on --calibrate-ranks local ranks "
+        "and store it; plans use the stored calibration",
+    )
+    parser.add_argument("--calibrate-ranks", type=int, default=2, help="ranks to calibrate on")
     parser.add_argument("--dialect", default="torch", help="the dialect to plan for")
     time = parser.add_mutually_exclusive_group(required=True)
     time.add_argument(
@@ -88,6 +101,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         model, example = _load(args.model, args.batch_size)
     except (ImportError, AttributeError, ValueError, TypeError) as exc:
         args.parser.error(f"cannot load --model {args.model!r}: {exc}")
+    if args.calibrate:
+        from .planner import calibrate, calibration_path
+
+        try:
+            done = calibrate(args.dialect, world_size=args.calibrate_ranks)
+        except PipeDialectError as exc:
+            args.parser.error(str(exc))
+        print(f"{done.describe()}; stored in {calibration_path()}")
     try:
         plan = plan_layout(
             model,

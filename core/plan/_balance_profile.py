@@ -94,6 +94,29 @@ class Trace:
     #: Measured forward and backward seconds per gap (None until timed).
     forward_time: list[float] | None = None
     backward_time: list[float] | None = None
+    #: How the times were taken ([Note: timing a model]): None until timed.
+    timing: Timing | None = None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How :func:`measure_time` timed a model ([Note: timing a model])."""
+
+    #: Intra-op threads torch was pinned to while timing.
+    threads: int
+    #: Timed runs (after the warm-up).
+    runs: int
+    #: The interquartile range of the runs' forward + backward seconds over their median.
+    spread: float
+    #: The median forward + backward seconds of one run.
+    seconds: float
+
+    def describe(self) -> str:
+        """One line for tables: ``timed with 4 threads: 12 runs, 3.1% spread``."""
+        return (
+            f"timed with {self.threads} thread(s): {self.runs} runs of "
+            f"{self.seconds * 1e3:.2f} ms, {self.spread:.1%} spread (interquartile / median)"
+        )
 
 
 def _gaps(num_events: int) -> int:
@@ -625,41 +648,108 @@ def _timed_run(
     return watch
 
 
+#: The spread (interquartile range over median of a run's seconds) below which
+#: :func:`measure_time` stops adding runs, and the most runs it takes for each requested one.
+STABLE_SPREAD = 0.05
+MAX_RUNS_PER_REPEAT = 5
+
+
+def timing_threads(ranks: int | None = None) -> int:
+    """The intra-op threads :func:`measure_time` pins torch to: one rank's share of the
+    machine's cores: the cores over the ranks on this host under ``torch.distributed``, else
+    over ``ranks`` (the ranks that will share this machine; default 1)."""
+    import os
+
+    import torch.distributed as dist
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = ranks or 1
+    if dist.is_available() and dist.is_initialized():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return max(1, (cores or 1) // max(1, local))
+
+
 def measure_time(
     model: nn.Module,
     example_inputs: Mapping[str, Any],
     fixed: Mapping[str, Any],
     trace: Trace,
     repeats: int,
+    threads: int | None = None,
 ) -> None:
     """Time forward and backward per gap on the real tensors; fill ``trace``'s time lists.
 
-    One warm-up run, then ``repeats`` runs; the median per gap.
+    [Note: timing a model]
+    A CPU timing depends on the intra-op threads more than on anything else (the same model can
+    take ten times longer with more threads than cores, several ranks each using all of them),
+    so torch is pinned to ``threads`` (default :func:`timing_threads`: this process's share of
+    the cores) while timing and restored after. One warm-up run, then at least ``repeats`` runs,
+    more until the runs' spread (interquartile range over median) is under
+    :data:`STABLE_SPREAD`, at most ``MAX_RUNS_PER_REPEAT * repeats``; the median per gap.
+    ``trace.timing`` records the threads, the runs and the spread, which the planner reports.
     """
     device = _device_of(example_inputs)
     kwargs = {**dict(example_inputs), **dict(fixed)}
     trainable = [p for p in model.parameters() if p.requires_grad]
-    runs = [_timed_run(model, kwargs, trace, trainable, device) for _ in range(repeats + 1)][1:]
+    pinned = threads if threads is not None else timing_threads()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(pinned)
+    try:
+        _timed_run(model, kwargs, trace, trainable, device)  # warm-up
+        runs = [_timed_run(model, kwargs, trace, trainable, device) for _ in range(repeats)]
+        while len(runs) < MAX_RUNS_PER_REPEAT * repeats and _spread(runs) > STABLE_SPREAD:
+            runs.append(_timed_run(model, kwargs, trace, trainable, device))
+    finally:
+        torch.set_num_threads(previous)
     gaps = range(_gaps(trace.num_events))
     trace.forward_time = [statistics.median(r.forward[g] for r in runs) for g in gaps]
     trace.backward_time = [statistics.median(r.backward[g] for r in runs) for g in gaps]
+    totals = [sum(r.forward) + sum(r.backward) for r in runs]
+    trace.timing = Timing(pinned, len(runs), _spread(runs), statistics.median(totals))
+
+
+def _spread(runs: Sequence[_Stopwatch]) -> float:
+    """Interquartile range over median of the runs' forward + backward seconds."""
+    totals = [sum(r.forward) + sum(r.backward) for r in runs]
+    if len(totals) < 2:
+        return float("inf")
+    low, middle, high = statistics.quantiles(totals, n=4, method="inclusive")
+    return (high - low) / middle if middle > 0 else 0.0
+
+
+#: Seconds a rank that measured waits for every other rank to reach the agreement before it
+#: refuses ([Note: measurements agree across ranks]).
+ARRIVAL_TIMEOUT = 300.0
+_AGREEMENTS = [0]
 
 
 def agree_across_ranks(trace: Trace) -> None:
-    """Replace the measured times with rank 0's, so that every rank chooses the same cuts."""
+    """Replace the measured times with rank 0's, so that every rank chooses the same cuts.
+
+    [Note: measurements agree across ranks]
+    Timings differ between ranks, and ranks that chose different split points would build
+    different pipelines; so under ``torch.distributed`` every rank measures and takes rank 0's
+    times (a broadcast). A broadcast that only some ranks join waits forever, so first every
+    rank checks in on the process group's store and waits, at most :data:`ARRIVAL_TIMEOUT`
+    seconds, for the others: a call on rank 0 alone (``if rank == 0: plan_layout(...)``) is
+    refused with a :class:`~pipedialect.PlanDisagreementError` naming the ranks that never
+    came, instead of hanging. A measurement meant for one rank passes ``every_rank=False``
+    and skips all this.
+    """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    payload: list[Any] = [(trace.num_events, trace.forward_time, trace.backward_time)]
+    _wait_for_every_rank(dist)
+    payload: list[Any] = [(trace.num_events, trace.forward_time, trace.backward_time, trace.timing)]
     dist.broadcast_object_list(payload, src=0)
-    num_events, forward, backward = payload[0]
+    num_events, forward, backward, timing = payload[0]
     if num_events != trace.num_events:
         raise PartitionError(
             f"rank 0 traced {num_events} module events, rank {dist.get_rank()} traced "
             f"{trace.num_events}: the ranks do not run the same model"
         )
-    trace.forward_time, trace.backward_time = forward, backward
+    trace.forward_time, trace.backward_time, trace.timing = forward, backward, timing
 
 
 @dataclass(frozen=True)
@@ -682,3 +772,35 @@ def fold(trace: Trace, xs: Sequence[int]) -> Atoms:
         state=tuple(frozenset().union(*(trace.state_used[g] for g in r)) for r in gap_ranges),
         gaps=gap_ranges,
     )
+
+
+def _wait_for_every_rank(dist: Any) -> None:
+    """Check in on the default store and wait for every rank's check-in ([Note: measurements
+    agree across ranks])."""
+    import time
+
+    from ..errors import PlanDisagreementError
+
+    store = dist.distributed_c10d._get_default_store()
+    _AGREEMENTS[0] += 1
+    prefix = f"pipedialect/measurement/{_AGREEMENTS[0]}"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"{prefix}/{rank}", "1")
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    deadline = time.monotonic() + ARRIVAL_TIMEOUT
+    while True:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise PlanDisagreementError(
+                f"[rank {rank}] a measured plan (plan_layout or profile_model with "
+                f"measure_time=True, balance='time') shares rank 0's times with every rank, so "
+                f"every rank must call it; rank(s) {missing} did not within "
+                f"{ARRIVAL_TIMEOUT:.0f} s. Call it on every rank (they all get the same "
+                "layout), or pass every_rank=False to measure on this rank alone and send the "
+                "result to the others yourself",
+                field="measurement",
+                ranks=tuple(missing),
+            )
+        time.sleep(0.02)

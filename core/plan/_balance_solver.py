@@ -23,6 +23,13 @@ squared stage costs (a second exact DP restricted to stages that fit under the b
 among those the one whose last cut comes earliest, then the cut before it, and so on; so the
 answer depends on the costs alone and every rank that holds the same costs gets the same cuts.
 
+Ties are broken by compute. With boundary charges, several partitions can share the optimal
+bottleneck (a stage whose cost is mostly its charges sets it); squared costs that include the
+charges would then push compute onto the end stages, which pay one charge where a middle stage
+pays two. So among the partitions within the bottleneck the solver first minimises the largest
+stage cost *without* the charges (the compute alone), then the sum of its squares; each is an
+exact DP restricted to stages whose full cost stays within the bottleneck.
+
 Constraints the model imposes:
 
 - ``nested_from[j]``: cut ``j`` ends a module whose call contains the cuts
@@ -96,7 +103,14 @@ def solve(
     bottleneck = float(best[num_stages - 1][-1])
     if bottleneck == _INF:
         return None
-    _, choice = problem.run(bound=bottleneck)
+    if bool(problem.charge.any()):
+        # Ties broken by compute: the least compute bottleneck within the full one, then the
+        # least squared compute ([Note: balance solver]).
+        best, _ = problem.run(bound=None, limit=bottleneck, charged=False)
+        compute = float(best[num_stages - 1][-1])
+        _, choice = problem.run(bound=compute, limit=bottleneck, charged=False)
+    else:
+        _, choice = problem.run(bound=bottleneck)
     cuts = problem.backtrack(choice)
     costs = problem.stage_costs(cuts)
     return Solution(cuts=cuts, bottleneck=max(costs), stage_costs=costs)
@@ -175,14 +189,18 @@ class _Problem:
             n + 2, num_stages, prefix, scale_t, charge, reach_from, reach_to, fixed_states, shared
         )
 
-    def _costs(self, k: int, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage ``k``'s cost from every state to each of ``ends``, and which are allowed."""
+    def _costs(
+        self, k: int, ends: torch.Tensor, charged: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage ``k``'s cost from every state to each of ``ends`` (with the boundary charges
+        unless ``charged`` is False), and which are allowed."""
         starts = torch.arange(self.num_states)
         sums = self.prefix[:, None, ends] - self.prefix[:, :, None]  # (T, states, ends)
         for t, table in self.shared.items():
             sums[t] -= table[:, ends]
         cost = torch.einsum("t,tse->se", self.scales[k], sums)
-        cost = cost + self.charge[:, None] + self.charge[None, ends]
+        if charged:
+            cost = cost + self.charge[:, None] + self.charge[None, ends]
         allowed = (
             (starts[:, None] < ends[None, :])
             & (starts[:, None] <= self.reach_from[ends][None, :])
@@ -190,10 +208,14 @@ class _Problem:
         )
         return cost, allowed
 
-    def run(self, bound: float | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def run(
+        self, bound: float | None, limit: float | None = None, charged: bool = True
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The DP: without ``bound``, minimise the bottleneck; with it, minimise the sum of
-        squared stage costs among stages costing at most ``bound``. Returns the value and the
-        chosen previous state for every (stage, end state)."""
+        squared stage costs among stages costing at most ``bound``. Costs leave the boundary
+        charges out unless ``charged``; with ``limit``, only stages whose full cost (charges
+        included) is at most ``limit`` are allowed. Returns the value and the chosen previous
+        state for every (stage, end state)."""
         p, states = self.num_stages, self.num_states
         chunk = max(1, _CHUNK_ELEMENTS // (states * self.prefix.shape[0]))
         best: list[torch.Tensor] = []
@@ -210,7 +232,10 @@ class _Problem:
             end_states = [states - 1] if k == p - 1 else list(range(1, states - 1))
             for lo in range(0, len(end_states), chunk):
                 ends = torch.tensor(end_states[lo : lo + chunk], dtype=torch.int64)
-                cost, allowed = self._costs(k, ends)
+                cost, allowed = self._costs(k, ends, charged)
+                if limit is not None:
+                    full = cost if charged else self._costs(k, ends)[0]
+                    allowed = allowed & (full <= limit)
                 if bound is None:
                     total = torch.maximum(prev[:, None], cost)
                 else:

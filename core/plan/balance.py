@@ -14,9 +14,11 @@ A stage boundary inside a block (after a decoder layer's ``q_proj``) sends what 
 block needs, often several tensors the block's end reduces to one: a Llama layer's attention
 cut there sends 2.5 times the bytes of a cut between layers, for a few percent of FLOPs. So
 the split points are chosen, unless ``candidates=`` says otherwise, among the *blocks*: the
-children of the model's outermost ``nn.ModuleList`` and ``nn.Sequential`` containers (the
-decoder layers of a transformers model, the layers of an ``nn.Sequential`` model), a container
-inside a block (a block's MLP, an MoE layer's experts) not counting. When the blocks cannot make
+layers a Hugging Face model's ``config.base_model_pp_plan`` names (its decoder layers), else the
+children of the model's outermost ``nn.ModuleList`` and ``nn.Sequential`` containers (the layers
+of an ``nn.Sequential`` model), a container inside a block (a block's MLP, an MoE layer's
+experts) not counting. The planner (:func:`pipedialect.planner.plan_layout`) cuts among the same
+blocks by default. When the blocks cannot make
 ``num_stages`` stages (fewer blocks than stages, or none), every candidate is used.
 
 Cost models (``balance=``), each a stage's cost per micro-batch:
@@ -30,13 +32,22 @@ Cost models (``balance=``), each a stage's cost per micro-batch:
 - ``"time"``: forward + backward seconds measured on the example inputs (the median of a few
   runs); under ``torch.distributed`` every rank takes rank 0's measurement, so all agree.
 
-Boundary bytes: a cut's bytes per micro-batch ``b`` (what crosses it forward; its gradient as
-many bytes back) cost the two stages beside it ``2 b / bandwidth`` seconds each, at
-``bandwidth`` bytes per second between stages (default :data:`DEFAULT_BANDWIDTH`, 25 GB/s:
-one 200 Gb/s link). ``"time"`` adds them to its seconds; ``"flops"`` converts them to FLOPs at
-``flops_per_second`` (default :data:`DEFAULT_FLOPS_PER_SECOND`, 1e14: a sustained 100
-TFLOP/s), so each byte weighs ``2 * flops_per_second / bandwidth`` FLOPs; ``"parameters"`` and
-``"memory"``, whose units are no time, ignore them. ``bandwidth=None`` leaves them out.
+[Note: boundary bytes]
+A cut's bytes per micro-batch ``b`` (what crosses it forward; its gradient as many bytes back)
+steer the choice between cuts: a cut carrying ``b`` bytes more than the narrowest candidate costs
+the two stages beside it ``2 b / bandwidth`` seconds more each, at ``bandwidth`` bytes per second
+between stages (default :data:`DEFAULT_BANDWIDTH`, 25 GB/s: one 200 Gb/s link). ``"time"``
+adds them to its seconds; ``"flops"`` converts them to FLOPs at ``flops_per_second`` (default
+:data:`DEFAULT_FLOPS_PER_SECOND`, 1e14: a sustained 100 TFLOP/s), so each extra byte weighs
+``2 * flops_per_second / bandwidth`` FLOPs; ``"parameters"`` and ``"memory"``, whose units are
+no time, ignore them. ``bandwidth=None`` leaves them out. Only the excess over the narrowest
+cut counts: what every cut carries anyway is no reason to prefer one split of the compute over
+another, and charged in full it would make a middle stage (two boundaries) look busier than an
+end stage (one) by a constant that, on a model of small blocks, outweighs the compute and
+piles it onto the end stages. So ``"flops"`` balances FLOPs, and ``"time"`` seconds, with the
+boundary bytes moving a cut only where cuts differ in what they carry; among splits of equal
+cost, the one with the most even compute wins (:mod:`pipedialect.plan._balance_solver`). The
+planner (:mod:`pipedialect.planner`) prices every message in full in its simulation.
 
 Every method but ``"time"`` depends on the model and the inputs' shapes alone, so every rank
 chooses the same split points; ``"time"`` is a collective when a process group is initialised.
@@ -248,6 +259,11 @@ class ModelProfile:
         return None
 
     @property
+    def timing(self) -> _profile.Timing | None:
+        """How the times were measured (threads, runs, spread), None without ``measure_time``."""
+        return self._trace.timing
+
+    @property
     def methods(self) -> tuple[str, ...]:
         """The balance methods this measurement supports."""
         have = ["parameters"]
@@ -413,8 +429,10 @@ class ModelProfile:
             balance, xs, num_stages, micro_batches, optimizer_states
         )
         boundary = None
-        if per_byte and self._trace.crossing is not None:
-            boundary = [per_byte * self._trace.crossing[x] for x in xs]
+        if per_byte and self._trace.crossing is not None and xs:
+            # What a cut costs beyond the narrowest candidate ([Note: boundary bytes]).
+            narrowest = min(self._trace.crossing[x] for x in xs)
+            boundary = [per_byte * (self._trace.crossing[x] - narrowest) for x in xs]
         enters = [self._trace.modules[p].enter for p in ordered]
         nested_from = [bisect.bisect_right(xs, enters[j]) for j in range(len(ordered))]
         last_op = max((g for g, n in enumerate(self._trace.ops) if n), default=0)
@@ -573,6 +591,8 @@ def profile_model(
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     measure_time: bool = False,
     repeats: int = 3,
+    every_rank: bool = True,
+    threads: int | None = None,
 ) -> ModelProfile:
     """Measure ``model`` once for :meth:`ModelProfile.choose` and :meth:`ModelProfile.costs`.
 
@@ -586,10 +606,17 @@ def profile_model(
         concrete_args: values for forward's other parameters, as for ``partition``.
         leaf_modules: modules that run as one call, as for ``partition``: nothing inside them
             is a candidate.
-        measure_time: also time forward and backward on the real example inputs (``repeats``
-            runs after a warm-up, the median per module); under ``torch.distributed`` every
+        measure_time: also time forward and backward on the real example inputs (a warm-up,
+            then ``repeats`` runs or more until they agree, the median per module, with torch
+            pinned to this process's share of the cores: :attr:`ModelProfile.timing` says how
+            many threads, runs and what spread); under ``torch.distributed`` every
             rank must call this, and all take rank 0's times.
         repeats: timed runs.
+        every_rank: under ``torch.distributed``, every rank calls this and all take rank 0's
+            times (a rank that is alone in calling it is refused by name, [Note: measurements
+            agree across ranks]); False: this rank's own times, no collective.
+        threads: the intra-op threads to time with (default: this process's share of the
+            cores, ``_balance_profile.timing_threads``).
     """
     leaf_ids, leaf_types, _ = resolve_leaves(model, leaf_modules or ())
     hidden = _profile._hidden_modules(model, leaf_ids, leaf_types)
@@ -612,16 +639,28 @@ def profile_model(
                     "measure_time runs the real model; this one has parameters on the meta "
                     "device. Use balance='flops' or 'memory', which need only shapes."
                 )
-            _profile.measure_time(model, example_inputs, concrete_args or {}, trace, repeats)
-            _profile.agree_across_ranks(trace)
+            _profile.measure_time(
+                model, example_inputs, concrete_args or {}, trace, repeats, threads
+            )
+            if every_rank:
+                _profile.agree_across_ranks(trace)
     canonical = {id(m): name for name, m in model.named_modules()}
     aliases = {name: canonical[id(m)] for name, m in model.named_modules(remove_duplicate=False)}
     return ModelProfile(type(model).__name__, trace, aliases, _blocks(model))
 
 
 def _blocks(model: nn.Module) -> list[str]:
-    """The children of the outermost ``ModuleList`` and ``Sequential`` containers ([Note:
-    blocks])."""
+    """The layers a Hugging Face model's ``base_model_pp_plan`` names, else the children of the
+    outermost ``ModuleList`` and ``Sequential`` containers ([Note: blocks])."""
+    pp_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
+    if isinstance(pp_plan, Mapping) and pp_plan:
+        prefix = str(getattr(model, "base_model_prefix", "") or "")
+        base = getattr(model, prefix, model) if prefix else model
+        root = f"{prefix}." if isinstance(base, nn.Module) and base is not model else ""
+        for name in pp_plan:
+            layers = getattr(base, str(name), None)
+            if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+                return [f"{root}{name}.{child}" for child, _ in layers.named_children()]
     blocks: list[str] = []
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList | nn.Sequential) or len(module) < 2:

@@ -7,6 +7,9 @@
 - :func:`simulate` replays a :class:`Program` (what each rank of a schedule runs, read from
   torch's schedule classes, DeepSpeed's 1F1B or the papers) with per-stage costs: step time,
   bubble, micro-batches in flight and memory per rank.
+- :func:`calibrate` measures what the dialect's runtime itself costs on this machine (per
+  computation, per step, per message with every link busy, per all-reduce) and stores it;
+  ``plan_layout`` uses the stored calibration for what it is not told.
 - :func:`write_chrome_trace` writes a prediction in the format :func:`pipedialect.trace`
   writes, to load beside the measured one.
 
@@ -14,6 +17,7 @@
 """
 
 from ._api import parse_bytes, parse_rate, plan_layout
+from ._calibrate import Calibration, calibrate, calibration_path, load_calibration
 from ._chain import Atom, Chain, StageProfile
 from ._costs import Cluster, Layout, Prediction, predict
 from ._model import model_chains
@@ -36,6 +40,7 @@ __all__ = [
     "Action",
     "ActionKind",
     "Atom",
+    "Calibration",
     "Chain",
     "Cluster",
     "Layout",
@@ -51,8 +56,11 @@ __all__ = [
     "StageTimes",
     "TorchSchedule",
     "build_program",
+    "calibrate",
+    "calibration_path",
     "chrome_trace",
     "deepspeed_program",
+    "load_calibration",
     "model_chains",
     "offer_of",
     "parse_bytes",

@@ -9,6 +9,9 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
+from ..plan._balance_profile import timing_threads
+from ..plan.balance import profile_model
+from ._calibrate import load_calibration
 from ._costs import Cluster
 from ._model import checkpoint_label, model_chains
 from ._offer import offer_of
@@ -61,9 +64,9 @@ def plan_layout(
     world_size: int,
     memory_per_rank: float | str,
     global_batch: int,
-    bandwidth: float | str,
+    bandwidth: float | str | None = None,
     dialect: Any = "torch",
-    latency: float = 0.0,
+    latency: float | None = None,
     recompute: str | Sequence[str] | None = None,
     tensor_parallel: Mapping[str, str] | None = None,
     measure_time: bool = False,
@@ -74,14 +77,15 @@ def plan_layout(
     max_stages_per_rank: int = 4,
     optimizer_states: int = 2,
     weight_fraction: float = 0.5,
-    action_overhead: float = 0.0,
-    step_overhead: float = 0.0,
+    action_overhead: float | None = None,
+    step_overhead: float | None = None,
     batch_size: int | None = None,
     candidates: Sequence[str] | None = None,
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     exhaustive: bool = False,
     refine: int = 3,
+    every_rank: bool = True,
 ) -> LayoutPlan:
     """Choose how to run ``model`` on ``world_size`` ranks: the fastest layout that fits.
 
@@ -96,16 +100,20 @@ def plan_layout(
         world_size: ranks (one accelerator each).
         memory_per_rank: bytes, or a string such as ``"80GiB"``.
         global_batch: samples per optimizer step over all replicas.
-        bandwidth: bytes per second of one link, or a string such as ``"100GB/s"``.
+        bandwidth: bytes per second of one link, or a string such as ``"100GB/s"``; default:
+            the stored calibration's ([Note: calibration], ``pipedialect plan --calibrate``),
+            whose collectives then also run at its measured all-reduce bandwidth.
         dialect: the dialect (a name or a :class:`~pipedialect.Dialect`); only layouts it runs
             are proposed.
-        latency: seconds per message and per collective step.
+        latency: seconds per message and per collective step (default: the calibration's, else
+            0).
         recompute: recomputation to consider besides none: module paths or glob patterns, as
             ``partition(..., recompute=)`` takes them.
         tensor_parallel: ``{module glob: "colwise" | "rowwise"}``: the modules tensor
             parallelism would shard (considered when the dialect offers it).
-        measure_time: time the model on this machine; else ``flops_per_second`` turns counted
-            FLOPs into seconds.
+        measure_time: time the model on this machine (torch pinned to one rank's share of the
+            cores: the cores over the ranks on this host under ``torch.distributed``, else over
+            ``world_size``); else ``flops_per_second`` turns counted FLOPs into seconds.
         repeats: timed runs with ``measure_time`` (the median per module is taken).
         flops_per_second: the target's sustained FLOP/s per rank.
         micro_batches: the micro-batch counts to try (default: divisors of the per-replica
@@ -114,16 +122,30 @@ def plan_layout(
         max_stages_per_rank: the most stages per rank looped schedules may get.
         optimizer_states: optimizer-state tensors per trainable parameter (Adam: 2).
         weight_fraction: the share of each backward in its weight pass.
-        action_overhead: seconds every forward, backward and weight pass costs beyond its work.
-        step_overhead: seconds every step costs beyond its schedule.
+        action_overhead: seconds every forward, backward and weight pass costs beyond its work
+            (default: the stored calibration's for this dialect and machine, else 0).
+        step_overhead: seconds every step costs beyond its schedule (likewise). A stored
+            calibration also adds the memory each rank's runtime holds to every predicted peak.
         batch_size: samples in ``example_inputs`` (default: their first dimension).
-        candidates, concrete_args, leaf_modules: as for ``partition``.
+        candidates: the modules a stage may end after (default: the model's blocks, the
+            layers of its ``base_model_pp_plan`` or of its outermost ``ModuleList``; pass
+            ``profile_model(model, ...).candidates`` to consider every module that can).
+        concrete_args, leaf_modules: as for ``partition``.
         exhaustive: predict every layout instead of stopping once none can win.
         refine: how many of the fastest layouts get their split points moved to faster
             neighbours of the solver's (0: the solver's split points as they are).
+        every_rank: plan on every rank (the default): under ``torch.distributed`` with
+            ``measure_time``, rank 0's measurement is shared with every rank, so all choose the
+            same layout, and a call on some ranks only is refused with a
+            :class:`~pipedialect.PlanDisagreementError` naming the missing ranks. False: plan
+            with this rank's own measurement and no collective (to plan on one rank and send
+            the layout to the others yourself). Without ``measure_time`` planning involves no
+            collective and every rank gets the same layout either way.
 
     Raises:
         ConfigError: bad arguments, or no layout fits (the message names the closest).
+        PlanDisagreementError: with ``measure_time`` under ``torch.distributed``, some rank
+            did not call it (``every_rank=True``).
     """
     from ..dialect import Dialect
     from ..plugins import get_dialect
@@ -136,21 +158,60 @@ def plan_layout(
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ConfigError(f"global_batch must be a positive integer, got {global_batch!r}")
     offer = offer_of(target, schedules)
+    calibration = load_calibration(target.name)
+    if bandwidth is None and calibration is None:
+        raise ConfigError(
+            f"bandwidth is needed: no calibration of the {target.name} dialect is stored for "
+            "this machine; pass bandwidth= (e.g. '100GB/s') or run `pipedialect plan "
+            "--calibrate` (pipedialect.planner.calibrate) once"
+        )
+
+    def calibrated(given: float | None, field: str) -> float:
+        if given is not None:
+            return given
+        return float(getattr(calibration, field)) if calibration is not None else 0.0
+
     cluster = Cluster(
         world_size=world_size,
         memory_per_rank=parse_bytes(memory_per_rank, "memory_per_rank"),
-        bandwidth=parse_rate(bandwidth),
-        latency=latency,
+        bandwidth=(
+            parse_rate(bandwidth) if bandwidth is not None else calibrated(None, "bandwidth")
+        ),
+        latency=calibrated(latency, "latency"),
         optimizer_states=optimizer_states,
-        action_overhead=action_overhead,
-        step_overhead=step_overhead,
+        action_overhead=calibrated(action_overhead, "action_overhead"),
+        step_overhead=calibrated(step_overhead, "step_overhead"),
+        collective_bandwidth=(
+            calibration.collective_bandwidth
+            if calibration is not None and bandwidth is None
+            else None
+        ),
+        memory_overhead=calibration.memory_overhead if calibration is not None else 0.0,
     )
+    calibration_note = None
+    if calibration is not None:
+        calibration_note = f"runtime costs {calibration.describe()}"
     options: list[Sequence[str] | None] = [None]
     if recompute is not None:
         options.append([recompute] if isinstance(recompute, str) else list(recompute))
+    profile = None
+    if measure_time:
+        profile = profile_model(
+            model,
+            example_inputs=example_inputs,
+            concrete_args=concrete_args,
+            leaf_modules=leaf_modules,
+            measure_time=True,
+            repeats=repeats,
+            every_rank=every_rank,
+            # Outside torch.distributed: the share of the cores each of world_size ranks on
+            # this machine would get (a CPU run's ranks share it).
+            threads=timing_threads(world_size),
+        )
     chains = model_chains(
         model,
         example_inputs,
+        profile=profile,
         recompute_options=options,
         tensor_parallel=tensor_parallel if offer.tensor_parallel else None,
         measure_time=measure_time,
@@ -161,8 +222,11 @@ def plan_layout(
         concrete_args=concrete_args,
         leaf_modules=leaf_modules,
         weight_fraction=weight_fraction,
+        every_rank=every_rank,
     )
-    notes = []
+    notes = [] if calibration_note is None else [calibration_note]
+    if profile is not None and profile.timing is not None:
+        notes.append(f"the model was {profile.timing.describe()}")
     if tensor_parallel and not offer.tensor_parallel:
         notes.append("the tensor_parallel plan is ignored: the dialect does not offer it")
     if offer.tensor_parallel and not tensor_parallel:

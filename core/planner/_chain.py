@@ -55,6 +55,10 @@ class Atom:
     #: outputs) and in the backward (column-wise input gradients).
     tensor_forward_bytes: int = 0
     tensor_backward_bytes: int = 0
+    #: Bytes the largest recomputed module in the atom holds again in the backward: what its
+    #: forward saves, re-materialised by the recomputation and freed by its own backward
+    #: (one recomputed module at a time).
+    rematerialized: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class StageProfile:
     tensor_activation_bytes: int
     tensor_forward_bytes: int
     tensor_backward_bytes: int
+    #: The most bytes a recomputation re-materialises at once during the stage's backward.
+    rematerialized_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,7 @@ class Chain:
                     tensor_activation_bytes=sum(v for s, v in saved.items() if s in tp_saved),
                     tensor_forward_bytes=sum(a.tensor_forward_bytes for a in atoms),
                     tensor_backward_bytes=sum(a.tensor_backward_bytes for a in atoms),
+                    rematerialized_bytes=max(a.rematerialized for a in atoms),
                 )
             )
         return out

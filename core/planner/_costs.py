@@ -63,6 +63,16 @@ class Cluster:
     action_overhead: float = 0.0
     #: Seconds every step costs on top of its schedule (launch, bookkeeping).
     step_overhead: float = 0.0
+    #: Bytes per second collectives reach (data-parallel gradient reductions, gathers);
+    #: None: ``bandwidth`` ([Note: calibration] measures it).
+    collective_bandwidth: float | None = None
+    #: Bytes every rank's runtime holds beyond state and activations ([Note: calibration]).
+    memory_overhead: float = 0.0
+
+    @property
+    def ring_bandwidth(self) -> float:
+        """The bandwidth collectives run at."""
+        return self.collective_bandwidth or self.bandwidth
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -227,14 +237,17 @@ def ring_all_reduce(nbytes: float, ranks: int, cluster: Cluster) -> float:
     """Seconds of a ring all-reduce ([Note: cost model])."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    return 2 * (ranks - 1) / ranks * nbytes / cluster.bandwidth + 2 * (ranks - 1) * cluster.latency
+    return (
+        2 * (ranks - 1) / ranks * nbytes / cluster.ring_bandwidth
+        + 2 * (ranks - 1) * cluster.latency
+    )
 
 
 def ring_gather(nbytes: float, ranks: int, cluster: Cluster) -> float:
     """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` in all."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    return (ranks - 1) / ranks * nbytes / cluster.bandwidth + (ranks - 1) * cluster.latency
+    return (ranks - 1) / ranks * nbytes / cluster.ring_bandwidth + (ranks - 1) * cluster.latency
 
 
 @dataclass(frozen=True)
@@ -295,6 +308,7 @@ def stage_inputs(
         activation=activation,
         gathered=gathered if fsdp else 0.0,
         gradient=gathered if fsdp else 0.0,
+        transient=stage.rematerialized_bytes * scale,
     )
     message = cluster.latency + stage.boundary_bytes * scale / cluster.bandwidth
     return StageInputs(times, memory, base, trainable / shard, trainable, message)
@@ -356,7 +370,7 @@ def predict(
         memory=[i.memory for i in inputs],
         base_memory=base,
     )
-    peak = simulation.peak_memory or tuple(base)
+    peak = tuple(m + cluster.memory_overhead for m in (simulation.peak_memory or tuple(base)))
     return Prediction(
         layout=layout,
         step_time=simulation.step_time + cluster.step_overhead,
@@ -399,7 +413,7 @@ def lower_bounds(
         + cluster.optimizer_seconds_per_byte * trainable[r]
         for r in range(p)
     )
-    return step + cluster.step_overhead, max(memory)
+    return step + cluster.step_overhead, max(memory) + cluster.memory_overhead
 
 
 def stage_weights(chain: Chain, layout: Layout, cluster: Cluster) -> list[float]:

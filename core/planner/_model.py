@@ -12,8 +12,11 @@ Recomputation (``recompute=``, resolved as :func:`pipedialect.partition` resolve
 patterns over module paths, the outermost match counting) changes the atoms of a recomputed
 module: what its forward saved is dropped and the tensors live at its entry are kept instead
 (what the checkpoint keeps, counted generously), and its forward seconds are run again in the
-backward. No split point may fall inside a recomputed module, so candidates inside are left
-out.
+backward. While its backward runs, the recomputation holds again what its forward saved (one
+recomputed module at a time: each is re-materialised when its own backward starts and freed
+when it ends), so a stage's backward briefly holds the largest of them on top of its
+micro-batches in flight (``Atom.rematerialized``). No split point may fall inside a recomputed
+module, so candidates inside are left out.
 
 Tensor parallelism (``tensor_parallel={"glob": "colwise" | "rowwise"}``, the torch dialect's
 option): the matched modules' seconds, parameters and saved tensors are marked as sharded; a
@@ -133,6 +136,7 @@ def model_chains(
     leaf_modules: Sequence[str | type[nn.Module]] | None = None,
     weight_fraction: float = 0.5,
     profile: ModelProfile | None = None,
+    every_rank: bool = True,
 ) -> dict[str, Chain]:
     """The chain of ``model`` for each recomputation option, by label
     ([Note: measuring a model for the planner]).
@@ -149,11 +153,15 @@ def model_chains(
         flops_per_second: without ``measure_time``, the sustained FLOP/s that turns counted
             FLOPs into seconds.
         batch_size: samples in ``example_inputs`` (default: their first dimension).
-        candidates: the modules that may end a stage (default: every candidate).
+        candidates: the modules that may end a stage (default: the model's blocks, [Note:
+            blocks] in :mod:`pipedialect.plan.balance`, or every candidate when it has none;
+            ``profile_model(...).candidates`` lists every module that can).
         concrete_args, leaf_modules: as for :func:`pipedialect.partition`.
         weight_fraction: the share of each backward in its weight pass.
         profile: a measurement already taken (:func:`pipedialect.plan.balance.profile_model` with
             these inputs).
+        every_rank: with ``measure_time`` under ``torch.distributed``: every rank calls this
+            and takes rank 0's times (see :func:`pipedialect.plan.balance.profile_model`).
 
     Raises:
         ConfigError: no way to turn work into seconds, or a bad ``tensor_parallel`` plan.
@@ -178,6 +186,7 @@ def model_chains(
             leaf_modules=leaf_modules,
             measure_time=measure_time,
             repeats=repeats,
+            every_rank=every_rank,
         )
     trace = profile._trace
     if flops_per_second is not None and not measure_time:
@@ -190,7 +199,9 @@ def model_chains(
             raise ConfigError("the measurement has no times; pass measure_time=True")
         forward, backward = list(trace.forward_time), list(trace.backward_time)
     batch = batch_size if batch_size is not None else _batch_of(example_inputs)
-    pool = list(profile.candidates)
+    # The model's blocks by default ([Note: blocks] in plan.balance): a cut a person would make,
+    # never one inside attention between two projections.
+    pool = list(profile.blocks) if len(profile.blocks) > 1 else list(profile.candidates)
     if candidates is not None:
         resolved = []
         for path in candidates:
@@ -198,7 +209,7 @@ def model_chains(
             if why is not None:
                 raise SplitPointError(f"candidate {path!r} cannot end a pipeline stage: {why}")
             resolved.append(profile._aliases[path])
-        pool = [p for p in pool if p in set(resolved)]
+        pool = [p for p in profile.candidates if p in set(resolved)]
     tensor = _tensor_modules(model, tensor_parallel, trace, example_inputs, concrete_args or {})
     chains: dict[str, Chain] = {}
     for option in recompute_options:
@@ -291,9 +302,15 @@ def _chain(
                 saved[key] = nbytes
                 if g in tp_gaps:
                     tp_saved.add(key)
+        rematerialized = 0
         for path in recomputed:
             if modules[path].enter + 1 in gaps:
                 saved[("recompute", path)] = crossing[modules[path].enter]
+                rec = modules[path]
+                again: dict[int, int] = {}
+                for g in range(rec.enter + 1, rec.exit + 1):
+                    again.update(saved_per_gap[g])
+                rematerialized = max(rematerialized, sum(again.values()))
         names = atoms_of.state[a]
         params = {
             n: trace.state[n].nbytes
@@ -330,6 +347,7 @@ def _chain(
                 tensor_saved=frozenset(tp_saved),
                 tensor_forward_bytes=fwd_bytes,
                 tensor_backward_bytes=bwd_bytes,
+                rematerialized=rematerialized,
             )
         )
     return Chain(

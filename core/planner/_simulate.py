@@ -81,6 +81,8 @@ class StageMemory:
     gathered: float = 0.0
     #: From its first backward to its ``REDUCE_GRAD``: gradients before they are sharded.
     gradient: float = 0.0
+    #: While one of its backward passes runs: what a recomputation re-materialises.
+    transient: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -437,10 +439,13 @@ def _occupancy(
                 # What the action takes first (its micro-batch's activations, its gradients,
                 # the gathered parameters), then the peak, then what it frees.
                 releases = False
+                during = 0.0
                 if a.kind == _K.FORWARD:
                     count[s] += 1
                 elif a.kind in (_K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT):
                     grads[s] = True
+                    if a.kind != _K.BACKWARD_WEIGHT and memory is not None:
+                        during = memory[s].transient
                     releases = (
                         a.kind == _K.BACKWARD
                         or (a.kind == _K.BACKWARD_INPUT and not stages[s].split)
@@ -452,11 +457,15 @@ def _occupancy(
                     peak_stage[k] = max(peak_stage[k], count[k])
                 peak_rank[r] = max(peak_rank[r], sum(count))
                 if memory is not None:
-                    held = base[r] + sum(
-                        count[k] * memory[k].activation
-                        + (memory[k].gathered if gathered[k] else 0.0)
-                        + (memory[k].gradient if grads[k] else 0.0)
-                        for k in program.stages_of(r)
+                    held = (
+                        during
+                        + base[r]
+                        + sum(
+                            count[k] * memory[k].activation
+                            + (memory[k].gathered if gathered[k] else 0.0)
+                            + (memory[k].gradient if grads[k] else 0.0)
+                            for k in program.stages_of(r)
+                        )
                     )
                     peak_bytes[r] = max(peak_bytes[r], held)
                 if releases:

@@ -253,6 +253,12 @@ class _Replay:
             and buf._version != self.before[i][1]
         ]
         _LEARNED[self.key].setdefault(self.mode, set()).update(changed)
+        # Hold only what the recomputation replays: a buffer the forward left alone needs no
+        # snapshot, and its copy (taken while learning) would otherwise live until this
+        # micro-batch's backward.
+        keep = set(changed)
+        self.before = [entry if i in keep else (None, -1) for i, entry in enumerate(self.before)]
+        self.start = {i: t for i, t in self.start.items() if i in keep}
         after = _scalar_attributes(self.modules)
         self.changed_attrs = {
             k: v for k, v in self.attrs.items() if k in after and after[k] is not v

@@ -82,8 +82,11 @@ def _problems(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-def _brute_force(problem: dict[str, Any]) -> list[tuple[float, float, tuple[int, ...]]]:
-    """Every valid partition as (bottleneck, sum of squared stage costs, cuts)."""
+def _brute_force(
+    problem: dict[str, Any],
+) -> list[tuple[float, float, tuple[int, ...], float, float]]:
+    """Every valid partition as (bottleneck, sum of squared stage costs, cuts, the bottleneck
+    and the sum of squares of the stage costs without the boundary charges)."""
     channels = problem["channels"]
     n = len(channels[0]) - 1
     p = problem["num_stages"]
@@ -100,6 +103,7 @@ def _brute_force(problem: dict[str, Any]) -> list[tuple[float, float, tuple[int,
             continue
         bounds = [-1, *cuts, n]
         costs = []
+        compute = []
         for k in range(p):
             atoms = range(bounds[k] + 1, bounds[k + 1] + 1)
             totals = [sum(ch[a] for a in atoms) for ch in channels]
@@ -107,20 +111,24 @@ def _brute_force(problem: dict[str, Any]) -> list[tuple[float, float, tuple[int,
                 if a in atoms and b in atoms:
                     totals[t] -= amount
             cost = sum(problem["scales"][k][t] * total for t, total in enumerate(totals))
+            compute.append(cost)
             if k > 0:
                 cost += boundary[bounds[k]]
             if k < p - 1:
                 cost += boundary[bounds[k + 1]]
             costs.append(cost)
-        found.append((max(costs), sum(c * c for c in costs), cuts))
+        found.append(
+            (max(costs), sum(c * c for c in costs), cuts, max(compute), sum(c * c for c in compute))
+        )
     return found
 
 
 @settings(max_examples=300, deadline=None)
 @given(_problems())
 def test_solver_matches_brute_force(problem: dict[str, Any]) -> None:
-    """The optimal bottleneck, then the smallest sum of squares among optimal partitions; a
-    partition the solver returns satisfies every constraint brute force checks."""
+    """The optimal bottleneck, then the smallest sum of squares among optimal partitions (with
+    boundary charges: the smallest compute bottleneck, then compute sum of squares, ties broken
+    by compute); a partition the solver returns satisfies every constraint brute force checks."""
     solution = solve(
         problem["channels"],
         problem["num_stages"],
@@ -136,12 +144,18 @@ def test_solver_matches_brute_force(problem: dict[str, Any]) -> None:
         assert solution is None
         return
     assert solution is not None
-    best = min(b for b, _, _ in every)
+    best = min(row[0] for row in every)
     assert solution.bottleneck == best
-    ours = {cuts: (b, sq) for b, sq, cuts in every}
+    ours = {row[2]: row for row in every}
     assert solution.cuts in ours, "the solver returned a partition that breaks a constraint"
     assert ours[solution.cuts][0] == best
-    assert ours[solution.cuts][1] == min(sq for b, sq, _ in every if b == best)
+    tied = [row for row in every if row[0] == best]
+    if any(problem["boundary"] or []):
+        least = min(row[3] for row in tied)
+        assert ours[solution.cuts][3] == least
+        assert ours[solution.cuts][4] == min(row[4] for row in tied if row[3] == least)
+    else:
+        assert ours[solution.cuts][1] == min(row[1] for row in tied)
 
 
 @settings(max_examples=200, deadline=None)
@@ -538,3 +552,83 @@ def test_two_fresh_interpreters_choose_the_same_split_points() -> None:
     results = launch(workers.choose_everything, 2, timeout=240)
     assert results[0] == results[1]
     assert set(results[0]) == {"parameters", "flops", "memory", "time", "fx-parameters"}
+
+
+class _Unequal(nn.Module):
+    """Blocks of unequal width on one boundary size: every cut carries the same bytes."""
+
+    def __init__(self, dim: int, widths: Sequence[int]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, w, bias=False), nn.ReLU(), nn.Linear(w, dim, bias=False))
+            for w in widths
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_flops_balances_flops_when_every_cut_carries_the_same_bytes() -> None:
+    """At the default device speed a cut's transfer outweighs these blocks' compute; every cut
+    carries the same bytes, so no split can avoid them and balance="flops" balances the FLOPs
+    themselves: its largest stage is the least over the block boundaries (brute force, FLOPs by
+    hand: two products of b x dim x width, forward twice, backward four times), not the end
+    stages' five blocks around one block in each middle stage."""
+    dim, batch, widths = 64, 4, [48, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 40]
+    model = _Unequal(dim, widths)
+    points = choose_split_points(model, 4, "flops", example_inputs={"x": torch.randn(batch, dim)})
+    block_flops = [12 * batch * dim * w for w in widths]
+    block_flops[0] -= 2 * batch * dim * widths[0]  # the model's input needs no gradient
+    n = len(widths)
+    largest = {}
+    for cuts in itertools.combinations(range(n - 1), 3):
+        bounds = [-1, *cuts, n - 1]
+        largest[cuts] = max(sum(block_flops[bounds[k] + 1 : bounds[k + 1] + 1]) for k in range(4))
+    chosen = tuple(int(p.split(".")[1]) for p in points)
+    assert largest[chosen] == min(largest.values()), (points, largest[chosen])
+
+
+class _CountsThreads(nn.Module):
+    """Records the intra-op threads torch runs it with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_measure_time_pins_its_threads_and_reports_runs_and_spread() -> None:
+    """Timed with this process's share of the cores whatever torch was set to, and put back
+    after; at least ``repeats`` runs; the report says how many threads, runs and what spread."""
+    import os
+
+    from pipedialect.plan._balance_profile import timing_threads
+
+    model = _CountsThreads()
+    previous = torch.get_num_threads()
+    odd = 3 if timing_threads() != 3 else 2
+    torch.set_num_threads(odd)
+    try:
+        profile = profile_model(
+            model, example_inputs={"x": torch.randn(4, 8)}, measure_time=True, repeats=4
+        )
+        assert torch.get_num_threads() == odd
+    finally:
+        torch.set_num_threads(previous)
+    cores = len(os.sched_getaffinity(0))
+    timing = profile.timing
+    assert timing is not None
+    assert timing.threads == cores  # one process: all of its cores
+    timed = model.seen[-timing.runs :]
+    assert timed == [cores] * timing.runs
+    assert 4 <= timing.runs <= 20
+    assert timing.spread >= 0.0
+    assert f"{timing.threads} thread(s)" in timing.describe()

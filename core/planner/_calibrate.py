@@ -1,0 +1,318 @@
+"""Calibration: what the runtime itself costs on this machine, measured once and stored.
+
+[Note: calibration]
+A prediction is the schedule's work plus what the runtime adds: a cost per computation
+(launching a stage's forward or backward, the codec, the hooks), a cost per step (the loss
+broadcast, bookkeeping) and the messages. :func:`calibrate` measures them for one dialect on
+this machine by running it:
+
+- *the runtime's overheads*: a model of almost no compute, cut into one stage per rank, trains
+  a few steps at several micro-batch counts under the dialect's 1F1B; the measured step minus
+  what the simulator predicts for its messages alone is fitted, by least squares, to
+  ``a * computations on the critical path + c`` (the count from the simulator): ``a`` is
+  ``action_overhead``, ``c`` is ``step_overhead``;
+- *messages as a layout makes them*: every rank sends to the next and receives from the
+  previous one at the same time (as a pipeline's boundaries do, sharing links and cores, never
+  one ping-pong alone), at two sizes: the small one gives the latency, the difference the
+  bandwidth;
+- *collectives at size*: a ring all-reduce of the larger size on every rank, whose time gives the
+  bandwidth collectives reach (data-parallel gradient reductions run at it);
+- *the runtime's memory*: the resident set each rank grows by while it builds and trains the
+  near-free model (the engine's buffers, caches, the process group's), added to every rank's
+  predicted peak.
+
+The result is stored as JSON in the user's cache (``$PIPEDIALECT_CACHE``, default
+``~/.cache/pipedialect``, file ``planner-calibration.json``; ``$PIPEDIALECT_CALIBRATION`` names
+another file), keyed by dialect, machine (host
+name, cores, accelerator) and torch version; :func:`~pipedialect.planner.plan_layout` uses the
+stored one for what the caller does not give (``action_overhead``, ``step_overhead``,
+``latency``, ``bandwidth``, the collective bandwidth). ``pipedialect plan --calibrate`` runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+__all__ = ["Calibration", "calibrate", "calibration_path", "load_calibration"]
+
+#: Micro-batch counts of the overhead runs (per pipeline rank: times ``p``).
+_COUNTS = (1, 2, 4)
+#: Bytes of the small and the large message.
+_SMALL, _LARGE = 1 << 10, 8 << 20
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What :func:`calibrate` measured ([Note: calibration])."""
+
+    #: The dialect, the machine and the torch version it holds for.
+    dialect: str
+    machine: str
+    torch: str
+    #: Ranks it ran on.
+    world_size: int
+    #: Seconds per computation and per step the runtime adds.
+    action_overhead: float
+    step_overhead: float
+    #: Seconds per message and bytes per second of one link, all links busy at once.
+    latency: float
+    bandwidth: float
+    #: Bytes per second a ring all-reduce reaches on ``world_size`` ranks.
+    collective_bandwidth: float
+    #: When it was measured (seconds since the epoch).
+    measured_at: float
+    #: Bytes a rank's runtime holds beyond the model's state and activations (the resident set
+    #: a near-free model's engine adds, building and training: buffers, caches, the process
+    #: group's), which the planner adds to every rank's predicted peak.
+    memory_overhead: float = 0.0
+
+    def describe(self) -> str:
+        """One line for tables."""
+        return (
+            f"calibrated ({self.dialect}, {self.world_size} ranks): "
+            f"{self.action_overhead * 1e3:.3f} ms per computation, "
+            f"{self.step_overhead * 1e3:.2f} ms per step, messages {self.latency * 1e6:.0f} us "
+            f"+ {self.bandwidth / 1e9:.2f} GB/s, all-reduce "
+            f"{self.collective_bandwidth / 1e9:.2f} GB/s, {self.memory_overhead / 2**20:.0f} MiB "
+            "per rank"
+        )
+
+
+def machine() -> str:
+    """This machine as calibrations key it: host, cores, accelerator."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return f"{platform.node()} {os.cpu_count()} cores {device}"
+
+
+def calibration_path() -> Path:
+    """The JSON file calibrations are stored in: ``$PIPEDIALECT_CALIBRATION``, else
+    ``planner-calibration.json`` in ``$PIPEDIALECT_CACHE`` (default ``~/.cache/pipedialect``)."""
+    named = os.environ.get("PIPEDIALECT_CALIBRATION")
+    if named:
+        return Path(named)
+    root = os.environ.get("PIPEDIALECT_CACHE") or str(Path.home() / ".cache" / "pipedialect")
+    return Path(root) / "planner-calibration.json"
+
+
+def _key(dialect: str) -> str:
+    return f"{dialect}|{machine()}|torch {torch.__version__}"
+
+
+def load_calibration(dialect: str) -> Calibration | None:
+    """The stored calibration of ``dialect`` for this machine and torch version, if any."""
+    path = calibration_path()
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    entry = stored.get(_key(dialect)) if isinstance(stored, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    try:
+        return Calibration(**entry)
+    except TypeError:
+        return None
+
+
+def _store(calibration: Calibration) -> None:
+    path = calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    stored[_key(calibration.dialect)] = dataclasses.asdict(calibration)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(stored, indent=2, sort_keys=True))
+    tmp.replace(path)
+
+
+def calibrate(
+    dialect: str = "torch", *, world_size: int = 2, steps: int = 3, store: bool = True
+) -> Calibration:
+    """Measure ``dialect``'s own costs on this machine ([Note: calibration]) on ``world_size``
+    local ranks, store them (unless ``store`` is False) and return them."""
+    from ..runtime.launch import launch
+    from ._search import build_program
+    from ._simulate import StageTimes, simulate
+
+    if world_size < 2:
+        raise ConfigError(f"calibration needs at least 2 ranks, got {world_size}")
+    if steps < 1:
+        raise ConfigError(f"steps must be at least 1, got {steps}")
+    results = launch(_rank, world_size, dialect, steps, timeout=1800)
+    first = results[0]
+    latency, bandwidth = first["latency"], first["bandwidth"]
+    schedule = first["schedule"]
+    counts, targets = [], []
+    for m, measured in first["steps"].items():
+        program = build_program(schedule, world_size, m, 1)
+        free = [StageTimes(0.0, 0.0, 0.0)] * world_size
+        messages = simulate(
+            program, free, boundaries=[latency + first["boundary"] / bandwidth] * (world_size - 1)
+        ).step_time
+        one = [StageTimes(0.0, 0.0, 0.0, action_overhead=1.0)] * world_size
+        counts.append(simulate(program, one).step_time)
+        targets.append(max(0.0, measured - messages))
+    slope, intercept = statistics.linear_regression(counts, targets)
+    result = Calibration(
+        dialect=dialect,
+        machine=machine(),
+        torch=torch.__version__,
+        world_size=world_size,
+        action_overhead=max(0.0, slope),
+        step_overhead=max(0.0, intercept),
+        latency=latency,
+        bandwidth=bandwidth,
+        collective_bandwidth=first["collective_bandwidth"],
+        measured_at=time.time(),
+        memory_overhead=float(max(r["memory"] for r in results)),
+    )
+    if store:
+        _store(result)
+    return result
+
+
+class _Free(nn.Module):
+    """Almost no compute: what a step costs beyond the work is the runtime's."""
+
+    def __init__(self, stages: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(stages))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _median_seconds(fn: Any, rounds: int) -> float:
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
+    """One rank of :func:`calibrate`."""
+    import torch.distributed as dist
+
+    from ..plan.partition import partition
+    from ..plugins import get_dialect
+    from ._costs import Layout
+    from ._offer import offer_of
+
+    dialect = get_dialect(dialect_name)
+    dialect.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def exchange(nbytes: int) -> Any:
+        out = torch.zeros(nbytes // 4)
+        into = torch.empty_like(out)
+
+        def run() -> None:
+            # Even ranks send first, odd ones receive first: every link busy at once.
+            ops = [dist.P2POp(dist.isend, out, nxt), dist.P2POp(dist.irecv, into, prv)]
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+        return run
+
+    small = _median_seconds(exchange(_SMALL), 20)
+    large = _median_seconds(exchange(_LARGE), 5)
+    bandwidth = (_LARGE - _SMALL) / max(large - small, 1e-9)
+    latency = max(small - _SMALL / bandwidth, 0.0)
+    grads = torch.zeros(_LARGE // 4)
+    reduce = _median_seconds(lambda: dist.all_reduce(grads), 5)
+    ring = 2 * (world - 1)
+    collective = (ring / world) * _LARGE / max(reduce - ring * latency, 1e-9)
+
+    offer = offer_of(dialect)
+    schedule = "1f1b" if "1f1b" in offer.schedules else offer.schedules[0]
+    measured: dict[int, float] = {}
+    import gc
+
+    gc.collect()
+    baseline = _rss()
+    peak = [baseline]
+    for per_rank in _COUNTS:
+        m = per_rank * world
+        layout = Layout(
+            dialect=dialect.name,
+            schedule=schedule,
+            pipeline=world,
+            stages_per_rank=1,
+            data_parallel=1,
+            data_parallel_mode="ddp",
+            tensor_parallel=1,
+            micro_batches=m,
+            micro_batch_size=2,
+            recompute=None,
+            split_points=tuple(f"blocks.{k}" for k in range(world - 1)),
+            engine_options=(("schedule", schedule),) if offer.schedule_option else (),
+        )
+        torch.manual_seed(0)
+        plan = partition(_Free(world), **layout.partition_kwargs())
+        config = {
+            **layout.config(),
+            "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+            "steps_per_print": 10**9,
+        }
+        module = dialect.pipe_engine(
+            plan,
+            config=config,
+            loss_fn=_loss,
+            topology=layout.topology(dialect),
+            **layout.pipe_engine_kwargs(),
+        )
+        engine = dialect.runtime_engine(module, config=config)
+        batches = iter([(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(m * (steps + 1))])
+        engine.train_batch(batches)
+        peak.append(_rss())
+        measured[m] = _median_seconds(functools.partial(engine.train_batch, batches), steps)
+        peak.append(_rss())
+        del engine, module
+    return {
+        "latency": latency,
+        "bandwidth": bandwidth,
+        "collective_bandwidth": collective,
+        "schedule": schedule,
+        "boundary": 2 * 4 * 4,
+        "steps": measured,
+        "memory": max(peak) - baseline,
+    }
+
+
+def _rss() -> int:
+    """This process's resident set in bytes (0 where /proc is missing)."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
