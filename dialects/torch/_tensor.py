@@ -141,12 +141,29 @@ def auto_plan(model: nn.Module | None) -> dict[str, str]:
     return plan
 
 
-def _called_modules(stage: nn.Module) -> list[str] | None:
-    """The module paths a stage's graph calls (None: not a graph)."""
-    graph = getattr(_root(stage), "graph", None)
+def _called_modules(stage: nn.Module) -> tuple[list[str], list[str]] | None:
+    """The module paths a stage's graph runs, and the modules among them it runs whole (a
+    split point's module, a recomputed one: their own forward runs, not the graph); None: not
+    a graph."""
+    root = _root(stage)
+    graph = getattr(root, "graph", None)
     if not isinstance(graph, fx.Graph):
         return None
-    return [str(n.target) for n in graph.nodes if n.op == "call_module"]
+    called: list[str] = []
+    whole: list[str] = []
+    for node in graph.nodes:
+        if node.op not in ("call_module", "get_attr"):
+            continue
+        try:
+            module = root.get_submodule(str(node.target))
+        except AttributeError:
+            continue
+        called.append(str(node.target))
+        children = [f"{node.target}.{name}" for name, _ in module.named_modules() if name]
+        if children:
+            whole.append(str(node.target))
+            called.extend(children)
+    return called, whole
 
 
 def _feeds_rowwise(graph: fx.Graph, path: str, rowwise: set[str]) -> bool:
@@ -163,6 +180,25 @@ def _feeds_rowwise(graph: fx.Graph, path: str, rowwise: set[str]) -> bool:
                 seen.add(user)
                 todo.append(user)
     return False
+
+
+def _keeps_local(
+    root: nn.Module, path: str, rowwise: set[str], whole: Sequence[str]
+) -> bool:
+    """Whether the colwise module ``path`` of a stage feeds a rowwise module (its output then
+    stays sharded). Inside a module the stage runs whole (recomputed), that module is traced
+    on its own; one that cannot be traced keeps the output sharded when it holds a rowwise
+    module (the first step's check, or the meta build's absence of it, says the rest)."""
+    owner = next((w for w in whole if path.startswith(w + ".")), None)
+    if owner is None:
+        graph = getattr(root, "graph", None)
+        return isinstance(graph, fx.Graph) and _feeds_rowwise(graph, path, rowwise)
+    inner = {r[len(owner) + 1 :] for r in rowwise if r.startswith(owner + ".")}
+    try:
+        traced = fx.symbolic_trace(root.get_submodule(owner))
+    except Exception:  # noqa: BLE001 - any tracing failure: fall back to the module's contents
+        return bool(inner)
+    return _feeds_rowwise(traced.graph, path[len(owner) + 1 :], inner)
 
 
 def resolve_layout(
@@ -212,8 +248,9 @@ def resolve_layout(
     matched: set[str] = set()
     for k, stage in enumerate(stages):
         root = _root(stage)
-        called = _called_modules(stage)
-        paths = called if called is not None else [n for n, _ in root.named_modules() if n]
+        found = _called_modules(stage)
+        paths = found[0] if found is not None else [n for n, _ in root.named_modules() if n]
+        whole = found[1] if found is not None else []
         mine: dict[str, str] = {}
         for path in dict.fromkeys(paths):
             for glob, style in plan.items():
@@ -229,15 +266,11 @@ def resolve_layout(
                     for path, style in mine.items()}
         _check_shared(k, root, mine)
         styles[k] = mine
-        graph = getattr(root, "graph", None)
         rowwise = {p for p, s in mine.items() if s == "rowwise"}
         local_outputs[k] = frozenset(
             p
             for p, s in mine.items()
-            if s == "colwise"
-            and kinds[k][p] == "linear"
-            and isinstance(graph, fx.Graph)
-            and _feeds_rowwise(graph, p, rowwise)
+            if s == "colwise" and kinds[k][p] == "linear" and _keeps_local(root, p, rowwise, whole)
         )
     unmatched = [glob for glob in plan if glob not in matched]
     if unmatched:
@@ -290,8 +323,7 @@ def _check_shared(stage: int, root: nn.Module, styles: Mapping[str, str]) -> Non
                 f"{[n for n in same if n != sharded[0]][0]!r} in the same stage; sharding it "
                 "for tensor parallelism would untie the two. Put the tied modules on different "
                 "stages (their copies are then kept in sync, sharded alike), or leave them out "
-                "of tensor_parallel",
-                parameter=sharded[0],
+                "of tensor_parallel"
             )
 
 
@@ -308,8 +340,7 @@ def _check_ties(layout: TensorLayout, tie_groups: Sequence[Any]) -> None:
                 f"the tied weight {group.members[0][0]!r} would be sharded differently on its "
                 f"stages ({shown}); the copies of a tie must be sharded alike (an embedding "
                 "'rowwise' with an LM head 'colwise', both sharding the vocabulary), or all "
-                "left out of tensor_parallel",
-                parameter=group.members[0][0],
+                "left out of tensor_parallel"
             )
 
 

@@ -68,6 +68,8 @@ def _training_label(case: Case) -> str:
         return "portable checkpoints"
     if case.kind == "trace":
         return "tracing"
+    if case.tensor_parallel > 1:
+        return "tensor parallel"
     if case.data_parallel > 1:
         return "data parallel"
     if case.model == "plain-dynamic":
@@ -155,7 +157,7 @@ def _coverage_failures(result: CaseResult, head: str) -> list[str]:
     for rec in result.records.values():
         for k in rec["stages"]:
             counts[k] = counts.get(k, 0) + 1
-    per_stage = 1 if result.world_size == 1 else case.data_parallel
+    per_stage = 1 if result.world_size == 1 else case.data_parallel * case.tensor_parallel
     wrong = {k: n for k, n in counts.items() if n != per_stage}
     failures = []
     if wrong:
