@@ -123,12 +123,13 @@ def build(case: dict[str, Any], model: nn.Module | None = None) -> tuple[Any, An
 
 
 def _held(plan: Any, engine: Any) -> dict[str, Any]:
-    """Elements of the sharded layers this rank holds, and of the whole layers."""
+    """Elements of the sharded layers this rank holds, and of the whole layers (a rowwise
+    layer's bias is whole on every rank of the tensor axis: left out)."""
     named = [
         (n, p)
         for k in engine.stage_ids
         for n, p in plan.stages[k].named_parameters()
-        if any(s in n for s in SHARDED)
+        if any(s in n for s in SHARDED) and not n.endswith(("o.bias", "fc2.bias"))
     ]
     return {
         "held": sum(local_part(p).numel() for _, p in named),

@@ -273,6 +273,23 @@ def resolve_layout(
             if s == "colwise" and kinds[k][p] == "linear" and _keeps_local(root, p, rowwise, whole)
         )
     unmatched = [glob for glob in plan if glob not in matched]
+    modules = [n for n, _ in model.named_modules() if n] if model is not None else []
+    inlined = [
+        (glob, path)
+        for glob in unmatched
+        for path in modules
+        if fnmatch.fnmatchcase(path, glob)
+    ]
+    if inlined:
+        glob, path = inlined[0]
+        raise ConfigError(
+            f"tensor_parallel glob {glob!r} matches the model's module {path!r}, but no stage "
+            "graph calls it as a module: a plan captured with torch.export (partition(..., "
+            "example_inputs=...), as Hugging Face models are) inlines every module into "
+            "tensor operations, and tensor parallelism shards modules the graph calls. "
+            "Partition with the torch.fx capture (no example_inputs), or run this model "
+            "without tensor_parallel"
+        )
     if unmatched:
         raise ConfigError(
             f"tensor_parallel glob {unmatched[0]!r} matches no module the stages call; the "
@@ -512,5 +529,6 @@ def _mismatch(stage_id: int, what: str, problem: str) -> None:
         "runs on this rank's shard: reshape with the local head count (view(B, S, -1, "
         "head_dim), never the model's number of heads), do not contract over the sharded "
         "features (single-head attention), do not combine a shard with a whole tensor of the "
-        "model, and keep dropout outside; or leave those modules out of tensor_parallel"
+        "model, and keep dropout outside; or leave those modules out of tensor_parallel",
+        stage=stage_id,
     )
