@@ -9,7 +9,8 @@ sharded by vocabulary on both stages. Replica ``d`` reads the stream seeded ``DA
 each case saves a portable checkpoint that the test process consolidates and compares with
 the unsplit model. The last case builds models whose code is wrong under tensor parallelism
 (the global head count in a reshape, a whole parameter combined with a shard) and reports the
-named errors their first step raises.
+named errors their first step raises, and a resume case loads the 3D layout's portable
+checkpoint into torch PP4 x DDP2 and trains on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 import pipedialect
 import pipedialect.checkpoint as portable
 from pipedialect import PipeDialectError
-from pipedialect.models import MHGPT_TENSOR_PLAN, MultiHeadAttention, MultiHeadGPT
+from pipedialect.models import MultiHeadAttention, MultiHeadGPT
 from pipedialect.plan.partition import partition
 from pipedialect.plan.weights import from_state_dict
 from pipedialect.runtime.sharded import is_sharded, local_part
@@ -179,11 +180,47 @@ def _trap_case(case: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _resume_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
+    """Torch PP4 x DDP2 (no tensor axis, other initial weights) resumes the portable checkpoint
+    of case ``case["from"]`` (saved by PP2 x FSDP2 x TP2), trains on, and saves again."""
+    spec = _ds_workers.spec_for(MODEL)
+    with default_dtype(case.get("dtype", "float32")):
+        cfg = config(case)
+        dialect = pipedialect.get_dialect("torch")
+        topology = dialect.make_topology(4, data_parallel=DP)
+        replica = int(topology.get_coord(dist.get_rank()).data)
+        plan = partition(spec.build(9), spec.split_points_for(4))
+        module = dialect.pipe_engine(plan, config=cfg, loss_fn=spec.loss_fn, topology=topology)
+        engine = dialect.runtime_engine(module, config=cfg, check_finite=True)
+        portable.load(engine, ckpt_dir, tag=case["from"])
+        done = case["saved_steps"] * case["gas"]
+        data = _ds_workers.data_stream(
+            spec, done + case["steps"] * case["gas"], case["micro"], replica
+        )
+        for _ in range(done):
+            next(data)
+        losses = [float(engine.train_batch(data_iter=data)) for _ in range(case["steps"])]
+        portable.save(engine, ckpt_dir, tag=case["name"])
+    return {
+        "name": case["name"],
+        "rank": dist.get_rank(),
+        "stages": list(engine.stage_ids),
+        "replica": replica,
+        "losses": losses,
+        "global_steps": engine.global_steps,
+    }
+
+
 def run_cases(cases: list[dict[str, Any]], ckpt_dir: str) -> list[dict[str, Any]]:
     """Run every case in turn in one process group."""
     pipedialect.get_dialect("torch").init_distributed()
     out = []
     for case in cases:
-        out.append(_trap_case(case) if case.get("traps") else _train_case(case, ckpt_dir))
+        if case.get("traps"):
+            out.append(_trap_case(case))
+        elif case.get("from"):
+            out.append(_resume_case(case, ckpt_dir))
+        else:
+            out.append(_train_case(case, ckpt_dir))
         dist.barrier()
     return out

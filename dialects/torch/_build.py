@@ -21,6 +21,8 @@ from pipedialect.engine.precision import Precision
 from pipedialect.runtime.topology import check_topology, check_world_size, joined_world_size
 
 from ._fsdp import check_fsdp_schedule, fsdp_reduce_dtype
+from ._replicas import check_data_parallel_mode
+from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
 from ._tensor import (
     TensorLayout,
     apply_layout,
@@ -28,8 +30,6 @@ from ._tensor import (
     retie_sharded,
     unsharded_copies,
 )
-from ._replicas import check_data_parallel_mode
-from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
 
 if TYPE_CHECKING:
     from pipedialect.dialect import PipelineRequest
@@ -110,9 +110,7 @@ def build_pipeline(
     if mode == "fsdp":
         check_fsdp_schedule(spec)
         fsdp_reduce_dtype(config.precision)
-    layout = resolve_layout(
-        tensor_parallel, request.stages, plan.model, tensor, plan.tie_groups
-    )
+    layout = resolve_layout(tensor_parallel, request.stages, plan.model, tensor, plan.tie_groups)
     if layout is None and tensor > 1:
         raise ConfigError(
             f"the topology has a tensor axis of {tensor} ranks but pipe_engine was given no "

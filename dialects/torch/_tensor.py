@@ -182,9 +182,7 @@ def _feeds_rowwise(graph: fx.Graph, path: str, rowwise: set[str]) -> bool:
     return False
 
 
-def _keeps_local(
-    root: nn.Module, path: str, rowwise: set[str], whole: Sequence[str]
-) -> bool:
+def _keeps_local(root: nn.Module, path: str, rowwise: set[str], whole: Sequence[str]) -> bool:
     """Whether the colwise module ``path`` of a stage feeds a rowwise module (its output then
     stays sharded). Inside a module the stage runs whole (recomputed), that module is traced
     on its own; one that cannot be traced keeps the output sharded when it holds a rowwise
@@ -196,7 +194,7 @@ def _keeps_local(
     inner = {r[len(owner) + 1 :] for r in rowwise if r.startswith(owner + ".")}
     try:
         traced = fx.symbolic_trace(root.get_submodule(owner))
-    except Exception:  # noqa: BLE001 - any tracing failure: fall back to the module's contents
+    except Exception:
         return bool(inner)
     return _feeds_rowwise(traced.graph, path[len(owner) + 1 :], inner)
 
@@ -262,8 +260,10 @@ def resolve_layout(
                         f"[Stage {k}] module {path!r} is matched as {mine[path]!r} and as "
                         f"{style!r} (glob {glob!r}); make the globs of tensor_parallel disjoint"
                     )
-        kinds[k] = {path: _check_module(k, path, root.get_submodule(path), style, size)
-                    for path, style in mine.items()}
+        kinds[k] = {
+            path: _check_module(k, path, root.get_submodule(path), style, size)
+            for path, style in mine.items()
+        }
         _check_shared(k, root, mine)
         styles[k] = mine
         rowwise = {p for p, s in mine.items() if s == "rowwise"}
@@ -275,10 +275,7 @@ def resolve_layout(
     unmatched = [glob for glob in plan if glob not in matched]
     modules = [n for n, _ in model.named_modules() if n] if model is not None else []
     inlined = [
-        (glob, path)
-        for glob in unmatched
-        for path in modules
-        if fnmatch.fnmatchcase(path, glob)
+        (glob, path) for glob in unmatched for path in modules if fnmatch.fnmatchcase(path, glob)
     ]
     if inlined:
         glob, path = inlined[0]
@@ -337,7 +334,7 @@ def _check_shared(stage: int, root: nn.Module, styles: Mapping[str, str]) -> Non
         if sharded:
             raise TieError(
                 f"[Stage {stage}] parameter {sharded[0]!r} is also held as "
-                f"{[n for n in same if n != sharded[0]][0]!r} in the same stage; sharding it "
+                f"{next(n for n in same if n != sharded[0])!r} in the same stage; sharding it "
                 "for tensor parallelism would untie the two. Put the tied modules on different "
                 "stages (their copies are then kept in sync, sharded alike), or leave them out "
                 "of tensor_parallel"
@@ -349,8 +346,7 @@ def _check_ties(layout: TensorLayout, tie_groups: Sequence[Any]) -> None:
         dims = {(name, stage): layout.sharded_dim(stage, name) for name, stage in group.members}
         if len(set(dims.values())) > 1:
             shown = ", ".join(
-                f"{name} on stage {stage}: "
-                + ("whole" if dim is None else f"sharded on dim {dim}")
+                f"{name} on stage {stage}: " + ("whole" if dim is None else f"sharded on dim {dim}")
                 for (name, stage), dim in dims.items()
             )
             raise TieError(
@@ -387,7 +383,9 @@ def apply_layout(stage_id: int, stage: nn.Module, layout: TensorLayout, mesh: An
     logger.debug("[Stage %d] tensor parallel: %s", stage_id, styles)
 
 
-def retie_sharded(tie_groups: Sequence[Any], stages: Sequence[nn.Module], local: Sequence[int]) -> None:
+def retie_sharded(
+    tie_groups: Sequence[Any], stages: Sequence[nn.Module], local: Sequence[int]
+) -> None:
     """Make every member of a tie group this rank holds the first local member's sharded
     parameter again: sharding each stage replaced its copy, and the stages a rank does not
     run still hold the whole one (every rank holds the plan's stage modules)."""
@@ -494,7 +492,8 @@ def check_stage(
             gen = torch.Generator().manual_seed(1234 + stage_id)
             cots = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for _, w in pairs]
             torch.autograd.backward(
-                [w for _, w in pairs], [c.to(w.dtype) for c, (_, w) in zip(cots, pairs, strict=True)]
+                [w for _, w in pairs],
+                [c.to(w.dtype) for c, (_, w) in zip(cots, pairs, strict=True)],
             )
             torch.autograd.backward(
                 [g for g, _ in pairs],
@@ -503,13 +502,13 @@ def check_stage(
     try:
         ref_params = dict(_root(reference).named_parameters())
         for name, param in _root(stage).named_parameters():
-            want = ref_params[name].grad
-            got = param.grad
-            if want is None or got is None:
-                if (want is None) != (got is None):
+            want_grad = ref_params[name].grad
+            got_grad = param.grad
+            if want_grad is None or got_grad is None:
+                if (want_grad is None) != (got_grad is None):
                     _mismatch(stage_id, f"the gradient of {name!r}", "present on one side only")
                 continue
-            problem = _differs(got, want)
+            problem = _differs(got_grad, want_grad)
             if problem:
                 _mismatch(stage_id, f"the gradient of {name!r}", problem)
         for i, (got, want) in enumerate(zip(got_args, ref_args, strict=True)):

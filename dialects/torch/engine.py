@@ -171,11 +171,10 @@ class TorchPipeline(nn.Module):
         if self.tensor_layout is None:
             return
         for param in self.parameters():
-            grad = param.grad
-            if is_sharded(grad) and grad.placements != param.placements:  # type: ignore[union-attr]
-                param.grad = grad.redistribute(  # type: ignore[union-attr]
-                    param.device_mesh, param.placements  # type: ignore[attr-defined]
-                )
+            grad: Any = param.grad
+            laid: Any = param
+            if is_sharded(grad) and grad.placements != laid.placements:
+                param.grad = grad.redistribute(laid.device_mesh, laid.placements)
 
     @property
     def built(self) -> bool:

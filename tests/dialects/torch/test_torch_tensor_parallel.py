@@ -64,6 +64,17 @@ CASES: list[dict[str, Any]] = [
         "dtype": "float64",
         "meta": True,
     },
+    # The 3D layout's checkpoint (fp64 Adam: its sharded state moves too) on torch PP4 x DDP2.
+    {
+        "name": "pp4_from_3d",
+        "from": "fsdp_adam64",
+        "saved_steps": 3,
+        "opt": "adam",
+        "gas": 4,
+        "clip": 0.05,
+        "dtype": "float64",
+        "steps": 2,
+    },
     {"name": "traps", "mode": "ddp", "schedule": "1f1b", "opt": "sgd", "gas": 2, "traps": True},
 ]
 
@@ -121,6 +132,55 @@ def _check_trained(per_rank: list[dict[str, Any]], case: dict[str, Any], ckpt: P
         assert_tensor_close(state[name], value, f"{case['name']} {name}", rtol=PARAM_RTOL)
 
 
+def _check_resumed(per_rank: list[dict[str, Any]], case: dict[str, Any], ckpt: Path) -> None:
+    """PP4 x DDP2 resumed from the 3D checkpoint: the unsplit model's later losses and
+    parameters, as if never stopped."""
+    whole = {**case, "steps": case["saved_steps"] + case["steps"]}
+    ref_losses, ref_state, _ = reference(whole)
+    later = ref_losses[case["saved_steps"] :]
+    assert sorted((tuple(r["stages"]), r["replica"]) for r in per_rank) == sorted(
+        ((k,), d) for k in range(4) for d in range(DP)
+    )
+    for r in per_rank:
+        assert r["global_steps"] == whole["steps"], r
+        assert r["losses"] == pytest.approx(later, rel=RTOL, abs=ATOL), (r["rank"], later)
+    state = portable.consolidate(ckpt, case["name"])
+    for name, value in ref_state.items():
+        assert_tensor_close(state[name], value, f"{case['name']} {name}", rtol=PARAM_RTOL)
+
+
+def _check_local_resume(cases: list[dict[str, Any]], ckpt: Path) -> None:
+    """The local dialect (one process, both replicas' micro-batches per step) resumes the 3D
+    layout's checkpoint."""
+    saved = next(c for c in cases if c["name"] == "fsdp_adam64")
+    extra = 2
+    whole = {**saved, "steps": saved["steps"] + extra}
+    ref_losses, ref_state, _ = reference(whole)
+    spec = _ds_workers.spec_for(workers.MODEL)
+    gas = saved["gas"]
+    with workers.default_dtype("float64"):
+        cfg = _ds_workers.ds_config("adam", gas=gas * DP, micro=saved["micro"], dp=1, clip=0.05)
+        dialect = pipedialect.get_dialect("local")
+        plan = partition(spec.build(9), spec.split_points_for(2))
+        engine = dialect.runtime_engine(
+            dialect.pipe_engine(plan, config=cfg, loss_fn=spec.loss_fn), config=cfg
+        )
+        portable.load(engine, ckpt, tag=saved["name"])
+        streams = [
+            list(_ds_workers.data_stream(spec, whole["steps"] * gas, saved["micro"], d))
+            for d in range(DP)
+        ]
+        losses = []
+        for step in range(saved["steps"], whole["steps"]):
+            batch = [mb for s in streams for mb in s[step * gas : (step + 1) * gas]]
+            losses.append(float(engine.train_batch(iter(batch))))
+        portable.save(engine, ckpt / "local", tag="end")
+    assert losses == pytest.approx(ref_losses[saved["steps"] :], rel=RTOL, abs=ATOL)
+    state = portable.consolidate(ckpt / "local", "end")
+    for name, value in ref_state.items():
+        assert_tensor_close(state[name], value, f"local from 3D {name}", rtol=PARAM_RTOL)
+
+
 @pytest.mark.distributed
 def test_pp2_dp2_tp2_trains_like_the_unsplit_model_and_refuses_wrong_attention(
     tmp_path: Path,
@@ -131,7 +191,11 @@ def test_pp2_dp2_tp2_trains_like_the_unsplit_model_and_refuses_wrong_attention(
     for case, per_rank in zip(cases, by_case, strict=True):
         if case.get("traps"):
             continue
+        if case.get("from"):
+            _check_resumed(list(per_rank), case, tmp_path)
+            continue
         _check_trained(list(per_rank), case, tmp_path)
+    _check_local_resume(cases, tmp_path)
     for r in by_case[-1]:
         for kind in ("heads", "gain"):
             assert "under tensor_parallel" in r[kind], (kind, r["rank"], r[kind])
