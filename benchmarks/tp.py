@@ -235,7 +235,10 @@ class _HandWritten:
 
 def timing(args: argparse.Namespace) -> dict[str, Any]:
     """Both 3D engines (and TP1 / TP2 with DDP for the bytes) in one process group."""
+    import pipedialect
+
     torch.set_num_threads(1)
+    pipedialect.get_dialect("torch").init_distributed()
     ours, replica = _dialect_engine(args, "fsdp", TP)
     tp2, _ = _dialect_engine(args, "ddp", TP)
     tp1, _ = _dialect_engine(args, "ddp", 1)

@@ -33,7 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedialect import CheckpointError, ConfigError, DataError, PipeDialectError, StageWrapper
+from pipedialect import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    PipeDialectError,
+    PlanMismatchError,
+    StageWrapper,
+)
 from pipedialect.engine import EngineBase, checkpoint_files, read_checkpoint_file, shape_mismatch
 from pipedialect.engine.config import TrainingConfig, parse_config
 from pipedialect.engine.param_groups import ParamGroupsFn
@@ -108,6 +115,8 @@ class TorchPipeline(nn.Module):
         #: Unsharded copies of this rank's tensor-parallel stages, until the first batch has
         #: checked the layout against them.
         self.references: dict[int, nn.Module] = {}
+        #: The first batch's layout check failed on some rank: every later batch is refused.
+        self._layout_error: PipeDialectError | None = None
         self._loss = LossAdapter(loss_fn, self.context)
         self._stages: list[Any] = []
         self._schedules: dict[int, Any] = {}
@@ -196,7 +205,7 @@ class TorchPipeline(nn.Module):
         self._examples = infer_examples(
             {r.stage_id: r for r in self._runners()}, self.placement, first_inputs, self.device
         )
-        if self.references:
+        if self.tensor_layout is not None:
             self._check_tensor_layout(first_inputs)
         self._stages = [
             stage_cls(
@@ -218,24 +227,38 @@ class TorchPipeline(nn.Module):
         the copies."""
         assert self._examples is not None
         references, self.references = self.references, {}
-        for runner in self._runners():
-            k = int(runner.stage_id)
-            reference = references.get(k)
-            if reference is None:
-                continue
-            twin = StageRunner(reference, k, self.num_stages, BatchContext(), self.device)
-            args = [first_inputs] if runner.first else list(self._examples[k].inputs)
-            check_stage(
-                k,
-                lambda a, r=runner: _run_once(r, a),
-                lambda a, r=twin: _run_once(r, a),
-                reference,
-                runner.stage,
-                args,
-                gradients=self.fsdp is None,
-            )
-        if self.fsdp is not None:
-            self.fsdp.reshard()
+        error: PipeDialectError | None = None
+        try:
+            for runner in self._runners():
+                k = int(runner.stage_id)
+                reference = references.get(k)
+                if reference is None:
+                    continue
+                twin = StageRunner(reference, k, self.num_stages, BatchContext(), self.device)
+                args = [first_inputs] if runner.first else list(self._examples[k].inputs)
+                check_stage(
+                    k,
+                    lambda a, r=runner: _run_once(r, a),
+                    lambda a, r=twin: _run_once(r, a),
+                    reference,
+                    runner.stage,
+                    args,
+                    gradients=self.fsdp is None,
+                )
+        except PlanMismatchError as exc:
+            error = exc
+        finally:
+            if self.fsdp is not None:
+                self.fsdp.reshard()
+        if error is not None:  # and every later batch is refused too (nothing was checked)
+            self._layout_error = error
+        # Every rank learns the outcome here, before any schedule runs: a mismatch is raised on
+        # every rank alike and the process group stays usable.
+        try:
+            agree_on_error(error, device=self.device, what="the tensor-parallel layout check")
+        except PipeDialectError as exc:
+            self._layout_error = exc
+            raise
 
     def _runners(self) -> list[StageRunner]:
         return [r for r in self.runners if isinstance(r, StageRunner)]
@@ -298,6 +321,8 @@ class TorchPipeline(nn.Module):
         ``batches`` holds the micro-batches on ranks holding the first or last stage, and is
         empty elsewhere.
         """
+        if self._layout_error is not None:
+            raise self._layout_error
         if self.fsdp is not None:
             self.fsdp.check_untouched()
         if not self.built:

@@ -474,6 +474,10 @@ def test_torch_dialect_matches_the_unsplit_model_on_random_models() -> None:
 #: 309 failed on 40122bc, before the fixes of 7dc469b: ``nn.ReLU(inplace=True)`` inside a
 #: block's unit, and an in-place update of the tensor a sharded stage received.
 FSDP_SEEDS = (0, 2, 4, 11, 20, 27, 52, 57, 107, 309)
+#: Torch seeds for tensor parallelism: two stages (one per rank), even widths, colwise and
+#: rowwise blocks, ties across and within stages, meta builds, recomputation; 36 is
+#: export-captured (refused by name).
+TP_SEEDS = (2, 13, 23, 29, 36, 46, 57)
 
 
 @pytest.mark.distributed
@@ -490,3 +494,24 @@ def test_torch_fsdp_matches_the_unsplit_model_on_random_models() -> None:
             problems.append(str(exc))
     assert not problems, "\n\n".join(problems)
     assert ran == len(specs), f"only {ran} of {len(specs)} models ran under FSDP"
+
+
+@pytest.mark.distributed
+def test_torch_tensor_parallel_matches_the_unsplit_model_on_random_models() -> None:
+    """Two stages, each sharded over a tensor axis of two ranks (``_fuzz_workers`` [the tp
+    note]): four ranks. The export-captured seeds are refused by name (their graphs call no
+    module); every other one trains as the unsplit model."""
+    specs = [fm.spec_from_seed(seed, "torch") for seed in TP_SEEDS]
+    launched = launch(workers.run_specs, 4, "torch", specs, False, True, timeout=600)
+    problems, ran = [], 0
+    for spec, results in zip(specs, zip(*launched, strict=True), strict=True):
+        if spec.capture == "export":
+            assert "calls it as a module" in str(results[0].get("refused")), results[0]
+            continue
+        try:
+            ran += workers.compare(spec, list(results))
+        except fm.FuzzFailure as exc:
+            problems.append(str(exc))
+    assert not problems, "\n\n".join(problems)
+    expected = sum(spec.capture != "export" for spec in specs)
+    assert ran == expected, f"only {ran} of {expected} models ran under tensor parallelism"
