@@ -223,7 +223,11 @@ def _construct(
     references: dict[int, nn.Module] = {}
     if layout is not None:
         # Every rank of the tensor axis starts from its rank 0's whole stages, which the
-        # shards are then cut from; the first batch checks the layout against copies.
+        # shards are then cut from; the first batch checks the layout against copies. Under
+        # bf16 the stages are cast first: a sharded parameter is cast as a whole, here.
+        if precision is not None and precision.bf16:
+            for k in local:
+                cast_parameters(stages[k], precision.param_dtype)
         if not shard_first:
             replicas.broadcast_state(nn.ModuleList(stages[k] for k in local))
         references = unsharded_copies({k: stages[k] for k in local})

@@ -15,14 +15,16 @@ unsplit model:
   (the output is summed over the axis), colwise the embedding dimension. Everything else is
   refused by name before any rank builds anything, as is a glob that matches nothing, a module
   matched with two styles, a sharded dimension that does not divide by ``t`` (the local shapes
-  must be exact: a view over them would otherwise be wrong), a module whose parameter another
-  module of its stage also holds (sharding one name would untie them), and a weight tied across
-  stages whose copies are sharded differently.
+  must be exact: a view over them would otherwise be wrong), a parameter several modules of a
+  stage hold that they would shard differently (sharded alike, it is tied again after
+  sharding), a weight tied across stages whose copies are sharded differently, and a glob that
+  matches a module no stage graph calls (a torch.export capture inlines modules).
 - *Activations.* Every module's output is a plain tensor. A colwise module whose output
   reaches a rowwise module in the stage's graph keeps its output sharded (the local shard,
   as torchtitan's plans do: the attention and MLP in between run on the local heads and
-  features); any other colwise output is gathered whole. Rowwise outputs are summed over the
-  axis. So what crosses a stage boundary, and what the loss sees, is whole on every rank of
+  features); any other colwise output is gathered whole. A rowwise module that such a shard
+  reaches takes it as its input; any other cuts its own slice of a whole input. Rowwise outputs
+  are summed over the axis. So what crosses a stage boundary, and what the loss sees, is whole on every rank of
   the axis: each rank of one ``(pipe, data)`` position runs the same pipeline on the same
   micro-batches, and each ``(data, tensor)`` coordinate is one line of ``PipelineStage``
   objects.
@@ -35,8 +37,9 @@ unsplit model:
   every stage once both ways on the real boundary values: the outputs (and, without FSDP, the
   gradients of every parameter and input for a fixed cotangent) must agree within the
   precision's rounding, else :class:`~pipedialect.PlanMismatchError` names the stage and the
-  first value that differs. A stage built on the meta device has no whole copy to compare
-  with: its layout is not checked.
+  first value that differs, on every rank (they agree on the outcome before any schedule runs,
+  so the process group stays usable; later batches are refused too). A stage built on the
+  meta device has no whole copy to compare with: its layout is not checked.
 - *Gradients.* A sharded parameter's gradient is its shard's, complete (DTensor's backward sums
   over the axis where the forward did). A parameter outside the plan is whole on every rank of
   the axis and gets the same whole gradient there (checked on the first step). With data
@@ -499,6 +502,12 @@ def check_stage(
         ]
 
     ref_args, got_args = fresh(), fresh()
+    # The engine may have cast the stage since the copy was made (bf16): the copy follows.
+    dtypes = {n: p.dtype for n, p in _root(stage).named_parameters()}
+    with torch.no_grad():
+        for name, param in _root(reference).named_parameters():
+            if name in dtypes and param.dtype != dtypes[name]:
+                param.data = param.data.to(dtypes[name])
     tol = _tolerance(reference)
     grad_mode = torch.enable_grad() if gradients else torch.no_grad()
     with preserved_state([stage, reference]), grad_mode:
