@@ -294,3 +294,36 @@ def test_a_weight_shared_inside_one_stage_is_not_sharded() -> None:
     one = partition(MultiHeadGPT(seed=0, num_blocks=2), [])
     with pytest.raises(TieError, match="in the same stage, sharded otherwise"):
         _pipe_engine(one, {"lm_head": "colwise"})
+
+
+def test_auto_reads_a_hugging_face_plan_and_refuses_an_export_capture_by_name() -> None:
+    """``tensor_parallel="auto"`` takes a tiny Llama's ``base_model_tp_plan`` (under the base
+    model's prefix); a Llama is captured with torch.export, whose graphs call no module, so
+    the plan is refused by name rather than left unsharded."""
+    import transformers
+    from pipedialect.dialects.torch._tensor import auto_plan
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=1,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    assert auto_plan(model)["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert auto_plan(model)["model.layers.*.mlp.down_proj"] == "rowwise"
+    ids = torch.randint(0, 64, (2, 8))
+    plan = partition(
+        model,
+        ["model.layers.0"],
+        example_inputs={"input_ids": ids},
+        concrete_args={"return_dict": False, "use_cache": False},
+    )
+    with pytest.raises(ConfigError, match="no stage graph calls it as a module"):
+        _pipe_engine(plan, "auto")
