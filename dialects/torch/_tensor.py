@@ -24,10 +24,10 @@ unsplit model:
   as torchtitan's plans do: the attention and MLP in between run on the local heads and
   features); any other colwise output is gathered whole. A rowwise module that such a shard
   reaches takes it as its input; any other cuts its own slice of a whole input. Rowwise outputs
-  are summed over the axis. So what crosses a stage boundary, and what the loss sees, is whole on every rank of
-  the axis: each rank of one ``(pipe, data)`` position runs the same pipeline on the same
-  micro-batches, and each ``(data, tensor)`` coordinate is one line of ``PipelineStage``
-  objects.
+  are summed over the axis. So what crosses a stage boundary, and what the loss sees, is whole
+  on every rank of the axis: each rank of one ``(pipe, data)`` position runs the same pipeline
+  on the same micro-batches, and each ``(data, tensor)`` coordinate is one line of
+  ``PipelineStage`` objects.
 - *The first step checks the layout.* What the code between a colwise and a rowwise module does
   with the local shard is the user's: an attention that reshapes with the global head count
   (``view(B, S, heads, -1)``), a contraction over the sharded features (single-head

@@ -301,6 +301,7 @@ def test_auto_reads_a_hugging_face_plan_and_refuses_an_export_capture_by_name() 
     model's prefix); a Llama is captured with torch.export, whose graphs call no module, so
     the plan is refused by name rather than left unsharded."""
     import transformers
+
     from pipedialect.dialects.torch._tensor import auto_plan
 
     config = transformers.LlamaConfig(
