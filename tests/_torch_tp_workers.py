@@ -211,6 +211,25 @@ def _resume_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
     }
 
 
+def resume_on_deepspeed(ckpt_dir: str, case: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed PP2 (two ranks, one replica: each step both replicas' micro-batches, in
+    replica order) resumes the 3D layout's portable checkpoint of case ``case["from"]``."""
+    spec = _ds_workers.spec_for(MODEL)
+    gas, micro, saved, steps = case["gas"], case["micro"], case["saved_steps"], case["steps"]
+    cfg = _ds_workers.ds_config(case["opt"], gas=gas * DP, micro=micro, dp=1)
+    _, engine, _, _ = _ds_workers.build(MODEL, 2, 1, cfg, seed=9)
+    portable.load(engine, ckpt_dir, tag=case["from"])
+    streams = [
+        list(_ds_workers.data_stream(spec, (saved + steps) * gas, micro, d)) for d in range(DP)
+    ]
+    losses = []
+    for step in range(saved, saved + steps):
+        batch = [mb for s in streams for mb in s[step * gas : (step + 1) * gas]]
+        losses.append(float(engine.train_batch(data_iter=iter(batch))))
+    portable.save(engine, ckpt_dir, tag=case["name"])
+    return {"rank": dist.get_rank(), "losses": losses}
+
+
 def run_cases(cases: list[dict[str, Any]], ckpt_dir: str) -> list[dict[str, Any]]:
     """Run every case in turn in one process group."""
     pipedialect.get_dialect("torch").init_distributed()

@@ -62,7 +62,7 @@ import fnmatch
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import fx, nn
@@ -276,6 +276,7 @@ def resolve_layout(
             for path, style in mine.items()
         }
         _check_shared(k, root, mine)
+        _check_direct_reads(k, root, mine)
         styles[k] = mine
         rowwise = {p for p, s in mine.items() if s == "rowwise" and kinds[k][p] == "linear"}
         fed: dict[str, set[str]] = {
@@ -360,6 +361,26 @@ def _check_shared(stage: int, root: nn.Module, styles: Mapping[str, str]) -> Non
                 "otherwise there or not at all; a parameter several modules hold must be "
                 "sharded alike by all of them (the same style of the same module type) or by "
                 "none"
+            )
+
+
+def _check_direct_reads(stage: int, root: nn.Module, styles: Mapping[str, str]) -> None:
+    """Refuse a sharded module's parameter that the stage's code reads itself (a ``get_attr``
+    of ``lin.weight``, say ``self.lin.weight.norm()``): outside the module's call it is a shard
+    (a ``DTensor``) meeting whole tensors."""
+    graph = getattr(root, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        path, _, _ = str(node.target).rpartition(".")
+        if path in styles:
+            raise ConfigError(
+                f"[Stage {stage}] the stage's code reads {node.target!r} itself, outside the "
+                f"call of {path!r}, which tensor_parallel shards ({styles[path]}): there it "
+                "would be this rank's shard meeting whole tensors. Leave that module out of "
+                "tensor_parallel, or read the value through the module's call"
             )
 
 
@@ -516,7 +537,12 @@ def check_stage(
             ref_out = _leaves(run_reference(ref_args))
         torch.random.set_rng_state(state)
         with _raw_outputs(stage) as got_raw:
-            got_out = _leaves(run(got_args))
+            try:
+                got_out = _leaves(run(got_args))
+            except PlanMismatchError:
+                raise
+            except Exception as exc:  # the unsharded copy ran: the sharding broke it
+                _mismatch(stage_id, "its forward", f"it raised {type(exc).__name__}: {exc}")
         torch.random.set_rng_state(state)
         # The values the stage computed, before the wire encodes them (a float that needs no
         # gradient crosses bit-cast to an integer dtype, which rounding would make "differ").
@@ -544,10 +570,13 @@ def check_stage(
                 [w for _, w in pairs],
                 [c.to(w.dtype) for c, (_, w) in zip(cots, pairs, strict=True)],
             )
-            torch.autograd.backward(
-                [g for g, _ in pairs],
-                [c.to(g.dtype) for c, (g, _) in zip(cots, pairs, strict=True)],
-            )
+            try:
+                torch.autograd.backward(
+                    [g for g, _ in pairs],
+                    [c.to(g.dtype) for c, (g, _) in zip(cots, pairs, strict=True)],
+                )
+            except Exception as exc:  # as above, for the backward
+                _mismatch(stage_id, "its backward", f"it raised {type(exc).__name__}: {exc}")
     try:
         ref_params = dict(_root(reference).named_parameters())
         for name, param in _root(stage).named_parameters():
@@ -590,7 +619,7 @@ def _raw_outputs(stage: nn.Module) -> Iterator[list[Any]]:
         del stage.send
 
 
-def _mismatch(stage_id: int, what: str, problem: str) -> None:
+def _mismatch(stage_id: int, what: str, problem: str) -> NoReturn:
     raise PlanMismatchError(
         f"[Stage {stage_id}] under tensor_parallel, {what} differs from the unsharded stage's "
         f"on the first micro-batch: {problem}. The code between a colwise and a rowwise module "

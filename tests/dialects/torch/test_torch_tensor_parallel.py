@@ -211,6 +211,24 @@ def test_pp2_dp2_tp2_trains_like_the_unsplit_model_and_refuses_wrong_attention(
             continue
         _check_trained(list(per_rank), case, tmp_path)
     _check_local_resume(cases, tmp_path)
+    # DeepSpeed PP2 resumes the 3D layout's fp32 SGD checkpoint (its own two-rank launch).
+    deepspeed = {
+        "name": "deepspeed_from_3d",
+        "from": "fsdp_sgd",
+        "saved_steps": 3,
+        "opt": "sgd",
+        "gas": 2,
+        "micro": 2,
+        "steps": 2,
+    }
+    resumed = launch(workers.resume_on_deepspeed, 2, str(tmp_path), deepspeed, timeout=TIMEOUT)
+    whole = {**deepspeed, "steps": 5}
+    ref_losses, ref_state, _ = reference(whole)
+    for r in resumed:
+        assert r["losses"] == pytest.approx(ref_losses[3:], rel=RTOL, abs=ATOL), r
+    state = portable.consolidate(tmp_path, "deepspeed_from_3d")
+    for name, value in ref_state.items():
+        assert_tensor_close(state[name], value, f"deepspeed from 3D {name}", rtol=PARAM_RTOL)
     for r in by_case[-1]:
         for kind in ("heads", "gain"):
             assert "under tensor_parallel" in r[kind], (kind, r["rank"], r[kind])
