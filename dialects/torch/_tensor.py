@@ -173,40 +173,130 @@ def _called_modules(stage: nn.Module) -> tuple[list[str], list[str]] | None:
     return called, whole
 
 
-def _reached_rowwise(graph: fx.Graph, path: str, rowwise: set[str]) -> set[str]:
-    """The rowwise modules whose calls the output of the call of ``path`` reaches."""
-    starts = [n for n in graph.nodes if n.op == "call_module" and str(n.target) == path]
-    seen: set[fx.Node] = set()
-    todo = list(starts)
-    found: set[str] = set()
-    while todo:
-        node = todo.pop()
-        for user in node.users:
-            if user.op == "call_module" and str(user.target) in rowwise:
-                found.add(str(user.target))
-            elif user not in seen and user.op != "output":
-                seen.add(user)
-                todo.append(user)
+#: Calls whose result is a size, not a tensor: they may feed a shard's reshape.
+_SIZE_METHODS = frozenset({"size", "dim", "numel"})
+
+
+def _is_size(node: Any, memo: dict[fx.Node, bool]) -> bool:
+    """Whether ``node`` computes a Python size (``x.shape[0]``, ``x.size(1) // 2``), not a
+    tensor: such a value may enter the code between a colwise and a rowwise module."""
+    if not isinstance(node, fx.Node):
+        return True
+    if node in memo:
+        return memo[node]
+    memo[node] = False
+    if node.op == "call_method" and node.target in _SIZE_METHODS:
+        found = True
+    elif node.op == "call_function" and getattr(node.target, "__name__", "") == "getattr":
+        found = node.args[1] in ("shape", "ndim", "dtype", "device")
+    elif node.op == "call_function" and getattr(node.target, "__module__", "") in (
+        "_operator",
+        "operator",
+    ):
+        found = all(_is_size(arg, memo) for arg in node.all_input_nodes) and any(
+            _is_size(arg, memo) for arg in node.all_input_nodes
+        )
+    else:
+        found = False
+    memo[node] = found
     return found
 
 
-def _rowwise_reached(
-    root: nn.Module, path: str, rowwise: set[str], whole: Sequence[str]
-) -> set[str]:
-    """The rowwise modules the colwise module ``path`` of a stage feeds (its output then stays
-    sharded, and theirs take it sharded). Inside a module the stage runs whole (a split point's,
-    a recomputed one), that module is traced on its own; one that cannot be traced counts as
-    feeding every rowwise module it holds (the first step's check finds a wrong guess)."""
-    owner = next((w for w in whole if path.startswith(w + ".")), None)
-    if owner is None:
-        graph = getattr(root, "graph", None)
-        return _reached_rowwise(graph, path, rowwise) if isinstance(graph, fx.Graph) else set()
-    inner = {r[len(owner) + 1 :] for r in rowwise if r.startswith(owner + ".")}
-    try:
-        traced = fx.symbolic_trace(root.get_submodule(owner))
-    except Exception:  # any tracing failure: fall back to the module's contents
-        return {f"{owner}.{r}" for r in inner}
-    return {f"{owner}.{r}" for r in _reached_rowwise(traced.graph, path[len(owner) + 1 :], inner)}
+def _closure(graph: fx.Graph, path: str, rowwise: set[str]) -> tuple[set[fx.Node], bool]:
+    """The nodes the output of the call of ``path`` flows through up to rowwise calls (those
+    included), and whether it reaches only code and rowwise calls (not the stage's output,
+    another module, a rowwise call with other inputs)."""
+    starts = [n for n in graph.nodes if n.op == "call_module" and str(n.target) == path]
+    region: set[fx.Node] = set(starts)
+    todo = list(starts)
+    pure = True
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in region:
+                continue
+            region.add(user)
+            if user.op == "call_module" and str(user.target) in rowwise:
+                pure = pure and len(user.all_input_nodes) == 1
+            elif user.op in ("output", "call_module", "get_attr", "placeholder"):
+                pure = False
+            else:
+                todo.append(user)
+    return region, pure
+
+
+def _reached_rowwise(graph: fx.Graph, paths: set[str], rowwise: set[str]) -> dict[str, set[str]]:
+    """For each colwise module of ``paths`` whose output stays sharded, the rowwise modules it
+    feeds.
+
+    Colwise outputs whose code meets (attention's queries and keys) form one region. A
+    region's outputs stay sharded only when the code is the shards' own: every path ends at a
+    rowwise module's call (none reaches the stage's output or another module), and no node on
+    the way takes a tensor from outside (a whole tensor combined with a shard is wrong there),
+    sizes aside. Otherwise they are gathered whole, and a rowwise module no shard reaches cuts
+    its own slice of its input.
+    """
+    regions: list[tuple[set[str], set[fx.Node], bool]] = []
+    for path in sorted(paths):
+        names, nodes, pure = {path}, *_closure(graph, path, rowwise)
+        rest = []
+        for other_names, other_nodes, other_pure in regions:
+            if nodes & other_nodes:
+                names, nodes, pure = names | other_names, nodes | other_nodes, pure and other_pure
+            else:
+                rest.append((other_names, other_nodes, other_pure))
+        regions = [*rest, (names, nodes, pure)]
+    out: dict[str, set[str]] = {}
+    memo: dict[fx.Node, bool] = {}
+    for names, nodes, pure in regions:
+        if not pure:
+            continue
+        starts = {n for n in nodes if n.op == "call_module" and str(n.target) in names}
+        ends = {n for n in nodes if n.op == "call_module" and str(n.target) in rowwise}
+        if any(
+            arg not in nodes and not _is_size(arg, memo)
+            for node in nodes - starts
+            for arg in node.all_input_nodes
+        ):
+            continue
+        for name in names:
+            out[name] = {str(n.target) for n in ends}
+    return out
+
+
+def _local_layout(
+    root: nn.Module, colwise: set[str], rowwise: set[str], whole: Sequence[str]
+) -> tuple[set[str], set[str]]:
+    """The colwise modules of a stage whose outputs stay sharded, and the rowwise modules that
+    take those shards (:func:`_reached_rowwise`). Inside a module the stage runs whole (a split
+    point's, a recomputed one) that module is traced on its own; one that cannot be traced
+    feeds nothing (every output gathered: correct, slower)."""
+    local: set[str] = set()
+    fed: set[str] = set()
+    owners: dict[str | None, set[str]] = {}
+    for path in colwise:
+        owner = next((w for w in whole if path.startswith(w + ".")), None)
+        owners.setdefault(owner, set()).add(path)
+    for owner, group in owners.items():
+        if owner is None:
+            graph = getattr(root, "graph", None)
+            if isinstance(graph, fx.Graph):
+                for name, reached in _reached_rowwise(graph, group, rowwise).items():
+                    local.add(name)
+                    fed |= reached
+            continue
+        cut = len(owner) + 1
+        inner = {r[cut:] for r in rowwise if r.startswith(owner + ".")}
+        try:
+            traced = fx.symbolic_trace(root.get_submodule(owner))
+        except Exception:  # any tracing failure: every output gathered
+            continue
+        for name, reached in _reached_rowwise(
+            traced.graph, {p[cut:] for p in group}, inner
+        ).items():
+            local.add(f"{owner}.{name}")
+            fed |= {f"{owner}.{r}" for r in reached}
+    return local, fed
 
 
 def resolve_layout(
@@ -279,13 +369,10 @@ def resolve_layout(
         _check_direct_reads(k, root, mine)
         styles[k] = mine
         rowwise = {p for p, s in mine.items() if s == "rowwise" and kinds[k][p] == "linear"}
-        fed: dict[str, set[str]] = {
-            p: _rowwise_reached(root, p, rowwise, whole)
-            for p, s in mine.items()
-            if s == "colwise" and kinds[k][p] == "linear"
-        }
-        local_outputs[k] = frozenset(p for p, reached in fed.items() if reached)
-        local_inputs[k] = frozenset(r for reached in fed.values() for r in reached)
+        colwise = {p for p, s in mine.items() if s == "colwise" and kinds[k][p] == "linear"}
+        local, fed = _local_layout(root, colwise, rowwise, whole)
+        local_outputs[k] = frozenset(local)
+        local_inputs[k] = frozenset(fed)
     unmatched = [glob for glob in plan if glob not in matched]
     modules = [n for n, _ in model.named_modules() if n] if model is not None else []
     inlined = [

@@ -476,8 +476,10 @@ def test_torch_dialect_matches_the_unsplit_model_on_random_models() -> None:
 FSDP_SEEDS = (0, 2, 4, 11, 20, 27, 52, 57, 107, 309)
 #: Torch seeds for tensor parallelism: two stages (one per rank), even widths, colwise and
 #: rowwise blocks, ties across and within stages, meta builds, recomputation; 36 is
-#: export-captured (refused by name).
-TP_SEEDS = (2, 13, 23, 29, 36, 46, 57)
+#: export-captured (refused by name). 48 and 84 kept a colwise stem's output sharded into
+#: ``tanh(stem(x)) + embed(ids)`` on its way to a rowwise block (a shape error) until a shard
+#: stays local only through code of its own.
+TP_SEEDS = (2, 13, 23, 29, 36, 46, 48, 57, 84)
 
 
 @pytest.mark.distributed
