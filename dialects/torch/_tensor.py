@@ -610,6 +610,10 @@ def check_stage(
         ]
 
     ref_args, got_args = fresh(), fresh()
+    # The copy runs in the stage's modes (evaluation first, say), module by module.
+    modes = {n: m.training for n, m in stage.named_modules()}
+    for name, module in reference.named_modules():
+        module.training = modes.get(name, module.training)
     # The engine may have cast the stage since the copy was made (bf16): the copy follows.
     dtypes = {n: p.dtype for n, p in _root(stage).named_parameters()}
     with torch.no_grad():

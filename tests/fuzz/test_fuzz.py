@@ -478,8 +478,9 @@ FSDP_SEEDS = (0, 2, 4, 11, 20, 27, 52, 57, 107, 309)
 #: rowwise blocks, ties across and within stages, meta builds, recomputation; 36 is
 #: export-captured (refused by name). 48 and 84 kept a colwise stem's output sharded into
 #: ``tanh(stem(x)) + embed(ids)`` on its way to a rowwise block (a shape error) until a shard
-#: stays local only through code of its own.
-TP_SEEDS = (2, 13, 23, 29, 36, 46, 48, 57, 84)
+#: stays local only through code of its own; 52 (evaluation first, BatchNorm) was refused by
+#: the first batch's check while its unsharded copy still ran in training mode.
+TP_SEEDS = (2, 13, 23, 29, 36, 46, 48, 52, 57, 84)
 
 
 @pytest.mark.distributed
