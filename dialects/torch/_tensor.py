@@ -19,20 +19,21 @@ unsplit model:
   stage hold that they would shard differently (sharded alike, it is tied again after
   sharding), a weight tied across stages whose copies are sharded differently, and a glob that
   matches a module no stage graph calls (a torch.export capture inlines modules).
-- *Activations.* Every module's output is a plain tensor. A colwise module whose output
-  reaches a rowwise module in the stage's graph keeps its output sharded (the local shard,
-  as torchtitan's plans do: the attention and MLP in between run on the local heads and
-  features); any other colwise output is gathered whole. A rowwise module that such a shard
-  reaches takes it as its input; any other cuts its own slice of a whole input. Rowwise outputs
-  are summed over the axis. So what crosses a stage boundary, and what the loss sees, is whole
-  on every rank of the axis: each rank of one ``(pipe, data)`` position runs the same pipeline
-  on the same micro-batches, and each ``(data, tensor)`` coordinate is one line of
-  ``PipelineStage`` objects.
+- *Activations.* Every module's output is a plain tensor. A colwise module's output stays
+  sharded (the local shard, as torchtitan's plans do: the attention and MLP in between run on
+  the local heads and features) when the code it flows through, together with the colwise
+  outputs it meets, is the shards' own up to rowwise calls: no other module, no tensor from
+  outside but sizes (a whole parameter times a shard would get a partial gradient,
+  torchtitan#1373), nothing reaching the stage's output. Any other colwise output is gathered
+  whole. A rowwise module that such a shard reaches takes it as its input; any other cuts its
+  own slice of a whole input. Rowwise outputs are summed over the axis. So what crosses a
+  stage boundary, and what the loss sees, is whole on every rank of the axis: each rank of one
+  ``(pipe, data)`` position runs the same pipeline on the same micro-batches, and each
+  ``(data, tensor)`` coordinate is one line of ``PipelineStage`` objects.
 - *The first step checks the layout.* What the code between a colwise and a rowwise module does
   with the local shard is the user's: an attention that reshapes with the global head count
   (``view(B, S, heads, -1)``), a contraction over the sharded features (single-head
-  attention), a replicated tensor combined with a shard (whose gradient is then partial,
-  torchtitan#1373), dropout on a shard (other masks). None of these raises by itself. So until
+  attention), dropout on a shard (other masks). None of these raises by itself. So until
   the first batch each rank keeps a copy of its unsharded stages, and the first batch runs
   every stage once both ways on the real boundary values: the outputs (and, without FSDP, the
   gradients of every parameter and input for a fixed cotangent) must agree within the
