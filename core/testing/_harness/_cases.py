@@ -71,6 +71,12 @@ class Case:
         return self.stages * self.data_parallel * self.tensor_parallel
 
     @property
+    def tensor_kwargs(self) -> dict[str, int]:
+        """``make_topology``'s tensor axis, given only when the case has one (a dialect whose
+        ``make_topology`` predates the argument still runs the other cases)."""
+        return {"tensor_parallel": self.tensor_parallel} if self.tensor_parallel > 1 else {}
+
+    @property
     def title(self) -> str:
         """``gpt, 2 stages x 2 replicas``: how messages name the case."""
         text = f"{self.model}, {self.stages} stages"

@@ -157,7 +157,7 @@ class DialectRun:
         try:
             return int(
                 self.dialect.make_topology(
-                    case.stages, case.data_parallel, case.tensor_parallel
+                    case.stages, case.data_parallel, **case.tensor_kwargs
                 ).world_size()
             )
         except PipeDialectError:

@@ -349,7 +349,7 @@ class _Built:
         self.spec = spec
         self.plan: PipelinePlan = partition(spec.build(seed), spec.split_points_for(case.stages))
         self.config = suite_config(case)
-        self.topology = dialect.make_topology(case.stages, case.data_parallel, case.tensor_parallel)
+        self.topology = dialect.make_topology(case.stages, case.data_parallel, **case.tensor_kwargs)
         self.replica = _replica(self.topology, multi)
         extra = dict(case.engine_kwargs)
         if extra.get("tensor_parallel") == "model":  # the model's own plan
