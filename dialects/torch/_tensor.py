@@ -545,6 +545,12 @@ def unsharded_copies(stages: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
     out: dict[int, nn.Module] = {}
     for k, stage in stages.items():
         if any(t.is_meta for t in stage.state_dict().values()):
+            logger.warning(
+                "[Stage %d] built on the meta device: its tensor-parallel layout is not checked "
+                "against an unsharded copy at the first batch (check the plan once on a small "
+                "model built normally)",
+                k,
+            )
             continue
         out[k] = copy.deepcopy(stage)
     return out
