@@ -3,8 +3,8 @@
 - ``pipedialect list [--json]`` shows the installed dialects: name, version, distribution,
   capabilities and status (a broken plugin is listed with the reason it failed).
 - ``pipedialect demo [--dialect D] [--stages N] [--dp N] [--steps N] [--meta] [--trace PATH]
-  [--bf16] [--fsdp]`` trains a small GPT over pipeline stages and compares every step's loss
-  with the unsplit model in one process.
+  [--bf16] [--fsdp] [--tp N]`` trains a small GPT over pipeline stages and compares every
+  step's loss with the unsplit model in one process.
 - ``pipedialect plan --model M --world-size N --memory X --global-batch B --bandwidth Y ...``
   predicts every layout the dialect offers and prints the fastest that fits (see
   ``pipedialect.planner``).
@@ -65,11 +65,11 @@ def _table(infos: Sequence[DialectInfo]) -> str:
 
 def demo_settings(args: argparse.Namespace) -> DemoSettings:
     """The demo's settings from its command line; ``--fsdp`` alone runs the torch dialect (the
-    one that shards stages) over two replicas."""
+    one that shards stages) over two replicas, and ``--tp N`` runs the torch dialect too."""
     from .demo import DemoSettings
 
     return DemoSettings(
-        dialect=args.dialect or ("torch" if args.fsdp else "deepspeed"),
+        dialect=args.dialect or ("torch" if args.fsdp or args.tp > 1 else "deepspeed"),
         stages=args.stages,
         dp=args.dp if args.dp is not None else (2 if args.fsdp else 1),
         steps=args.steps,
@@ -79,6 +79,7 @@ def demo_settings(args: argparse.Namespace) -> DemoSettings:
         trace=args.trace,
         bf16=args.bf16,
         fsdp=args.fsdp,
+        tp=args.tp,
     )
 
 
@@ -150,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--fsdp",
         action="store_true",
         help="shard each stage over the replicas (FSDP2; torch dialect, 2 replicas by default)",
+    )
+    p_demo.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="shard each stage's MLPs and vocabulary over N ranks (tensor parallel; torch)",
     )
     p_demo.set_defaults(func=_cmd_demo, parser=p_demo)
     add_check_parser(sub)

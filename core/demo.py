@@ -17,6 +17,10 @@ float rounding.
 With ``fsdp`` (the torch dialect, two or more replicas) each stage's parameters, gradients and
 Adam state are sharded over the replicas (``data_parallel_mode="fsdp"``), and the curve is still
 the unsplit model's.
+
+With ``tp`` above 1 (the torch dialect) each stage's MLPs, its token embedding and the tied LM
+head are sharded over a tensor axis of ``tp`` ranks (:data:`DEMO_TENSOR_PLAN`); the demo then
+runs ``stages x dp x tp`` processes, and with ``fsdp`` too it is the full 3D layout.
 """
 
 from __future__ import annotations
@@ -85,6 +89,18 @@ class DemoSettings:
     bf16: bool = False
     #: Shard each stage over the replicas (``data_parallel_mode="fsdp"``).
     fsdp: bool = False
+    #: Ranks on the tensor axis: above 1, :data:`DEMO_TENSOR_PLAN` shards each stage over them.
+    tp: int = 1
+
+
+#: What ``--tp`` shards: the MLPs' hidden features, and the vocabulary of the embedding and of
+#: the LM head tied to it (TinyGPT's attention has one head, which cannot be split).
+DEMO_TENSOR_PLAN = {
+    "wte": "rowwise",
+    "blocks.*.fc1": "colwise",
+    "blocks.*.fc2": "rowwise",
+    "lm_head": "colwise",
+}
 
 
 #: The largest relative gap between the bf16 and the fp32 loss curve that ``demo --bf16``
@@ -147,11 +163,13 @@ def _rank_worker(settings: DemoSettings, progress: str, backend: str) -> list[fl
     if multi:
         dialect.init_distributed(backend)
     rank = int(os.environ.get("RANK", "0"))
-    topology = dialect.make_topology(settings.stages, settings.dp)
+    topology = dialect.make_topology(settings.stages, settings.dp, settings.tp)
     config = demo_config(settings.dp, settings.bf16)
     kwargs: dict[str, Any] = {}
     if settings.fsdp:
         kwargs["data_parallel_mode"] = "fsdp"
+    if settings.tp > 1:
+        kwargs["tensor_parallel"] = DEMO_TENSOR_PLAN
     if settings.meta:
         from .plan.weights import from_state_dict
 
@@ -329,6 +347,17 @@ def check_settings(settings: DemoSettings) -> Dialect:
             )
         if settings.dp < 2:
             raise ConfigError("--fsdp shards the stages over the replicas: use --dp 2 or more")
+    if settings.tp != 1:
+        if settings.tp < 1 or (DIM * 2) % settings.tp or VOCAB % settings.tp:
+            raise ConfigError(
+                f"--tp must divide the MLP's {DIM * 2} hidden features and the vocabulary of "
+                f"{VOCAB}: use 1, 2, 4 or 8 (got {settings.tp})"
+            )
+        if Capability.TENSOR_PARALLEL not in dialect.capabilities:
+            raise ConfigError(
+                f"--tp shards each stage over a tensor axis, which the {settings.dialect!r} "
+                "dialect does not declare (tensor-parallel): use --dialect torch"
+            )
     return dialect
 
 
@@ -356,13 +385,14 @@ def run_demo(settings: DemoSettings, out: TextIO | None = None) -> float:
         out = sys.stdout
     dialect = check_settings(settings)
     multi = Capability.MULTI_PROCESS in dialect.capabilities
-    world = settings.stages * settings.dp if multi else 1
+    world = settings.stages * settings.dp * settings.tp if multi else 1
     backend, env = _choose_backend(settings, world)
     where = f"{world} process(es), {backend}" if multi else "this process"
     print(
         f"pipedialect demo: TinyGPT ({BLOCKS} blocks, dim {DIM}, vocab {VOCAB}, embedding tied to "
         f"the LM head)\n  dialect {settings.dialect!r}: {settings.stages} stage(s) x "
-        f"{settings.dp} replica(s){' sharding each stage (FSDP)' if settings.fsdp else ''} on "
+        f"{settings.dp} replica(s){' sharding each stage (FSDP)' if settings.fsdp else ''}"
+        f"{f' x tensor {settings.tp}' if settings.tp > 1 else ''} on "
         f"{where}; {settings.steps} steps of {GAS} micro-batches",
         file=out,
     )
@@ -414,6 +444,8 @@ def run_demo(settings: DemoSettings, out: TextIO | None = None) -> float:
         label = f"{settings.dialect}, {settings.stages} stages x {settings.dp}"
         if settings.fsdp:
             label += " (FSDP)"
+        if settings.tp > 1:
+            label += f" x tensor {settings.tp}"
         if settings.bf16:
             label += ", bf16"
         reference_label = "unsplit model, one process" + (", fp32" if settings.bf16 else "")

@@ -157,6 +157,93 @@ class TinyGPT(nn.Module):
         return out
 
 
+class MultiHeadAttention(nn.Module):
+    """Causal self-attention over ``heads`` heads, written for tensor parallelism: it reshapes
+    with ``-1`` heads of ``head_dim`` features, so a rank holding some of the heads (``q``,
+    ``k``, ``v`` sharded by output feature) computes exactly those heads."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape[0], x.shape[1]
+        q = self.q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        allowed = torch.ones_like(scores, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, s, -1)
+        result: torch.Tensor = self.o(out)
+        return result
+
+
+class MultiHeadBlock(nn.Module):
+    """Pre-norm transformer block with :class:`MultiHeadAttention`."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = MultiHeadAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return out
+
+
+class MultiHeadGPT(nn.Module):
+    """A GPT-like decoder with multi-head attention and its token embedding tied to the LM
+    head; :data:`MHGPT_TENSOR_PLAN` shards it over a tensor axis."""
+
+    def __init__(
+        self,
+        vocab: int = 32,
+        dim: int = 16,
+        heads: int = 4,
+        max_len: int = 8,
+        num_blocks: int = 4,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Parameter(torch.zeros(max_len, dim))
+        self.blocks = nn.ModuleList(MultiHeadBlock(dim, heads) for _ in range(num_blocks))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        seeded_init(self, seed)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(input_ids) + self.wpe[: input_ids.size(1)]
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.lm_head(self.ln_f(h))
+        return out
+
+
+#: :class:`MultiHeadGPT`'s tensor-parallel plan: the heads and the MLP's hidden features split
+#: over the axis, the vocabulary too (the embedding rowwise and its tied LM head colwise).
+MHGPT_TENSOR_PLAN: Mapping[str, str] = {
+    "wte": "rowwise",
+    "blocks.*.attn.q": "colwise",
+    "blocks.*.attn.k": "colwise",
+    "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.o": "rowwise",
+    "blocks.*.fc1": "colwise",
+    "blocks.*.fc2": "rowwise",
+    "lm_head": "colwise",
+}
+
+
 def _gpt_batch(gen: torch.Generator, batch_size: int) -> Batch:
     ids = torch.randint(0, 32, (batch_size, 9), generator=gen)
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
@@ -384,6 +471,8 @@ class ModelSpec:
     #: The model's inputs, in the order ``inputs`` holds them.
     input_names: tuple[str, ...]
     _make_batch: Callable[[torch.Generator, int], Batch] = field(repr=False)
+    #: A tensor-parallel plan (``tensor_parallel=`` of the torch dialect), if the model has one.
+    tensor_plan: Mapping[str, str] | None = None
 
     def build(self, seed: int = 0) -> nn.Module:
         """Return a freshly initialised model (weights depend only on ``seed``)."""
@@ -417,6 +506,16 @@ MODELS: Mapping[str, ModelSpec] = {
             split_points={2: ("blocks.1",), 4: ("blocks.0", "blocks.1", "blocks.2")},
             input_names=("input_ids",),
             _make_batch=_gpt_batch,
+        ),
+        ModelSpec(
+            name="mhgpt",
+            description="GPT-like decoder with 4 attention heads and a tensor-parallel plan",
+            factory=MultiHeadGPT,
+            loss_fn=cross_entropy_loss,
+            split_points={2: ("blocks.1",), 4: ("blocks.0", "blocks.1", "blocks.2")},
+            input_names=("input_ids",),
+            _make_batch=_gpt_batch,
+            tensor_plan=MHGPT_TENSOR_PLAN,
         ),
         ModelSpec(
             name="skip",

@@ -47,6 +47,7 @@ Ranks that agree
     :func:`~pipedialect.runtime.agreement.root_nonfinite`); sharded tensors
     (:func:`~pipedialect.runtime.sharded.is_sharded`,
     :func:`~pipedialect.runtime.sharded.local_part`,
+    :func:`~pipedialect.runtime.sharded.gathered`,
     :func:`~pipedialect.runtime.sharded.counted_square_norm`).
 
 DeepSpeed's training semantics, for engines that do not run DeepSpeed
@@ -127,6 +128,7 @@ from .runtime import (
     counted_square_norm,
     first_nonfinite_grad,
     first_nonfinite_loss,
+    gathered,
     is_sharded,
     joined_world_size,
     local_part,
@@ -176,6 +178,7 @@ __all__ = [
     "counted_square_norm",
     "first_nonfinite_grad",
     "first_nonfinite_loss",
+    "gathered",
     "given_options",
     "hookimpl",
     "input_spec",

@@ -12,6 +12,9 @@ replicas (four ranks, ``data_parallel_mode="fsdp"``) that read the same micro-ba
 replicas' mean gradient is then the unsplit model's on those micro-batches, and every buffer
 sees what the unsplit model's sees, so the reference is unchanged while the sharding, the
 units, the reduction and the loss scale are all exercised (parameters are reported whole).
+With ``tp`` each model runs on two stages whose stem and blocks' linear layers are sharded over
+a tensor axis of two ranks (:func:`tensor_plan`; four ranks), both ranks of the axis reading
+the same micro-batches: the reference is the unsplit model's again.
 :func:`compare` runs the unsplit reference in the test process and compares. A named
 pipedialect error while building or in the first call is returned as a refusal (every rank must
 refuse alike); one in a later call, or any other exception, fails the launch.
@@ -29,7 +32,19 @@ import pipedialect
 from pipedialect.runtime.sharded import gathered
 
 
-def _one(dialect: Any, spec: fm.FuzzSpec, fsdp: bool = False) -> dict[str, Any]:
+def tensor_plan(spec: fm.FuzzSpec) -> dict[str, str]:
+    """The tensor-parallel plan the fuzzer gives ``spec`` over two ranks: the stem colwise (its
+    output gathered whole), and every block's ``lin`` colwise or rowwise (by the seed's parity:
+    a rowwise module fed a whole tensor cuts its own slice of it)."""
+    if spec.dim % 2:
+        return {}
+    plan = {"stem": "colwise"}
+    if any(st.params != "none" for st in spec.state) or not spec.state:
+        plan["blocks.*.lin"] = "rowwise" if spec.seed % 2 else "colwise"
+    return plan
+
+
+def _one(dialect: Any, spec: fm.FuzzSpec, fsdp: bool = False, tp: bool = False) -> dict[str, Any]:
     model = fm.build_model(spec)  # on the meta device when spec.meta: each rank fills its own
     batches = fm.micro_batches(spec)
     initial = fm.buffer_values(fm.FuzzModel(spec))
@@ -42,7 +57,17 @@ def _one(dialect: Any, spec: fm.FuzzSpec, fsdp: bool = False) -> dict[str, Any]:
     phase = "build"
     losses = []
     try:
-        if fsdp:
+        if tp:
+            module = dialect.pipe_engine(
+                plan,
+                config=config,
+                loss_fn=fm.fuzz_loss,
+                schedule=spec.pipe_schedule,
+                topology=dialect.make_topology(plan.num_stages, 1, tensor_parallel=2),
+                tensor_parallel=tensor_plan(spec),
+                init_weights=fm.init_weights(spec, plan),
+            )
+        elif fsdp:
             config["train_batch_size"] *= 2  # two replicas, each reading the same batches
             module = dialect.pipe_engine(
                 plan,
@@ -101,10 +126,11 @@ def _one(dialect: Any, spec: fm.FuzzSpec, fsdp: bool = False) -> dict[str, Any]:
 
 
 def run_specs(
-    dialect_name: str, cases: list[int | fm.FuzzSpec], fsdp: bool = False
+    dialect_name: str, cases: list[int | fm.FuzzSpec], fsdp: bool = False, tp: bool = False
 ) -> list[dict[str, Any]]:
     """Train every case (a seed, or a spec to replay) in turn on this rank; one result each
-    (``fsdp``: sharded over two replicas, see the module note)."""
+    (``fsdp``: sharded over two replicas; ``tp``: sharded over a tensor axis of two ranks; see
+    the module note)."""
     torch.set_num_threads(1)
     dialect = pipedialect.get_dialect(dialect_name)
     dialect.init_distributed()
@@ -112,7 +138,7 @@ def run_specs(
     for case in cases:
         spec = case if isinstance(case, fm.FuzzSpec) else fm.spec_from_seed(case, dialect_name)  # type: ignore[arg-type]
         try:
-            results.append(_one(dialect, spec, fsdp))
+            results.append(_one(dialect, spec, fsdp, tp))
         except Exception as exc:  # the launch fails with this rank's traceback: name the model
             exc.add_note(f"while training on {dialect_name}:\n{spec.describe()}")
             raise

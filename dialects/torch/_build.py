@@ -27,6 +27,13 @@ from pipedialect.sdk import (
 from ._fsdp import check_fsdp_schedule, fsdp_reduce_dtype
 from ._replicas import check_data_parallel_mode
 from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
+from ._tensor import (
+    TensorLayout,
+    apply_layout,
+    resolve_layout,
+    retie_sharded,
+    unsharded_copies,
+)
 
 if TYPE_CHECKING:
     from pipedialect.sdk import PipelinePlan, PipelineRequest
@@ -56,18 +63,20 @@ def resolve_placement(
     return stage_to_rank(spec, num_stages, num_ranks)
 
 
-def _grid(topology: Topology | None) -> tuple[int, int] | None:
-    """The topology's ``(pipe, data)`` sizes; None without a topology."""
+def _grid(topology: Topology | None) -> tuple[int, int, int] | None:
+    """The topology's ``(pipe, data, tensor)`` sizes; None without a topology."""
     if topology is None:
         return None
     pipe = check_topology(topology)  # the pipe axis counts ranks here, not stages
     data = topology.get_dim("data") or 1
-    if topology.world_size() != pipe * data:
+    tensor = topology.get_dim("tensor") or 1
+    if topology.world_size() != pipe * data * tensor:
         raise TopologyError(
-            f"the topology has {topology.world_size()} ranks but a pipe axis of {pipe} and a "
-            f"data axis of {data}; the torch dialect needs every rank on the pipe x data grid"
+            f"the topology has {topology.world_size()} ranks but a pipe axis of {pipe}, a "
+            f"data axis of {data} and a tensor axis of {tensor}; the torch dialect needs every "
+            "rank on the pipe x data x tensor grid"
         )
-    return pipe, data
+    return pipe, data, tensor
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -87,6 +96,7 @@ def build_pipeline(
     stages_per_rank: int | None,
     device: torch.device | str | None,
     data_parallel_mode: object = None,
+    tensor_parallel: object = None,
 ) -> TorchPipeline:
     """Validate what is torch's own, then build the :class:`~.engine.TorchPipeline` of this rank.
 
@@ -96,12 +106,21 @@ def build_pipeline(
     mode = check_data_parallel_mode(data_parallel_mode)
     grid = _grid(topology)
     data = 1 if grid is None else grid[1]
+    tensor = 1 if grid is None else grid[2]
     config = parse_config(request.config, world_size=data)
     spec = resolve_schedule(schedule)
     check_split_backward_stages(spec, request.stages)
     if mode == "fsdp":
         check_fsdp_schedule(spec)
         fsdp_reduce_dtype(config.precision)
+    layout = resolve_layout(tensor_parallel, request.stages, plan.model, tensor, plan.tie_groups)
+    if layout is None and tensor > 1:
+        raise ConfigError(
+            f"the topology has a tensor axis of {tensor} ranks but pipe_engine was given no "
+            "tensor_parallel plan, so every rank of that axis would run the same whole "
+            "stages; pass tensor_parallel={'<module path glob>': 'colwise' | 'rowwise'} (or "
+            "'auto' for a Hugging Face model), or build the topology with tensor_parallel=1"
+        )
     num_stages = plan.num_stages
     if grid is not None:
         placement = resolve_placement(spec, num_stages, grid[0], stages_per_rank)
@@ -123,6 +142,7 @@ def build_pipeline(
         request.init_weights,
         fsdp=mode == "fsdp",
         precision=config.precision,
+        layout=layout,
     )
 
 
@@ -172,6 +192,7 @@ def _construct(
     *,
     fsdp: bool = False,
     precision: Precision | None = None,
+    layout: TensorLayout | None = None,
 ) -> TorchPipeline:
     import torch.distributed as dist
 
@@ -184,17 +205,37 @@ def _construct(
 
     pipe = len(set(pipe_placement.values()))
     where = _device(device)
+    tensor = 1 if layout is None else layout.size
     replicas = Replicas(
-        pipe, data, topology if data > 1 else None, mesh=fsdp, device_type=where.type
+        pipe,
+        data,
+        topology if data > 1 or tensor > 1 else None,
+        tensor=tensor,
+        mesh=fsdp,
+        device_type=where.type,
     )
     placements = replicas.placements(pipe_placement)
     rank = dist.get_rank()
     local = [k for k, r in placements[replicas.line].items() if r == rank]
     # Sharded with weights to load: shard on the meta device first, so that each rank
     # materialises its shards only ([Note: FSDP on torch] in ``_fsdp``).
-    shard_first = fsdp and init_weights is not None
+    shard_first = (fsdp or layout is not None) and init_weights is not None
     if not shard_first:
         prepare_local_stages(plan, local, where, init_weights)
+    references: dict[int, nn.Module] = {}
+    if layout is not None:
+        # Every rank of the tensor axis starts from its rank 0's whole stages, which the
+        # shards are then cut from; the first batch checks the layout against copies. Under
+        # bf16 the stages are cast first: a sharded parameter is cast as a whole, here.
+        if precision is not None and precision.bf16:
+            for k in local:
+                cast_parameters(stages[k], precision.param_dtype)
+        if not shard_first:
+            replicas.broadcast_state(nn.ModuleList(stages[k] for k in local))
+        references = unsharded_copies({k: stages[k] for k in local})
+        for k in local:
+            apply_layout(k, stages[k], layout, replicas.mesh["tensor"])
+        retie_sharded(plan.tie_groups, stages, local)
     ties = TieSync.build(plan.tie_groups, stages, placements, line=replicas.line)
     pipeline = TorchPipeline(
         plan,
@@ -207,7 +248,9 @@ def _construct(
         device=where,
         replicas=replicas,
     )
-    if not fsdp:
+    pipeline.tensor_layout = layout
+    pipeline.references = references
+    if not fsdp and not shard_first:
         replicas.broadcast_state(pipeline)
         ties.broadcast_weights()
         return pipeline
@@ -215,6 +258,12 @@ def _construct(
     if not shard_first:  # replicas start from replica 0's whole stages
         replicas.broadcast_state(pipeline)
         ties.broadcast_weights()
+    if not fsdp:  # tensor parallel alone, on the meta device: materialise the shards
+        prepare_local_stages(plan, local, where, init_weights)
+        pipeline.ties = ties.rebind(stages)
+        replicas.broadcast_state(pipeline)
+        pipeline.ties.broadcast_weights()
+        return pipeline
     if precision.bf16:  # cast before sharding: FSDP gathers what the engine trains
         cast_parameters(pipeline, precision.param_dtype)
     sharded = FsdpStages(

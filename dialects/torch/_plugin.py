@@ -47,6 +47,14 @@ class TorchOptions:
             "stage's parameters, gradients and optimizer state sharded over the data axis)"
         },
     )
+    tensor_parallel: Any = field(
+        default=None,
+        metadata={
+            "doc": "{'<module path glob>': 'colwise' | 'rowwise'}: nn.Linear and nn.Embedding "
+            "modules sharded over the topology's tensor axis; 'auto': a Hugging Face model's "
+            "config.base_model_tp_plan"
+        },
+    )
 
 
 class TorchDialect(Dialect):
@@ -77,6 +85,7 @@ class TorchDialect(Dialect):
         Capability.CHECKPOINTS,
         Capability.DATA_PARALLEL,
         Capability.SHARDED_DATA_PARALLEL,
+        Capability.TENSOR_PARALLEL,
         Capability.PORTABLE_CHECKPOINTS,
         Capability.TRACING,
         Capability.TRAINER_LOOP,
@@ -128,6 +137,7 @@ class TorchDialect(Dialect):
             stages_per_rank=stages_per_rank,
             device=opts.device,
             data_parallel_mode=opts.data_parallel_mode,
+            tensor_parallel=opts.tensor_parallel,
         )
 
     def _build_engine(self, request: EngineRequest[NoOptions]) -> RuntimeEngine:
@@ -189,8 +199,6 @@ class TorchDialect(Dialect):
         Raises:
             TopologyError: ``data_parallel`` or ``tensor_parallel`` is not a positive integer,
                 or the stages do not divide evenly.
-            MissingCapabilityError: ``tensor_parallel > 1`` (tensor parallelism is not
-                declared by this dialect yet).
         """
         from pipedialect import GridTopology
         from pipedialect.sdk import check_tensor_axis

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedialect import ConfigError, Topology
-from pipedialect.sdk import is_sharded
+from pipedialect.sdk import is_sharded, local_part
 
 __all__: list[str] = []
 
@@ -95,6 +95,29 @@ def _rank_at(
     if topology.get_dim("tensor"):
         coords["tensor"] = tensor
     return int(topology.filter_match(**coords)[0])
+
+
+def _over_data(tensor: Any) -> bool:
+    """Whether ``tensor`` is sharded over the data axis (FSDP), not only the tensor axis."""
+    if not is_sharded(tensor):
+        return False
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return "data" in names
+
+
+def _broadcast(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:
+    """Broadcast ``tensors`` from global rank ``src`` over ``group``, one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in same])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 class Replicas:
@@ -147,11 +170,15 @@ class Replicas:
         self.mesh: Any = None
         self.pipeline_group: Any = None
         self.data_group: Any = None
+        #: The ranks of this pipeline position and replica on the tensor axis (None: one).
+        self.tensor_group: Any = None
         if data > 1 or tensor > 1 or mesh:
             self.mesh = self._build_mesh(device_type)
             self.pipeline_group = self.mesh.get_group("pipe")
             if data > 1:
                 self.data_group = self.mesh.get_group("data")
+            if tensor > 1:
+                self.tensor_group = self.mesh.get_group("tensor")
             logger.debug(
                 "replica %d of %d, tensor rank %d of %d, pipeline ranks %s",
                 self.replica,
@@ -186,30 +213,28 @@ class Replicas:
         return [{k: ranks[p] for k, p in pipe_placement.items()} for ranks in self.ranks]
 
     def broadcast_state(self, module: nn.Module) -> None:
-        """Give every replica replica 0's parameters and buffers of this rank's stages.
+        """Give every replica replica 0's parameters and buffers of this rank's stages, and
+        every rank of the tensor axis its rank 0's whole tensors.
 
         Every rank builds its own model; this makes the replicas start equal even when the
         model's initialisation is not seeded alike on every rank (as DeepSpeed's engine
-        broadcasts the model at start). Nothing happens with one replica.
+        broadcasts the model at start). Nothing happens with one replica and no tensor axis.
         """
+        if self.tensor_group is not None:
+            # Whole tensors first, within the replica: a tensor-parallel shard was cut from
+            # the tensor axis' rank 0 already (``_tensor``).
+            whole = [p.data for p in module.parameters() if not is_sharded(p)]
+            whole += [b for b in module.buffers() if not is_sharded(b)]
+            src = self.ranks[self.replica * self.tensor][self.position]
+            _broadcast(whole, src, self.tensor_group)
         if self.data_group is None:
             return
-        # A sharded parameter holds another slice on every replica: nothing to broadcast
-        # (its stage was loaded alike on every replica, ``_fsdp``).
-        tensors = [p.data for p in module.parameters() if not is_sharded(p)]
-        tensors += [b for b in module.buffers() if not is_sharded(b)]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        src = self.ranks[self.tensor_rank][self.position]
-        with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.reshape(-1) for t in group])
-                dist.broadcast(flat, src=src, group=self.data_group)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        # A parameter sharded over the data axis (FSDP) holds another slice on every replica:
+        # nothing to broadcast (its stage was loaded alike on every replica, ``_fsdp``); a
+        # tensor-parallel shard is the same slice on every replica.
+        tensors = [local_part(p.data) for p in module.parameters() if not _over_data(p)]
+        tensors += [local_part(b) for b in module.buffers() if not _over_data(b)]
+        _broadcast(tensors, self.ranks[self.tensor_rank][self.position], self.data_group)
 
     def sum_grads(self, parameters: Sequence[nn.Parameter]) -> None:
         """Sum the gradients of ``parameters`` over this position's data-parallel group.
@@ -225,7 +250,7 @@ class Replicas:
                 param.grad = torch.zeros_like(param)
             by_dtype.setdefault(param.grad.dtype, []).append(param)
         for params in by_dtype.values():
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = [local_part(p.grad) for p in params if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_group)
             offset = 0

@@ -33,7 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedialect import CheckpointError, ConfigError, DataError, PipeDialectError, StageWrapper
+from pipedialect import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    PipeDialectError,
+    PlanMismatchError,
+    StageWrapper,
+)
 from pipedialect.sdk import (
     EngineBase,
     ParamGroupsFn,
@@ -59,6 +66,7 @@ from ._replicas import Replicas
 from ._schedules import ScheduleSpec
 from ._setup import StageExamples, infer_examples
 from ._stage import BatchContext, LossAdapter, StageRunner, pipeline_stage_class, to_device
+from ._tensor import TensorLayout, check_stage
 from ._ties import TieSync, clip_global_norm
 
 __all__ = ["TorchEngine", "TorchPipeline"]
@@ -107,6 +115,14 @@ class TorchPipeline(nn.Module):
             self.runners.to(device)  # a meta stage is sharded, then materialised (``_fsdp``)
         #: This rank's stages under FSDP (``_fsdp`` [Note: FSDP on torch]); None otherwise.
         self.fsdp: FsdpStages | None = None
+        #: The tensor-parallel layout (``_tensor`` [Note: tensor parallel on torch]); None
+        #: without a tensor axis.
+        self.tensor_layout: TensorLayout | None = None
+        #: Unsharded copies of this rank's tensor-parallel stages, until the first batch has
+        #: checked the layout against them.
+        self.references: dict[int, nn.Module] = {}
+        #: The first batch's layout check failed on some rank: every later batch is refused.
+        self._layout_error: PipeDialectError | None = None
         self._loss = LossAdapter(loss_fn, self.context)
         self._stages: list[Any] = []
         self._schedules: dict[int, Any] = {}
@@ -136,6 +152,46 @@ class TorchPipeline(nn.Module):
         return self.fsdp is not None
 
     @property
+    def norm_over_mesh(self) -> bool:
+        """Whether the gradient norm is summed over every rank of the mesh (sharded parameters)
+        rather than over one pipeline's ranks."""
+        return self.fsdp is not None or self.tensor_layout is not None
+
+    def not_counted_here(self) -> set[int]:
+        """The ids of this rank's parameters whose gradients another rank counts in the norm:
+        a tied copy not on its owning rank, and under tensor parallelism every part that
+        another replica or rank of the tensor axis holds too (counted on coordinate 0)."""
+        skip = self.ties.not_counted_here()
+        if self.tensor_layout is None:
+            return skip
+        replica, tensor_rank = self.replicas.replica, self.replicas.tensor_rank
+        for param in self.parameters():
+            if not is_sharded(param):
+                if replica or tensor_rank:
+                    skip.add(id(param))
+                continue
+            names = param.device_mesh.mesh_dim_names or ()  # type: ignore[attr-defined]
+            if ("data" not in names and replica) or ("tensor" not in names and tensor_rank):
+                skip.add(id(param))
+        return skip
+
+    def align_grads(self) -> None:
+        """Lay out each sharded parameter's gradient as the parameter is laid out.
+
+        DTensor's backward may return a gradient in another placement than its parameter's
+        (an embedding sharded by vocabulary gets a replicated gradient); everything after the
+        backward -- tie sums, data-parallel sums, norms, checks -- works on local parts, which
+        must be the parameter's. Cutting a replicated gradient to a shard is local.
+        """
+        if self.tensor_layout is None:
+            return
+        for param in self.parameters():
+            grad: Any = param.grad
+            laid: Any = param
+            if is_sharded(grad) and grad.placements != laid.placements:
+                param.grad = grad.redistribute(laid.device_mesh, laid.placements)
+
+    @property
     def built(self) -> bool:
         """Whether the ``PipelineStage`` objects exist (after the first batch)."""
         return bool(self._stages)
@@ -155,6 +211,8 @@ class TorchPipeline(nn.Module):
         self._examples = infer_examples(
             {r.stage_id: r for r in self._runners()}, self.placement, first_inputs, self.device
         )
+        if self.tensor_layout is not None:
+            self._check_tensor_layout(first_inputs)
         self._stages = [
             stage_cls(
                 runner,
@@ -168,6 +226,45 @@ class TorchPipeline(nn.Module):
             for runner in self._runners()
         ]
         self.schedule(num_micro_batches)
+
+    def _check_tensor_layout(self, first_inputs: Any) -> None:
+        """Run each tensor-parallel stage and its unsharded copy on the first micro-batch's
+        boundary values and compare (``_tensor`` [Note: tensor parallel on torch]); then drop
+        the copies."""
+        assert self._examples is not None
+        references, self.references = self.references, {}
+        error: PipeDialectError | None = None
+        try:
+            for runner in self._runners():
+                k = int(runner.stage_id)
+                reference = references.get(k)
+                if reference is None:
+                    continue
+                twin = StageRunner(reference, k, self.num_stages, BatchContext(), self.device)
+                args = [first_inputs] if runner.first else list(self._examples[k].inputs)
+                check_stage(
+                    k,
+                    lambda a, r=runner: _run_once(r, a),
+                    lambda a, r=twin: _run_once(r, a),
+                    reference,
+                    runner.stage,
+                    args,
+                    gradients=self.fsdp is None,
+                )
+        except PlanMismatchError as exc:
+            error = exc
+        finally:
+            if self.fsdp is not None:
+                self.fsdp.reshard()
+        if error is not None:  # and every later batch is refused too (nothing was checked)
+            self._layout_error = error
+        # Every rank learns the outcome here, before any schedule runs: a mismatch is raised on
+        # every rank alike and the process group stays usable.
+        try:
+            agree_on_error(error, device=self.device, what="the tensor-parallel layout check")
+        except PipeDialectError as exc:
+            self._layout_error = exc
+            raise
 
     def _runners(self) -> list[StageRunner]:
         return [r for r in self.runners if isinstance(r, StageRunner)]
@@ -230,6 +327,8 @@ class TorchPipeline(nn.Module):
         ``batches`` holds the micro-batches on ranks holding the first or last stage, and is
         empty elsewhere.
         """
+        if self._layout_error is not None:
+            raise self._layout_error
         if self.fsdp is not None:
             self.fsdp.check_untouched()
         if not self.built:
@@ -267,6 +366,26 @@ class TorchPipeline(nn.Module):
         for i in range(1, count):
             total += self.context.losses[i]
         return (total / count).to(self.device)
+
+
+def _run_once(runner: StageRunner, args: Sequence[Any]) -> Any:
+    """One forward of ``runner`` outside the schedule (through its own call, hooks included);
+    the stage's raw output on the last stage, else its wire."""
+    ctx = runner._context
+    if runner.first:
+        saved = ctx.inputs
+        ctx.inputs = [args[0]]
+        try:
+            out = runner(torch.zeros(1, dtype=torch.int64))
+        finally:
+            ctx.inputs = saved
+    else:
+        out = runner(*args)
+    if runner.last:
+        out = ctx.pending_output
+        ctx.pending_output = None
+        ctx.has_pending = False
+    return out
 
 
 class _Accumulate:
@@ -446,6 +565,7 @@ class TorchEngine(EngineBase):
         grad_of = None if self.mixed is None else self.grad_of
         try:
             loss = module.run(batches, gas, train=True)
+            module.align_grads()
             self.accumulate_grads()  # bf16: whatever a backward path left in a bf16 .grad
             if grad_of is None:
                 module.ties.all_reduce_grads()
@@ -463,9 +583,9 @@ class TorchEngine(EngineBase):
         except BaseException:
             self.zero_grads()
             raise
-        skip = module.ties.not_counted_here()
+        skip = module.not_counted_here()
         # Whole gradients: one pipeline's ranks hold one copy of each; shards: every rank.
-        norm_group = None if module.sharded else module.replicas.pipeline_group
+        norm_group = None if module.norm_over_mesh else module.replicas.pipeline_group
         self.take_step(
             lambda: clip_global_norm(
                 params, self.config.gradient_clipping, skip, module.device, norm_group

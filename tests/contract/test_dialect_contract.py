@@ -92,7 +92,13 @@ def test_list_json_shows_each_dialects_options() -> None:
         assert main(["list", "--json"]) == 0
     listed = {d["name"]: d for d in json.loads(out.getvalue())}
     torch_options = {o["name"]: o for o in listed["torch"]["options"]}
-    assert set(torch_options) == {"schedule", "stages_per_rank", "device", "data_parallel_mode"}
+    assert set(torch_options) == {
+        "schedule",
+        "stages_per_rank",
+        "device",
+        "data_parallel_mode",
+        "tensor_parallel",
+    }
     assert torch_options["schedule"]["type"] == "str | None" and torch_options["schedule"]["doc"]
     assert {"model_parameters", "training_data"} <= {
         o["name"] for o in listed["deepspeed"]["engine_options"]

@@ -74,7 +74,23 @@ def test_every_proposal_is_a_layout_the_dialect_runs() -> None:
     assert any(r.layout.data_parallel_mode == "fsdp" for r in simulated)
     notes = plan.describe()
     assert "sharded data parallelism (FSDP): not offered by this dialect" not in notes
-    assert "tensor parallelism: not offered by this dialect" in notes
+    assert "tensor parallelism: pass tensor_parallel={glob: style} to consider it" in notes
+
+
+def test_tensor_parallel_layouts_appear_for_the_torch_dialect_and_run() -> None:
+    """The torch dialect declares tensor-parallel: with a plan, TP layouts are simulated, and
+    the best TP layout's arguments are ones pipe_engine and make_topology accept."""
+    from pipedialect.models import MHGPT_TENSOR_PLAN, MultiHeadGPT
+
+    plan = plan_layout(
+        MultiHeadGPT(), IDS, tensor_parallel=MHGPT_TENSOR_PLAN, exhaustive=True, **BASE
+    )
+    tensor = [r for r in plan.rows if r.prediction is not None and r.layout.tensor_parallel > 1]
+    assert tensor, plan.describe()
+    layout = tensor[0].layout
+    topology = layout.topology(pipedialect.get_dialect("torch"))
+    assert topology.get_dim("tensor") == layout.tensor_parallel
+    assert topology.world_size() == 4
 
 
 def test_deepspeed_gets_only_its_1f1b() -> None:

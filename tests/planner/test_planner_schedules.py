@@ -240,8 +240,8 @@ def test_offer_reads_the_schedules_and_modes_the_dialect_declares() -> None:
     assert torch_offer.data_parallel and torch_offer.fsdp
     assert torch_offer.fsdp_schedules == ("gpipe", "1f1b")
     assert torch_offer.runs("fsdp", "1f1b") and not torch_offer.runs("fsdp", "interleaved_1f1b")
-    assert not torch_offer.tensor_parallel
-    assert any("tensor parallelism: not offered" in n for n in torch_offer.not_offered)
+    assert torch_offer.tensor_parallel  # the capability and the tensor_parallel option
+    assert not any("tensor parallelism: not offered" in n for n in torch_offer.not_offered)
     ds_offer = offer_of(pipedialect.get_dialect("deepspeed"))
     assert ds_offer.schedules == (DEEPSPEED_SCHEDULE,)
     with pytest.raises(ConfigError, match="one process"):

@@ -62,6 +62,21 @@ def test_demo_fsdp_runs_the_torch_dialect_over_two_replicas_or_is_refused_by_nam
         check_settings(settings("--fsdp", "--dp", "1"))
 
 
+def test_demo_tp_runs_the_torch_dialect_over_a_tensor_axis_or_is_refused_by_name() -> None:
+    from pipedialect.cli import build_parser, demo_settings
+
+    def settings(*argv: str) -> DemoSettings:
+        return demo_settings(build_parser().parse_args(["demo", *argv]))
+
+    chosen = settings("--tp", "2")
+    assert (chosen.dialect, chosen.dp, chosen.tp) == ("torch", 1, 2)
+    assert check_settings(chosen).name == "torch"
+    with pytest.raises(ConfigError, match="does not declare \\(tensor-parallel\\)"):
+        check_settings(settings("--tp", "2", "--dialect", "deepspeed"))
+    with pytest.raises(ConfigError, match="--tp must divide"):
+        check_settings(settings("--tp", "3"))
+
+
 @pytest.mark.distributed
 def test_local_demo_matches_its_reference(tmp_path: Path) -> None:
     out = run_cli("--dialect", "local", "--stages", "4", "--steps", "3", "--no-plot", cwd=tmp_path)

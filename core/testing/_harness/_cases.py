@@ -42,6 +42,8 @@ class Case:
     stages: int
     #: Data-parallel replicas.
     data_parallel: int = 1
+    #: Ranks on the tensor axis (each stage's modules sharded over them, ``tensor_parallel``).
+    tensor_parallel: int = 1
     #: Optimizer steps (``train_batch`` calls).
     steps: int = 3
     #: Micro-batches per step.
@@ -65,8 +67,14 @@ class Case:
 
     @property
     def world_size(self) -> int:
-        """Ranks a multi-process dialect with one stage per rank needs: ``stages * dp``."""
-        return self.stages * self.data_parallel
+        """Ranks a multi-process dialect with one stage per rank needs: ``stages * dp * tp``."""
+        return self.stages * self.data_parallel * self.tensor_parallel
+
+    @property
+    def tensor_kwargs(self) -> dict[str, int]:
+        """``make_topology``'s tensor axis, given only when the case has one (a dialect whose
+        ``make_topology`` predates the argument still runs the other cases)."""
+        return {"tensor_parallel": self.tensor_parallel} if self.tensor_parallel > 1 else {}
 
     @property
     def title(self) -> str:
@@ -74,13 +82,17 @@ class Case:
         text = f"{self.model}, {self.stages} stages"
         if self.data_parallel > 1:
             text += f" x {self.data_parallel} replicas"
+        if self.tensor_parallel > 1:
+            text += f" x tensor {self.tensor_parallel}"
         return text
 
     def applies_to(self, capabilities: frozenset[Capability]) -> bool:
         """Whether a dialect declaring ``capabilities`` runs this case."""
         if not self.requires <= capabilities or self.refuses & capabilities:
             return False
-        return Capability.MULTI_PROCESS in capabilities or self.data_parallel == 1
+        return Capability.MULTI_PROCESS in capabilities or (
+            self.data_parallel == 1 and self.tensor_parallel == 1
+        )
 
 
 _T = Capability.TIED_WEIGHTS
@@ -92,6 +104,7 @@ _D = Capability.DYNAMIC_SHAPES
 _M = Capability.MULTI_PROCESS
 _DP = Capability.DATA_PARALLEL
 _SDP = Capability.SHARDED_DATA_PARALLEL
+_TP = Capability.TENSOR_PARALLEL
 _C = Capability.CHECKPOINTS
 _PC = Capability.PORTABLE_CHECKPOINTS
 _TR = Capability.TRACING
@@ -132,6 +145,20 @@ CASES: tuple[Case, ...] = (
         data_parallel=2,
         default_path=True,
         engine_kwargs=(("data_parallel_mode", "fsdp"),),
+    ),
+    # The modules of each stage sharded over a tensor axis of 2 ranks with the model's own plan
+    # (the heads, the MLP's features, the tied embedding and LM head by vocabulary), a tie
+    # across the stages, clipping on every step.
+    _train(
+        "mhgpt-2-tp2",
+        "mhgpt",
+        2,
+        _T,
+        _M,
+        _TP,
+        tensor_parallel=2,
+        clip=0.05,
+        engine_kwargs=(("tensor_parallel", "model"),),
     ),
     _train("skip-2", "skip", 2, _S, _G, probe=True),
     _train("skip-4", "skip", 4, _S, _G, probe=True),

@@ -155,7 +155,11 @@ class DialectRun:
         its engine reports why.
         """
         try:
-            return int(self.dialect.make_topology(case.stages, case.data_parallel).world_size())
+            return int(
+                self.dialect.make_topology(
+                    case.stages, case.data_parallel, **case.tensor_kwargs
+                ).world_size()
+            )
         except PipeDialectError:
             return case.world_size
 

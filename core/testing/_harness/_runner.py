@@ -349,13 +349,16 @@ class _Built:
         self.spec = spec
         self.plan: PipelinePlan = partition(spec.build(seed), spec.split_points_for(case.stages))
         self.config = suite_config(case)
-        self.topology = dialect.make_topology(case.stages, case.data_parallel)
+        self.topology = dialect.make_topology(case.stages, case.data_parallel, **case.tensor_kwargs)
         self.replica = _replica(self.topology, multi)
+        extra = dict(case.engine_kwargs)
+        if extra.get("tensor_parallel") == "model":  # the model's own plan
+            extra["tensor_parallel"] = dict(spec.tensor_plan or {})
         kwargs: dict[str, Any] = {
             "config": self.config,
             "loss_fn": spec.loss_fn,
             "topology": self.topology,
-            **dict(case.engine_kwargs),
+            **extra,
             **options.pipe,
         }
         stage_modules: list[nn.Module] | None = None

@@ -81,7 +81,9 @@ class TestTies(SuiteBase):
                 )
         fail_if(failures)
 
-    @pytest.mark.parametrize("case", case_params("gpt-2", "gpt-4", "gpt-2x2", "gpt-2x2-fsdp"))
+    @pytest.mark.parametrize(
+        "case", case_params("gpt-2", "gpt-4", "gpt-2x2", "gpt-2x2-fsdp", "mhgpt-2-tp2")
+    )
     def test_tied_training_matches_unsplit(self, dialect_run: DialectRun, case: str) -> None:
         """Tied copies on different ranks train exactly like the one shared parameter."""
         fail_if(training_failures(self.case_result(dialect_run, case)))
