@@ -26,6 +26,7 @@ from pipedialect.dialect import (
     check_tensor_axis,
     given_options,
 )
+from pipedialect.runtime.topology import join_with_deadline
 
 from ._stage import DeepSpeedStageWrapper
 
@@ -250,6 +251,12 @@ class DeepSpeedDialect(Dialect):
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not _discovered_job() and not torch.distributed.is_initialized():
+            # Joined first with a deadline (``pipedialect.runtime.topology`` [Note: bounded
+            # rendezvous]); DeepSpeed then adopts the process group.
+            from deepspeed.constants import default_pg_timeout
+
+            join_with_deadline(backend, default_pg_timeout)
         deepspeed.init_distributed(dist_backend=backend)
 
 
@@ -265,6 +272,13 @@ _DISCOVERED_JOB_VARIABLES = (
     "AZUREML_EXPERIMENT_ID",
     "SM_TRAINING_ENV",
 )
+
+
+def _discovered_job() -> bool:
+    """Whether DeepSpeed finds this job's ranks itself (MPI, AzureML, SageMaker) rather than
+    from a launcher's variables."""
+    missing = [name for name in _LAUNCH_VARIABLES if name not in os.environ]
+    return bool(missing) and any(name in os.environ for name in _DISCOVERED_JOB_VARIABLES)
 
 
 def _check_launched() -> None:
