@@ -184,7 +184,9 @@ def _case(run: _Run, directory: Path, phase: str, how: str, victim: int, case: s
             finally:
                 checkpoint._read_tensors = original  # type: ignore[assignment]
         loader = _Loader(fault)
-        return _attempt(lambda: checkpoint.load(engine, directory / "ckpt", tag="a", dataloader=loader))
+        return _attempt(
+            lambda: checkpoint.load(engine, directory / "ckpt", tag="a", dataloader=loader)
+        )
     raise ValueError(phase)
 
 
@@ -210,7 +212,7 @@ def faults(
     if disagreements:
         out["disagree"] = disagree(run, disagreements)
     (root / f"preamble.rank{run.rank}").write_bytes(pickle.dumps(out))
-    plan, engine = run.build()
+    _, engine = run.build()
     engine.train_batch(iter(step_batches(0)))
     checkpoint.save(engine, root / "ckpt", tag="a", dataloader=_Loader())
     dist.barrier()

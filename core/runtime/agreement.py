@@ -443,9 +443,7 @@ class _Session:
             self.store.add(key, 1)
             deadline = time.monotonic() + LEAVE_SECONDS
             while (
-                waits
-                and int(self.store.add(key, 0)) < self.world
-                and time.monotonic() < deadline
+                waits and int(self.store.add(key, 0)) < self.world and time.monotonic() < deadline
             ):
                 time.sleep(0.005)
 
@@ -510,9 +508,9 @@ def is_connection_error(exc: BaseException) -> bool:
         # torch.distributed.checkpoint reports a rank's failed collective in the message of
         # its own CheckpointException (a BaseException), with the original traceback.
         checkpoint = type(current).__name__ == "CheckpointException"
-        if isinstance(current, RuntimeError) or checkpoint:
-            if any(m in str(current) for m in markers):
-                return True
+        worded = isinstance(current, RuntimeError) or checkpoint
+        if worded and any(m in str(current) for m in markers):
+            return True
         current = current.__cause__ or current.__context__
     return False
 

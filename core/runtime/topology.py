@@ -184,6 +184,7 @@ def join_with_deadline(backend: str, timeout: Any = None) -> None:
     import datetime
 
     import torch.distributed as dist
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     address = os.environ["MASTER_ADDR"]
     port = int(os.environ["MASTER_PORT"])
@@ -218,7 +219,7 @@ def join_with_deadline(backend: str, timeout: Any = None) -> None:
 
     def form() -> None:
         try:
-            result["store"] = dist.TCPStore(
+            result["store"] = TCPStore(
                 address,
                 port,
                 world,

@@ -240,6 +240,9 @@ class DeepSpeedDialect(Dialect):
             ConfigError: the process was not started by a launcher (plain ``python``): DeepSpeed
                 would look for an MPI job instead and fail inside ``mpi4py``.
             ExtensionBuildError: a killed build left its lock; the message names the file.
+            RendezvousError: ``MASTER_PORT`` is held by another program, or not every rank
+                joined in time (the ranks meet with a deadline before DeepSpeed adopts the
+                process group: ``pipedialect.runtime.topology`` [Note: bounded rendezvous]).
         """
         import deepspeed
 
