@@ -196,21 +196,17 @@ def faults(
     cases: list[tuple[str, str, int]],
     *,
     ports: tuple[int, dict[str, int]] | None = None,
-    disagreements: int = 0,
 ) -> dict[str, Any]:
-    """The cases of one launch: with ``ports``, :func:`rendezvous` first; then
-    ``disagreements`` rounds of :func:`disagree`; then checkpoint ``a`` saved (one step
-    trained) and ``cases`` (phase, how, victim) in turn, each on a fresh engine (and a fresh
-    process group when the last was shut down). A ``kill`` case must be the last: the victim
-    does not come back."""
+    """The cases of one launch: with ``ports``, :func:`rendezvous` first; then checkpoint
+    ``a`` saved (one step trained) and ``cases`` (phase, how, victim) in turn, each on a fresh
+    engine (and a fresh process group when the last was shut down). A ``kill`` case must be
+    the last: the victim does not come back."""
     out: dict[str, Any] = {}
     if ports is not None:
         out["rendezvous"] = rendezvous(*ports)
     run = _Run(dialect_name)
     out["rank"] = run.rank
     root = Path(directory)
-    if disagreements:
-        out["disagree"] = disagree(run, disagreements)
     (root / f"preamble.rank{run.rank}").write_bytes(pickle.dumps(out))
     _, engine = run.build()
     engine.train_batch(iter(step_batches(0)))
@@ -230,29 +226,27 @@ def faults(
 # -- ranks that disagree, then leave at once ----------------------------------------------------
 
 
-def disagree(run: _Run, repeats: int) -> list[dict[str, Any]]:
-    """Build pipelines of 2 and 3 stages on ranks 0 and 1, ``repeats`` times; after each
-    verdict this rank leaves its process group at once (as a script that ends on the error
-    would), so a rank that raised before its peer had the verdict breaks the peer's
-    collective. Each time on a new process group."""
+def disagree_and_exit(dialect_name: str, directory: str) -> None:
+    """Build pipelines of 2 and 3 stages on ranks 0 and 1, record the error, and end the
+    process at once (as a script that ends on the error does: its sockets close with it), so
+    that a rank which raised before its peer had the verdict breaks the peer's collective.
+    Exits with status 0 and no result: the record is in ``directory``."""
+    run = _Run(dialect_name)
     spec = get_model("skip")
-    out = []
-    for _ in range(repeats):
-        splits = ["blocks.1"] if run.rank == 0 else ["blocks.0", "blocks.2"]
-        plan = partition(spec.factory(seed=0, dim=16), splits)
+    splits = ["blocks.1"] if run.rank == 0 else ["blocks.0", "blocks.2"]
+    plan = partition(spec.factory(seed=0, dim=16), splits)
 
-        def build(plan: Any = plan) -> None:
-            run.dialect.pipe_engine(
-                plan,
-                config=config(),
-                loss_fn=spec.loss_fn,
-                topology=run.dialect.make_topology(plan.num_stages),
-            )
+    def build() -> None:
+        run.dialect.pipe_engine(
+            plan,
+            config=config(),
+            loss_fn=spec.loss_fn,
+            topology=run.dialect.make_topology(plan.num_stages),
+        )
 
-        out.append(_attempt(build))
-        dist.destroy_process_group()
-        run.fresh_group()
-    return out
+    record = _attempt(build)
+    (Path(directory) / f"disagree.rank{run.rank}").write_bytes(pickle.dumps(record))
+    os._exit(0)
 
 
 # -- joining the process group -----------------------------------------------------------------
