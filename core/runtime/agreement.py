@@ -41,8 +41,8 @@ arrived and waits a few seconds (:data:`ARRIVAL_SECONDS`) for every other rank t
   (an operation it left pending would keep them open through an abort) and aborts every group,
   which makes those operations fail at once on every rank. A rank whose operation failed that
   way reads the posted error from the store and raises it, and shuts its own side down too (a
-  rank waiting for *it* is released in turn). Before leaving, the ranks wait (briefly) until
-  each has read the error, so that the rank holding the store does not take it away first.
+  rank waiting for *it* is released in turn). Before leaving, rank 0 waits (briefly) until
+  each rank has read the error, so that it does not take the store it holds away first.
   The process group is gone: every later phase raises the same error, saying that the run
   must be restarted (from a checkpoint).
 
