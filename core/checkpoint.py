@@ -51,13 +51,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .contracts import Capability
 from .dialect import require_capability
 from .engine import checkpoint_files as _files
 from .errors import CheckpointError, ConfigError
 from .plan.partition import MODEL_NAMES
-from .runtime.agreement import agree_on_error
+from .runtime.agreement import agree_on_error, agreed, is_connection_error
 from .runtime.sharded import is_sharded
 
 __all__ = [
@@ -446,9 +447,16 @@ def save(
         MissingCapabilityError: the engine's dialect does not declare portable-checkpoints.
         CheckpointError: ``tag`` is not a valid tag.
     """
+    held = _holdings(engine)
+    with agreed(f"pipedialect.checkpoint.save to {path}"):
+        return _save(held, path, tag=tag, dataloader=dataloader, save_latest=save_latest)
+
+
+def _save(
+    held: _Holdings, path: str | Path, *, tag: str | None, dataloader: Any, save_latest: bool
+) -> Path:
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    held = _holdings(engine)
     local = _local(held)
     summaries = _gather(_summary(local))
     canonical = _canonical(summaries)
@@ -466,8 +474,11 @@ def save(
             state[f"{_OPTIM}{key}.{name}"] = _state_tensor(value)
     for buffer in local.buffers:
         state[_MODEL + buffer.name] = buffer.tensor.detach()
-    with _single_process_quiet():
-        dcp_save(state, checkpoint_id=str(staged), no_dist=not _distributed())
+    try:
+        with _single_process_quiet():
+            dcp_save(state, checkpoint_id=str(staged), no_dist=not _distributed())
+    except (Exception, CheckpointException) as exc:
+        raise _dcp_failure(exc, f"cannot be written to {staged}") from exc
 
     rank = _rank()
     if rank == 0:
@@ -637,12 +648,26 @@ def _read_tensors(
     try:
         with _single_process_quiet():
             dcp_load(state, checkpoint_id=str(directory), no_dist=alone or not _distributed())
-    except Exception as exc:  # DCP raises its own CheckpointException and others
-        raise CheckpointError(
-            f"checkpoint {directory} cannot be read by torch.distributed.checkpoint "
-            f"({type(exc).__name__}: {exc}); load another tag"
+    except (Exception, CheckpointException) as exc:
+        raise _dcp_failure(
+            exc, f"{directory} cannot be read by torch.distributed.checkpoint", "; load another tag"
         ) from exc
     return state
+
+
+def _dcp_failure(exc: BaseException, what: str, advice: str = "") -> Exception:
+    """What a failure of ``torch.distributed.checkpoint`` is raised as.
+
+    A lost peer is not the checkpoint's fault: it becomes a ``RuntimeError`` that the phase's
+    agreement (:func:`~pipedialect.runtime.agreement.agreed`) names a lost connection on every
+    rank, never a :class:`~pipedialect.CheckpointError` that would blame an intact checkpoint.
+    DCP's own ``CheckpointException`` is a ``BaseException`` (it would slip past every
+    ``except Exception``); anything else is a :class:`~pipedialect.CheckpointError`.
+    """
+    text = f"{type(exc).__name__}: {exc}"
+    if is_connection_error(exc):
+        return RuntimeError(f"torch.distributed.checkpoint lost a peer ({text})")
+    return CheckpointError(f"checkpoint {what} ({text}){advice}")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -686,6 +711,24 @@ def load(
         MissingCapabilityError: the engine's dialect does not declare portable-checkpoints.
     """
     held = _holdings(engine)
+    with agreed(f"pipedialect.checkpoint.load from {path}"):
+        return _load(
+            held,
+            path,
+            tag=tag,
+            dataloader=dataloader,
+            load_optimizer_states=load_optimizer_states,
+        )
+
+
+def _load(
+    held: _Holdings,
+    path: str | Path,
+    *,
+    tag: str | None,
+    dataloader: Any,
+    load_optimizer_states: bool,
+) -> Path:
     local = _local(held)
     error: CheckpointError | None = None
     directory = Path(path)

@@ -572,9 +572,14 @@ class Dialect(abc.ABC):
         unchanged under plain ``python``. A dialect whose runtime has its own initialisation
         overrides this.
 
+        The ranks meet with a deadline, never a hang (``pipedialect.runtime.topology``
+        [Note: bounded rendezvous]).
+
         Raises:
             ConfigError: the process was not started by a launcher (``torchrun``, the
                 conformance suite's).
+            RendezvousError: ``MASTER_PORT`` is held by another program, or not every rank
+                joined within ``PIPEDIALECT_RENDEZVOUS_SECONDS``.
         """
         join_process_group(self.name, self.capabilities, backend)
 

@@ -31,6 +31,7 @@ everything the library raises on purpose. Below it, one branch per concern::
     ├── NonFiniteError
     ├── ExtensionBuildError
     ├── LaunchError
+    ├── RendezvousError
     └── RankFailedError
         └── ConnectionLostError
 
@@ -66,6 +67,7 @@ __all__ = [
     "PluginWarning",
     "RankFailedError",
     "RecomputeError",
+    "RendezvousError",
     "SplitPointError",
     "StructureChangedError",
     "TieError",
@@ -283,6 +285,20 @@ class ExtensionBuildError(PipeDialectError):
 
 class LaunchError(PipeDialectError):
     """A rank of a local multi-process launch failed or did not finish in time."""
+
+
+class RendezvousError(PipeDialectError):
+    """The ranks could not form their process group: ``MASTER_PORT`` is held by another
+    program, or a rank did not join in time."""
+
+    def __init__(self, message: str, *, address: str, port: int, seconds: float) -> None:
+        super().__init__(message)
+        #: ``MASTER_ADDR``, where the ranks meet.
+        self.address = address
+        #: ``MASTER_PORT``.
+        self.port = port
+        #: How long this rank tried.
+        self.seconds = seconds
 
 
 class PipeDialectWarning(UserWarning):

@@ -41,8 +41,8 @@ arrived and waits a few seconds (:data:`ARRIVAL_SECONDS`) for every other rank t
   (an operation it left pending would keep them open through an abort) and aborts every group,
   which makes those operations fail at once on every rank. A rank whose operation failed that
   way reads the posted error from the store and raises it, and shuts its own side down too (a
-  rank waiting for *it* is released in turn). Before leaving, the ranks wait (briefly) until
-  each has read the error, so that the rank holding the store does not take it away first.
+  rank waiting for *it* is released in turn). Before leaving, rank 0 waits (briefly) until
+  each rank has read the error, so that it does not take the store it holds away first.
   The process group is gone: every later phase raises the same error, saying that the run
   must be restarted (from a checkpoint).
 
@@ -52,6 +52,32 @@ phase), else a :class:`~pipedialect.RankFailedError` naming the rank, the stage 
 and quoting the original exception (chained on the rank it came from). A rank that lost its
 connection to a peer that posted nothing (killed, say) raises a
 :class:`~pipedialect.ConnectionLostError`. Only multi-process dialects wrap their phases.
+
+[Note: verdict before leaving]
+A verdict every rank computes from one collective (a plan disagreement, a tie frozen on one
+rank, the errors :func:`agree_on_error` gathered) is raised by a rank as soon as it has it. A
+rank that leaves then -- its process ends, as a script's does after an uncaught error -- closes
+its connections while a slower peer may still be receiving what it sent, and that peer sees
+"Connection reset by peer" instead of the verdict. So before raising one, every rank counts
+itself on the store and waits until every rank has (at most :data:`LEAVE_SECONDS`); only then
+is the verdict raised, on every rank. It costs nothing when nobody failed.
+
+[Note: failure bounds]
+How soon every rank raises, counted from the failure, on gloo (127.0.0.1 or a network):
+
+- an exception on one rank whose peers can all reach the end of the phase: as soon as they do;
+  one whose peers wait for it (inside a step): :data:`ARRIVAL_SECONDS` plus the time to shut
+  the group down -- under 2 s;
+- a rank that dies without a word (killed, out of memory): a peer talking to it sees its
+  connection close at once (the operating system closes a dead process's sockets), waits
+  :data:`POST_WAIT_SECONDS` for an error posted by someone else, posts its own and shuts the
+  group down, which releases every other peer; rank 0 then waits up to :data:`LEAVE_SECONDS`
+  for every survivor to read the error -- under 5 s on every survivor, whichever rank died.
+  When rank 0 dies, the store goes with it and each survivor raises its own
+  :class:`~pipedialect.ConnectionLostError` at once.
+
+A peer that is busy computing (not communicating) learns of it when it next communicates.
+On NCCL a lost peer is seen when the process group's timeout expires.
 """
 
 from __future__ import annotations
@@ -82,6 +108,8 @@ from .sharded import local_part
 
 __all__ = [
     "ARRIVAL_SECONDS",
+    "LEAVE_SECONDS",
+    "POST_WAIT_SECONDS",
     "agree_on_error",
     "agreed",
     "check_frozen_ties",
@@ -89,6 +117,7 @@ __all__ = [
     "check_plan_agreement",
     "first_nonfinite_grad",
     "first_nonfinite_loss",
+    "is_connection_error",
     "nonfinite_grad_error",
     "nonfinite_loss_error",
     "pull_micro_batches",
@@ -98,11 +127,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: How long a rank that failed waits for every other rank to arrive at the end of the phase
-#: before it shuts the process group down ([Note: one error, every rank]).
-ARRIVAL_SECONDS = 5.0
-#: How long a rank whose connection failed waits for the failing rank's error on the store,
-#: and how long the ranks wait for each other to have read it.
-ERROR_WAIT_SECONDS = 10.0
+#: before it shuts the process group down ([Note: one error, every rank]). A peer that is
+#: waiting for the failed rank never arrives, so this bounds how long an error inside a step
+#: takes to reach every rank ([Note: failure bounds]).
+ARRIVAL_SECONDS = 1.0
+#: How long a rank whose connection failed waits for an error posted on the store before it
+#: posts its own :class:`~pipedialect.ConnectionLostError`. A rank that fails by an exception
+#: posts it before it does anything that could close a connection, so a connection that fails
+#: with nothing posted within this time was lost to a rank that died without a word.
+POST_WAIT_SECONDS = 1.0
+#: How long the rank that holds the store waits for every rank to have read the error (or a
+#: verdict) before it may leave and take the store away; a rank that died never reads.
+LEAVE_SECONDS = 2.0
 
 #: Options that legitimately differ per rank (each rank has its own device).
 _PER_RANK_OPTIONS = frozenset({"device"})
@@ -240,6 +276,8 @@ def check_plan_agreement(
     mine = _plan_summary(plan, dialect, options or {}, stages)
     summaries: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(summaries, mine)
+    if any(repr(s) != repr(mine) for s in summaries):
+        _verdict_reached()
     for field in mine:
         values = [s[field] for s in summaries]
         if len({repr(v) for v in values}) == 1:
@@ -285,6 +323,7 @@ def agree_on_error(
         return
     errors: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
+    _verdict_reached()
     if choose is not None:
         chosen = choose(errors)
     elif error is not None:
@@ -294,6 +333,14 @@ def agree_on_error(
     if chosen == dist.get_rank() and error is not None:
         raise _agreed(error)
     raise _agreed(_copy_from(errors[chosen], chosen, what))
+
+
+def _verdict_reached() -> None:
+    """Every rank has the verdict of the collective just run, before any raises it
+    ([Note: verdict before leaving]); nothing without a process group."""
+    session = _session()
+    if session is not None:
+        session.verdict_reached()
 
 
 def _copy_from(error: PipeDialectError, rank: int, what: str) -> PipeDialectError:
@@ -334,19 +381,25 @@ class _Session:
     world: int
     device: torch.device
     phases: int = 0
+    verdicts: int = 0
 
     def arrive(self) -> None:
         self.store.add(f"{_PREFIX}/arrived", 1)
 
     def all_arrived(self, phase: int, seconds: float) -> bool:
-        """Whether every rank arrives at the end of ``phase`` within ``seconds``."""
+        """Count this rank as arrived; whether every rank arrives at the end of ``phase``
+        within ``seconds`` (False when the store is gone)."""
         deadline = time.monotonic() + seconds
-        while True:
-            if int(self.store.add(f"{_PREFIX}/arrived", 0)) >= self.world * phase:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
+        try:
+            self.arrive()
+            while True:
+                if int(self.store.add(f"{_PREFIX}/arrived", 0)) >= self.world * phase:
+                    return True
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.005)
+        except Exception:  # the store went with a peer
+            return False
 
     def post(self, phase: int, error: PipeDialectError) -> tuple[int, PipeDialectError]:
         """Post ``error`` for ``phase`` unless another rank did first; return the first one
@@ -375,13 +428,31 @@ class _Session:
             time.sleep(0.02)
 
     def leave_together(self, phase: int) -> None:
-        """Count this rank as done with the failure and wait (briefly) for the others."""
-        key = f"{_PREFIX}/failure/{phase}/read"
-        with contextlib.suppress(Exception):
+        """Count this rank as done with the failure; rank 0 waits (briefly) for the others."""
+        self.count_and_wait(f"{_PREFIX}/failure/{phase}/read", waits=self.rank == 0)
+
+    def count_and_wait(self, key: str, *, waits: bool) -> None:
+        """Count this rank in ``key``; when ``waits``, wait until every rank has (at most
+        :data:`LEAVE_SECONDS`: a rank that died never counts).
+
+        Only rank 0 needs to wait after a failure: with ``torch.distributed``'s default
+        rendezvous it holds the store, which goes when its process ends, while every other
+        rank has what it needs once it has counted itself.
+        """
+        with contextlib.suppress(Exception):  # the store is gone: nobody is left to wait for
             self.store.add(key, 1)
-            deadline = time.monotonic() + ERROR_WAIT_SECONDS
-            while int(self.store.add(key, 0)) < self.world and time.monotonic() < deadline:
-                time.sleep(0.01)
+            deadline = time.monotonic() + LEAVE_SECONDS
+            while (
+                waits and int(self.store.add(key, 0)) < self.world and time.monotonic() < deadline
+            ):
+                time.sleep(0.005)
+
+    def verdict_reached(self) -> None:
+        """Wait until every rank has the verdict of the collective it just ran, so that no
+        rank leaves (and its process ends, closing its connections) while a peer still
+        receives what it sent ([Note: verdict before leaving])."""
+        self.verdicts += 1
+        self.count_and_wait(f"{_PREFIX}/verdict/{self.verdicts}", waits=True)
 
 
 _SESSION: list[_Session] = []
@@ -415,7 +486,7 @@ def _session() -> _Session | None:
     return session
 
 
-def _connection_error(exc: BaseException) -> bool:
+def is_connection_error(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a failed communication, not a failure of its own."""
     import torch.distributed as dist
 
@@ -434,7 +505,11 @@ def _connection_error(exc: BaseException) -> bool:
         seen.add(id(current))
         if isinstance(current, dist.DistError):
             return True
-        if isinstance(current, RuntimeError) and any(m in str(current) for m in markers):
+        # torch.distributed.checkpoint reports a rank's failed collective in the message of
+        # its own CheckpointException (a BaseException), with the original traceback.
+        checkpoint = type(current).__name__ == "CheckpointException"
+        worded = isinstance(current, RuntimeError) or checkpoint
+        if worded and any(m in str(current) for m in markers):
             return True
         current = current.__cause__ or current.__context__
     return False
@@ -445,7 +520,10 @@ def _as_error(exc: Exception, rank: int, what: str, where: str) -> PipeDialectEr
     if isinstance(exc, PipeDialectError):
         return exc
     text = f"{type(exc).__name__}: {exc}"
-    if _connection_error(exc):
+    root = _root_cause(exc)
+    if root is not exc:  # a runtime that wraps the user's exception in its own words
+        text += f" (caused by {type(root).__name__}: {root})"
+    if is_connection_error(exc):
         return ConnectionLostError(
             f"{where}rank {rank} lost its connection to another rank during {what} ({text}); "
             "a rank crashed or was killed: its own log says why",
@@ -459,6 +537,15 @@ def _as_error(exc: Exception, rank: int, what: str, where: str) -> PipeDialectEr
         what=what,
         error=type(exc).__name__,
     )
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The exception at the bottom of ``exc``'s chain of explicit causes."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc
 
 
 #: The tag of the receive that closes a gloo group's connections (no rank ever sends it).
@@ -545,11 +632,12 @@ def agreed(what: str, *, where: str = "") -> Iterator[None]:
         yield
     except Exception as exc:
         if _is_agreed(exc):
-            session.arrive()
+            with contextlib.suppress(Exception):  # the store went with a peer: no one counts
+                session.arrive()
             raise
         raise _fail(session, phase, exc, what, where) from exc
-    session.arrive()
     try:
+        session.arrive()
         agree_on_error(None, device=session.device, what=what)
     except Exception as exc:
         if _is_agreed(exc):
@@ -559,8 +647,8 @@ def agreed(what: str, *, where: str = "") -> Iterator[None]:
 
 def _fail(session: _Session, phase: int, exc: Exception, what: str, where: str) -> PipeDialectError:
     """Make every rank raise for ``exc``; return what this rank raises (see the note)."""
-    if _connection_error(exc):
-        found = session.posted(phase, ERROR_WAIT_SECONDS)
+    if is_connection_error(exc):
+        found = session.posted(phase, POST_WAIT_SECONDS)
         if found is None:
             found = session.post(phase, _as_error(exc, session.rank, what, where))
         _shut_down(session, what, found[1])
@@ -569,7 +657,6 @@ def _fail(session: _Session, phase: int, exc: Exception, what: str, where: str) 
         return _agreed(error if rank == session.rank else _copy_from(error, rank, what))
     error = _as_error(exc, session.rank, what, where)
     session.post(phase, error)
-    session.arrive()
     if session.all_arrived(phase, ARRIVAL_SECONDS):
         try:
             agree_on_error(error, device=session.device, what=what)
@@ -604,6 +691,7 @@ def check_frozen_ties(mine: Mapping[str, tuple[str, int, bool]]) -> None:
             first = seen.setdefault(key, (rank, name, stage, trainable))
             if first[3] == trainable:
                 continue
+            _verdict_reached()
             frozen = first if not first[3] else (rank, name, stage, trainable)
             other = (rank, name, stage, trainable) if not first[3] else first
             raise TieError(

@@ -12,15 +12,19 @@ them in that order.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
+import socket
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from ..contracts import Capability, Topology
-from ..errors import ConfigError, TopologyError
+from ..errors import ConfigError, RendezvousError, TopologyError
 
 __all__ = [
     "GridCoord",
@@ -29,7 +33,9 @@ __all__ = [
     "check_topology_object",
     "check_world_size",
     "join_process_group",
+    "join_with_deadline",
     "joined_world_size",
+    "rendezvous_seconds",
 ]
 
 #: What ``torch.distributed``'s default ``env://`` rendezvous reads; a launcher sets them.
@@ -129,7 +135,168 @@ def join_process_group(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend)
+    join_with_deadline(backend)
+
+
+#: The environment variable that sets how long ranks wait for each other to join, in seconds.
+RENDEZVOUS_VARIABLE = "PIPEDIALECT_RENDEZVOUS_SECONDS"
+#: How long ranks wait for each other to join when :data:`RENDEZVOUS_VARIABLE` is not set.
+RENDEZVOUS_SECONDS = 300.0
+#: How long a rank waits for an answer from a ``MASTER_PORT`` that accepts connections: the
+#: store answers at once, a program that is no store never does.
+STORE_ANSWER_SECONDS = 10.0
+
+
+def rendezvous_seconds() -> float:
+    """How long ranks wait for each other to join (:data:`RENDEZVOUS_VARIABLE`)."""
+    text = os.environ.get(RENDEZVOUS_VARIABLE)
+    if text is None:
+        return RENDEZVOUS_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ConfigError(f"{RENDEZVOUS_VARIABLE}={text!r} must be a positive number of seconds")
+    return seconds
+
+
+def join_with_deadline(backend: str, timeout: Any = None) -> None:
+    """``torch.distributed.init_process_group`` through the launcher's environment, never a
+    hang ([Note: bounded rendezvous]). ``timeout`` is the process group's operation timeout
+    (torch's default when None).
+
+    [Note: bounded rendezvous]
+    ``init_process_group``'s own rendezvous waits as long as the process group's timeout (30
+    minutes) for a rank that never starts, and a rank whose ``MASTER_PORT`` is held by another
+    program waits for ever: the store client connects, then waits for an answer that never
+    comes. Here rank 0 (the store's host) fails at once on a port in use; every rank waits at
+    most :func:`rendezvous_seconds` for the others to join; and a rank that reaches a port
+    which accepts connections but does not answer as a store within
+    :data:`STORE_ANSWER_SECONDS` stops: another program holds it. Each is a
+    :class:`~pipedialect.RendezvousError` naming the address, the port and what to do. A rank
+    that gave up on a silent port leaves one blocked thread behind; the process is expected to
+    end. Under ``torchrun`` the agent's store is used, as ``init_process_group`` would.
+
+    Raises:
+        RendezvousError: the port is in use, or the ranks did not all join in time.
+    """
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    address = os.environ["MASTER_ADDR"]
+    port = int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    seconds = rendezvous_seconds()
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    start = time.monotonic()
+
+    def failed(what: str, cause: BaseException | None = None) -> RendezvousError:
+        error = RendezvousError(
+            f"rank {rank} of {world} could not join the process group at {address}:{port} "
+            f"(MASTER_ADDR:MASTER_PORT) after {time.monotonic() - start:.1f}s: {what}",
+            address=address,
+            port=port,
+            seconds=time.monotonic() - start,
+        )
+        error.__cause__ = cause
+        return error
+
+    if not hosts:
+        # Connect only once the port accepts connections, so that the store's answer is due
+        # at once (the client's own retries back off for seconds).
+        while not _accepts(address, port):
+            if time.monotonic() - start > seconds:
+                raise failed(
+                    f"nothing listens there, and rank 0 (which holds the store) did not start "
+                    f"within {seconds:.0f}s ({RENDEZVOUS_VARIABLE}); check that every rank was "
+                    "started with the same MASTER_ADDR and MASTER_PORT"
+                )
+            time.sleep(0.1)
+    result: dict[str, Any] = {}
+
+    def form() -> None:
+        try:
+            result["store"] = TCPStore(
+                address,
+                port,
+                world,
+                hosts,
+                timeout=datetime.timedelta(seconds=seconds),
+                wait_for_workers=True,
+            )
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=form, name="pipedialect-rendezvous", daemon=True)
+    thread.start()
+    answer = start if hosts else time.monotonic()
+    while thread.is_alive():
+        thread.join(0.05)
+        if not hosts and thread.is_alive() and time.monotonic() - answer > STORE_ANSWER_SECONDS:
+            raise failed(
+                f"the port accepts connections but no torch.distributed store answered within "
+                f"{STORE_ANSWER_SECONDS:.0f}s: another program holds MASTER_PORT. Start every "
+                "rank with a free MASTER_PORT (rank 0 says which program has it)"
+            )
+    if "error" in result:
+        cause = result["error"]
+        if "EADDRINUSE" in str(cause) or "address already in use" in str(cause):
+            raise failed(
+                "the port is in use by another program, so rank 0 cannot hold the store there; "
+                "start every rank with a free MASTER_PORT (`ss -ltnp` shows which program has "
+                "it). The other ranks stop too",
+                cause,
+            ) from cause
+        raise failed(
+            f"not every rank joined within {seconds:.0f}s ({RENDEZVOUS_VARIABLE}): a rank did "
+            f"not start, or was started with another WORLD_SIZE, MASTER_ADDR or MASTER_PORT "
+            f"({type(cause).__name__}: {cause})",
+            cause,
+        ) from cause
+    store = result["store"]
+    # The store's host waited for every rank to connect; the others wait until every rank
+    # has counted itself, so that no rank enters the process group (which waits as long as
+    # its operations may) while one is missing.
+    key = "pipedialect/rendezvous/joined"
+    try:
+        joined = int(store.add(key, 1))
+        while joined < world:
+            if time.monotonic() - start > seconds:
+                raise failed(
+                    f"only {joined} of {world} ranks joined within {seconds:.0f}s "
+                    f"({RENDEZVOUS_VARIABLE}): a rank did not start, or was started with "
+                    "another WORLD_SIZE, MASTER_ADDR or MASTER_PORT"
+                )
+            time.sleep(0.05)
+            joined = int(store.add(key, 0))
+    except RendezvousError:
+        raise
+    except Exception as exc:  # the host gave up (and took the store with it)
+        raise failed(
+            f"rank 0 gave up waiting for every rank to join ({type(exc).__name__}: {exc}); a "
+            "rank did not start, or was started with another WORLD_SIZE, MASTER_ADDR or "
+            "MASTER_PORT",
+            exc,
+        ) from exc
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, **kwargs)
+    # Blocking store calls after the rendezvous wait as long as the process group's operations.
+    from torch.distributed.constants import default_pg_timeout
+
+    with contextlib.suppress(Exception):
+        store.set_timeout(timeout or default_pg_timeout)
+
+
+def _accepts(address: str, port: int) -> bool:
+    """Whether ``address:port`` accepts a TCP connection now."""
+    try:
+        with socket.create_connection((address, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 #: The calls of a :class:`~pipedialect.Topology` that tie analysis makes.

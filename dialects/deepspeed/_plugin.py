@@ -26,6 +26,7 @@ from pipedialect.sdk import (
     check_tensor_axis,
     given_options,
 )
+from pipedialect.runtime.topology import join_with_deadline
 
 from ._stage import DeepSpeedStageWrapper
 
@@ -239,6 +240,9 @@ class DeepSpeedDialect(Dialect):
             ConfigError: the process was not started by a launcher (plain ``python``): DeepSpeed
                 would look for an MPI job instead and fail inside ``mpi4py``.
             ExtensionBuildError: a killed build left its lock; the message names the file.
+            RendezvousError: ``MASTER_PORT`` is held by another program, or not every rank
+                joined in time (the ranks meet with a deadline before DeepSpeed adopts the
+                process group: ``pipedialect.runtime.topology`` [Note: bounded rendezvous]).
         """
         import deepspeed
 
@@ -250,6 +254,12 @@ class DeepSpeedDialect(Dialect):
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not _discovered_job() and not torch.distributed.is_initialized():
+            # Joined first with a deadline (``pipedialect.runtime.topology`` [Note: bounded
+            # rendezvous]); DeepSpeed then adopts the process group.
+            from deepspeed.constants import default_pg_timeout
+
+            join_with_deadline(backend, default_pg_timeout)
         deepspeed.init_distributed(dist_backend=backend)
 
 
@@ -265,6 +275,13 @@ _DISCOVERED_JOB_VARIABLES = (
     "AZUREML_EXPERIMENT_ID",
     "SM_TRAINING_ENV",
 )
+
+
+def _discovered_job() -> bool:
+    """Whether DeepSpeed finds this job's ranks itself (MPI, AzureML, SageMaker) rather than
+    from a launcher's variables."""
+    missing = [name for name in _LAUNCH_VARIABLES if name not in os.environ]
+    return bool(missing) and any(name in os.environ for name in _DISCOVERED_JOB_VARIABLES)
 
 
 def _check_launched() -> None:
