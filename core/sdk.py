@@ -34,7 +34,8 @@ The wire and module state
 Ranks that agree
     :func:`~pipedialect.runtime.topology.check_topology`,
     :func:`~pipedialect.runtime.topology.check_world_size`,
-    :func:`~pipedialect.runtime.topology.joined_world_size`;
+    :func:`~pipedialect.runtime.topology.joined_world_size`,
+    :func:`~pipedialect.runtime.topology.join_with_deadline`;
     :func:`~pipedialect.runtime.agreement.agreed`,
     :func:`~pipedialect.runtime.agreement.agree_on_error`,
     :func:`~pipedialect.runtime.agreement.check_frozen_ties`,
@@ -142,6 +143,7 @@ from .runtime import (
     root_nonfinite,
     stage_root,
 )
+from .runtime.topology import join_with_deadline
 from .runtime.wire import leaf_paths
 from .trace import patch_attribute
 
@@ -183,6 +185,7 @@ __all__ = [
     "hookimpl",
     "input_spec",
     "is_sharded",
+    "join_with_deadline",
     "joined_world_size",
     "leaf_paths",
     "local_part",

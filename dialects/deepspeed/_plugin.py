@@ -25,8 +25,8 @@ from pipedialect.sdk import (
     PipelineRequest,
     check_tensor_axis,
     given_options,
+    join_with_deadline,
 )
-from pipedialect.runtime.topology import join_with_deadline
 
 from ._stage import DeepSpeedStageWrapper
 
