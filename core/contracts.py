@@ -121,6 +121,10 @@ class StageSpec:
     #: forward's default values of model inputs a micro-batch may omit (the first stage fills
     #: them in; :attr:`pipedialect.PipelinePlan.input_defaults`).
     input_defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: Submodules of the stage (by path in it) whose train/eval flag is not the stage's: their
+    #: flag under ``train()`` and under ``eval()`` (a frozen BatchNorm: ``(False, False)``),
+    #: as in the unsplit model (:attr:`pipedialect.PipelinePlan.stage_modes`).
+    module_modes: Mapping[str, tuple[bool, bool]] = field(default_factory=dict)
 
 
 @runtime_checkable

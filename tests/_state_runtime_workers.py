@@ -196,6 +196,9 @@ class Spec:
     batch: Callable[[torch.Generator, int], tuple[torch.Tensor, torch.Tensor]]
     partition_kwargs: dict[str, Any] = field(default_factory=dict)
     freeze: Callable[[nn.Module], None] | None = None
+    #: Sets the modes of the training pattern after ``model.train()`` (a frozen BatchNorm);
+    #: the reference applies it too.
+    modes: Callable[[nn.Module], None] | None = None
 
 
 _FOUR = {2: ("blocks.1",), 4: ("blocks.0", "blocks.1", "blocks.2")}
@@ -232,6 +235,83 @@ SPECS: dict[str, Spec] = {
 }
 
 
+# -- around the graph: per-module modes, custom autograd Functions, hooks, loop-set values ------
+
+
+def _freeze_norms(*paths: str) -> Callable[[nn.Module], None]:
+    """``model.bn.eval()`` after ``model.train()``: frozen BatchNorms in fine-tuning."""
+
+    def modes(model: nn.Module) -> None:
+        for path in paths:
+            model.get_submodule(path).eval()
+
+    return modes
+
+
+class NormsEvalNet(BNNet):
+    """A ``train()`` override that keeps every BatchNorm in eval (detectron2's frozen norms)."""
+
+    def train(self, mode: bool = True) -> NormsEvalNet:
+        super().train(mode)
+        for module in self.modules():
+            if isinstance(module, nn.BatchNorm1d):
+                module.eval()
+        return self
+
+
+class GradScale(torch.autograd.Function):
+    """Identity forward; backward scales the gradient by -0.5 (a gradient reversal layer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * -0.5
+
+
+class ReversalBlock(nn.Module):
+    """``h + tanh(W GradScale(h))``: the Function's backward changes every earlier gradient."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = h + torch.tanh(self.lin(GradScale.apply(h)))
+        return out
+
+
+class ReversalNet(nn.Module):
+    def __init__(self, dim: int = 8, seed: int = 0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList(ReversalBlock(dim) for _ in range(4))
+        self.head = nn.Linear(dim, 3)
+        seeded_init(self, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+SPECS.update(
+    {
+        # One frozen BatchNorm on each stage of two (and on stages 0 and 2 of four).
+        "frozen_bn": Spec(
+            BNNet, mse_loss, _FOUR, _float_batch, modes=_freeze_norms("blocks.0.bn", "blocks.2.bn")
+        ),
+        # modes=: model.train() before partition, which runs the override.
+        "norms_eval": Spec(NormsEvalNet, mse_loss, _FOUR, _float_batch, modes=_freeze_norms()),
+        "reversal": Spec(ReversalNet, mse_loss, _FOUR, _float_batch),
+    }
+)
+
+
 def spec_of(case: dict[str, Any]) -> Spec:
     return SPECS[case["model"]]
 
@@ -242,9 +322,14 @@ def build(case: dict[str, Any]) -> tuple[nn.Module, Any]:
     model = spec.factory(seed=0)
     if spec.freeze is not None:
         spec.freeze(model)
+    if spec.modes is not None:
+        model.train()
+        spec.modes(model)
     kwargs = dict(spec.partition_kwargs)
     if case.get("recompute"):
         kwargs["recompute"] = case["recompute"]
+    if case.get("export"):
+        kwargs["example_inputs"] = (batches(case, 1)[0][0],)
     plan = partition(model, spec.split_points[case.get("stages", 2)], **kwargs)
     return model, plan
 
@@ -311,6 +396,8 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
     data = batches(case, steps * gas)
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
     net.train()
+    if spec.modes is not None:
+        spec.modes(net)
     if case.get("bf16"):
         import _bf16_workers
 

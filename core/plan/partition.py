@@ -50,6 +50,7 @@ from torch import fx, nn
 
 from ..contracts import StageSpec, TieGroup
 from ..errors import ConfigError, PartitionError, RecomputeError, SplitPointError
+from ..runtime.module_state import apply_modes, mode_table
 from . import _export, _fx, _state, _verify
 from ._module_paths import (
     check_execution_order,
@@ -207,6 +208,13 @@ class PipelinePlan:
     #: The dtype every stage runs its ops under ``torch.autocast`` in (``partition(...,
     #: autocast=)``: fp32 parameters, eligible ops in that dtype), or None.
     autocast: torch.dtype | None = None
+    #: The model's modules whose train/eval flag is not the one ``train(mode)`` gives them:
+    #: path -> (flag in the training pattern, flag in the evaluation pattern) ([Note:
+    #: per-module modes] in ``runtime.module_state``).
+    module_modes: Mapping[str, tuple[bool, bool]] = field(default_factory=dict)
+    #: The same, per stage, by path inside the stage: what its wrapper applies at every
+    #: ``train()``/``eval()``.
+    stage_modes: tuple[Mapping[str, tuple[bool, bool]], ...] = ()
     #: What :meth:`verify` saw of each boundary value: shape, dtype, bytes, output paths
     #: ([Note: boundary values]).
     _seen: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
@@ -236,6 +244,7 @@ class PipelinePlan:
             receives=self.liveness[stage_id],
             sends=self.sends(stage_id),
             input_defaults=dict(self.input_defaults),
+            module_modes=dict(self.stage_modes[stage_id]) if self.stage_modes else {},
         )
 
     def boundary_values(self, stage_id: int) -> tuple[BoundaryValue, ...]:
@@ -577,12 +586,15 @@ def _partition(
     _check_recompute_nesting(points, targets, recompute_paths)
     count = len(points) + 1
     names = _state.BufferNames(model)
+    # Each mode is captured with the flags the unsplit model has in it ([Note: per-module
+    # modes] in ``runtime.module_state``).
+    table = mode_table(model)
     added: list[str] = []
     modes: dict[bool, tuple[fx.Graph, dict[fx.Node, int], list[fx.Node]]] = {}
     uses: list[_state.BufferUse] = []
     try:
         for mode in (True, False):
-            model.train(mode)
+            apply_modes(model, table, mode)
             captured, how, leaf_paths = _capture(
                 model,
                 named_inputs,
@@ -656,6 +668,15 @@ def _partition(
         for stage in cut.stages:
             _export.autocast_stage(stage, _fx.stage_graphs(stage), autocast)
     _record_model_names(model, cut.stages)
+    path_of = {id(m): name for name, m in model.named_modules()}
+    stage_modes = tuple(
+        {
+            name: table[path_of[id(sub)]]
+            for name, sub in stage.named_modules()
+            if name and path_of.get(id(sub)) in table
+        }
+        for stage in cut.stages
+    )
     liveness = compute_liveness(cut.input_names, cut.arg_names, cut.defined_by)
     buffers = tuple(
         BufferInfo(
@@ -684,6 +705,8 @@ def _partition(
         param_dtype=None if named_inputs is None else (capture_dtype or _param_dtype(model)),
         autocast=autocast,
         input_defaults=_input_defaults(model, cut.input_names),
+        module_modes=table,
+        stage_modes=stage_modes,
     )
 
 
