@@ -125,6 +125,11 @@ class StageSpec:
     #: flag under ``train()`` and under ``eval()`` (a frozen BatchNorm: ``(False, False)``),
     #: as in the unsplit model (:attr:`pipedialect.PipelinePlan.stage_modes`).
     module_modes: Mapping[str, tuple[bool, bool]] = field(default_factory=dict)
+    #: Called with the mode whenever the wrapper is switched to train or eval mode (every
+    #: engine does at the start of each ``train_batch`` and ``eval_batch``, on every rank): the
+    #: plan's check of what the training loop changed on the model since ``partition``, which
+    #: raises before any step when the stages cannot follow it.
+    before_step: Callable[[bool], None] | None = field(default=None, compare=False)
 
 
 @runtime_checkable

@@ -124,7 +124,11 @@ class StageWrapper(nn.Module):
         flag the unsplit model's has in that mode (:attr:`StageSpec.module_modes
         <pipedialect.contracts.StageSpec.module_modes>`, [Note: per-module modes] in
         :mod:`pipedialect.runtime.module_state`): every engine's ``train_batch`` and
-        ``eval_batch`` come here."""
+        ``eval_batch`` come here, so the plan's check of what the loop changed on the model
+        (:attr:`StageSpec.before_step <pipedialect.contracts.StageSpec.before_step>`) runs
+        first."""
+        if self.spec.before_step is not None:
+            self.spec.before_step(mode)
         super().train(mode)
         apply_modes(self.mod, self.spec.module_modes, mode)
         return self

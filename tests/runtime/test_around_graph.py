@@ -55,11 +55,27 @@ CASES: dict[str, list[dict[str, Any]]] = {
         {"model": "frozen_bn", "stages": 4},
     ],
     "functions": [{"model": "reversal"}],
+    "hooks": [
+        {"model": "hooks"},
+        {"model": "forward_hooks", "export": True},
+        {"model": "leaf_hook_after"},
+    ],
+    "loop_values": [{"model": "anneal_buffer"}, {"model": "anneal_buffer", "export": True}],
 }
 
 #: Cases refused by name on every rank before any step: (case, exception name, words).
 REFUSED: dict[str, list[tuple[dict[str, Any], str, str]]] = {
     "functions": [({"model": "reversal", "export": True}, "CaptureError", "GradScale")],
+    "hooks": [
+        ({"model": "hooks", "export": True}, "CaptureError", "['blocks.3'] have backward hooks"),
+        ({"model": "hook_after"}, "ModelChangedError", "forward hook of 'blocks.2'"),
+        ({"model": "hook_after", "export": True}, "ModelChangedError", "of 'blocks.2'"),
+        ({"model": "leaf_hook_after", "export": True}, "ModelChangedError", "'blocks.2.lin'"),
+    ],
+    "loop_values": [
+        ({"model": "anneal_float"}, "ModelChangedError", "blocks.2.gain is 0.5 now"),
+        ({"model": "anneal_float", "export": True}, "ModelChangedError", "blocks.2.gain is 0.5"),
+    ],
 }
 
 #: Which cases each distributed dialect runs (torch: 1F1B; four stages interleaved).
@@ -82,6 +98,8 @@ _LAUNCHED: dict[str, dict[str, list[dict[str, Any]]]] = {}
 _GROUP_OF_TEST = {
     "test_per_module_modes_on_deepspeed_and_torch": "modes",
     "test_custom_autograd_functions_on_deepspeed_and_torch": "functions",
+    "test_hooks_on_deepspeed_and_torch": "hooks",
+    "test_values_the_loop_sets_on_deepspeed_and_torch": "loop_values",
 }
 
 
@@ -231,3 +249,99 @@ def test_custom_autograd_functions_on_deepspeed_and_torch(request: pytest.Fixtur
     """The Function's backward runs on DeepSpeed and torch as in the unsplit model; the
     torch.export capture is refused on every rank with a ``CaptureError`` naming it."""
     _check_distributed(request, "functions")
+
+
+# -- item: hooks -----------------------------------------------------------------------------------
+
+
+def _ids(case: dict[str, Any]) -> str:
+    return f"{case['model']}{'-export' if case.get('export') else ''}"
+
+
+@pytest.mark.parametrize("case", CASES["hooks"], ids=_ids)
+def test_local_hooks_behave_as_in_the_unsplit_model(case: dict[str, Any]) -> None:
+    """A forward hook and a pre-forward hook on captured blocks, a full backward hook (torch.fx:
+    the block becomes one call), a parameter's tensor hook, all registered before partition;
+    and a forward hook added to a leaf after partition (the fx stages call that very module):
+    training equals the unsplit model's with the same hooks."""
+    assert_like_reference(workers.run_case("local", case), workers.reference(case), "local")
+
+
+@pytest.mark.parametrize(("case", "error", "words"), REFUSED["hooks"], ids=lambda v: str(v))
+def test_local_hooks_the_stages_cannot_run_are_refused_by_name(
+    case: dict[str, Any], error: str, words: str
+) -> None:
+    """A backward hook under torch.export (at partition), and a hook added after partition to a
+    module whose code the stages hold (at the next step, before it runs)."""
+    with pytest.raises(getattr(pipedialect, error)) as info:
+        workers.run_case("local", case)
+    assert words in str(info.value)
+
+
+@pytest.mark.distributed
+def test_hooks_on_deepspeed_and_torch(request: pytest.FixtureRequest) -> None:
+    """The hooks cases on DeepSpeed and torch: equal to the unsplit model, or refused by name on
+    every rank."""
+    _check_distributed(request, "hooks")
+
+
+# -- item: values the loop sets --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES["loop_values"], ids=_ids)
+def test_local_buffers_the_loop_sets_reach_the_stages(case: dict[str, Any]) -> None:
+    """``model.blocks[i].temp = torch.tensor(1 / (1 + step))`` (a buffer re-assigned) and
+    ``temp.fill_(...)`` (in place) before every step: the stages compute with the new values,
+    as the unsplit model does, on both capture paths."""
+    assert_like_reference(workers.run_case("local", case), workers.reference(case), "local")
+
+
+@pytest.mark.parametrize(("case", "error", "words"), REFUSED["loop_values"], ids=lambda v: str(v))
+def test_local_python_values_the_loop_sets_are_refused_by_name(
+    case: dict[str, Any], error: str, words: str
+) -> None:
+    """``model.blocks[2].gain = 1 / (1 + step)``: a plain float the capture wrote into the
+    graph; the second step refuses it, naming the attribute, both values and the fix."""
+    with pytest.raises(getattr(pipedialect, error)) as info:
+        workers.run_case("local", case)
+    assert words in str(info.value) and "register_buffer" in str(info.value)
+    assert info.value.path == "blocks.2.gain"
+
+
+@pytest.mark.parametrize("export", [False, True])
+def test_dropout_probability_changed_by_the_loop(export: bool) -> None:
+    """``nn.Dropout.p`` changed after partition: the torch.fx stages call the Dropout module,
+    which reads ``p`` at every call (followed); torch.export wrote ``p`` into the graph
+    (refused by name before the next step)."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.drop = torch.nn.Dropout(0.0)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.b(self.drop(self.a(x)))
+            return out
+
+    model = Net()
+    kwargs = {"example_inputs": (torch.randn(2, 4),)} if export else {}
+    plan = partition(model, ["a"], **kwargs)
+    before_step = plan.stage_spec(1).before_step
+    assert before_step is not None
+    model.drop.p = 1.0
+    if export:
+        with pytest.raises(pipedialect.ModelChangedError, match=r"drop\.p is 1\.0 now"):
+            before_step(True)
+    else:
+        before_step(True)
+        out = plan.stages[1](torch.ones(2, 4))
+        assert torch.equal(out, model.b(torch.zeros(2, 4)))  # p = 1 drops everything
+
+
+@pytest.mark.distributed
+def test_values_the_loop_sets_on_deepspeed_and_torch(request: pytest.FixtureRequest) -> None:
+    """Re-assigned and in-place buffers reach every rank's stages; a plain float the capture
+    wrote into the graph is refused by name on every rank at the next step."""
+    _check_distributed(request, "loop_values")
