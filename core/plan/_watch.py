@@ -16,8 +16,11 @@ read some of them at every step and some never:
   records every such read (``reading_attributes``), and a change is refused with
   :class:`~pipedialect.ModelChangedError` naming the attribute. A module called as one op in a
   stage (torch.fx's leaves: ``torch.nn`` layers, ``leaf_modules``, split points) runs its real
-  forward at every call and reads its attributes then: ``nn.Dropout.p`` on the torch.fx path
-  is followed, on the torch.export path (which inlines every module) refused;
+  forward at every call and reads its attributes then (so does a module the torch.fx path
+  recomputes): ``nn.Dropout.p`` on the torch.fx path is followed, on the torch.export path
+  (which inlines every module) refused. Hugging Face's ``gradient_checkpointing`` flag and the
+  hook its Trainer puts on the input embeddings change how forward computes, not what, and are
+  let through (the stages recompute with ``partition(recompute=...)``);
 - a forward, pre-forward or backward hook added to (or removed from) a module whose code was
   captured into the graphs would never run: refused by name. Hooks of modules called as one op
   run at every call and are followed; tensor hooks on parameters are too (the stages hold the
@@ -64,6 +67,22 @@ _HOOK_TABLES = (
 
 _Reads = dict[tuple[int, str], tuple[nn.Module, Any]]
 
+#: Attributes that choose how forward computes, not what: Hugging Face's
+#: ``gradient_checkpointing``, which its Trainer sets after the model was partitioned and which
+#: the stages honour as ``partition(recompute=...)`` instead.
+_HOW_NOT_WHAT = frozenset({"gradient_checkpointing"})
+
+#: Hooks that change no value: the one Hugging Face's gradient checkpointing puts on the input
+#: embeddings (``output.requires_grad_(True)``, for reentrant checkpointing).
+_NEUTRAL_HOOKS = frozenset({"make_inputs_require_grads"})
+
+
+def _hook_keys(table: dict[int, Any]) -> frozenset[int]:
+    """The keys of a hook table, but for hooks that change no value (``_NEUTRAL_HOOKS``)."""
+    return frozenset(
+        k for k, fn in table.items() if getattr(fn, "__name__", None) not in _NEUTRAL_HOOKS
+    )
+
 
 @contextlib.contextmanager
 def reading_attributes(reads: _Reads) -> Iterator[None]:
@@ -78,6 +97,7 @@ def reading_attributes(reads: _Reads) -> Iterator[None]:
             isinstance(value, _SCALARS)
             and not name.startswith("_")
             and name != "training"
+            and name not in _HOW_NOT_WHAT
             and name in object.__getattribute__(module, "__dict__")
         ):
             reads.setdefault((id(module), name), (module, value))
@@ -110,9 +130,19 @@ class ModelWatch:
     as ``partition`` left them; :meth:`check` compares them before each step ([Note: values
     the loop sets])."""
 
-    def __init__(self, model: nn.Module, stages: Sequence[fx.GraphModule], reads: _Reads) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        stages: Sequence[fx.GraphModule],
+        reads: _Reads,
+        live_paths: Sequence[str] = (),
+    ) -> None:
+        """``live_paths``: modules the stages call for real although no ``call_module`` node
+        names them (the torch.fx path's recomputed modules)."""
         path_of = {id(m): name for name, m in model.named_modules()}
         live = _live_modules(stages)
+        for path in live_paths:
+            live.update(id(m) for m in model.get_submodule(path).modules())
         #: (module, its path, attribute, the value the capture read).
         self._values = [
             (module, path_of[key[0]], key[1], value)
@@ -121,7 +151,7 @@ class ModelWatch:
         ]
         #: (module, its path, table, kind, the hook ids it held).
         self._hooks = [
-            (module, path, table, kind, tuple(getattr(module, table)))
+            (module, path, table, kind, _hook_keys(getattr(module, table)))
             for path, module in model.named_modules()
             if id(module) not in live
             for table, kind in _HOOK_TABLES
@@ -172,7 +202,7 @@ class ModelWatch:
                     path=where,
                 )
         for module, path, table, kind, ids in self._hooks:
-            if tuple(getattr(module, table)) != ids:
+            if _hook_keys(getattr(module, table)) != ids:
                 where = repr(path) if path else "the model's root"
                 raise ModelChangedError(
                     f"a {kind} of {where} ({type(module).__name__}) was added or removed after "

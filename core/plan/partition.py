@@ -720,7 +720,9 @@ def _partition(
         input_defaults=_input_defaults(model, cut.input_names),
         module_modes=table,
         stage_modes=stage_modes,
-        _model_watch=ModelWatch(model, cut.stages, reads),
+        _model_watch=ModelWatch(
+            model, cut.stages, reads, recompute_paths if named_inputs is None else ()
+        ),
     )
 
 

@@ -78,9 +78,9 @@ def apply_modes(root: nn.Module, modes: ModuleModes, training: bool) -> None:
     The unsplit model's submodules need not share one mode: ``model.train();
     model.backbone.bn.eval()`` freezes a BatchNorm while the rest trains, and a ``train()``
     override may keep the norms in eval. ``partition`` records each module's flag in the
-    training pattern (the flags the model has when it is partitioned in train mode, or those
-    its own ``train()`` gives it otherwise) and in the evaluation pattern (those ``eval()``
-    gives), captures each mode with its pattern in place (torch.export writes the flags into
+    training pattern (a module trains when the model's own ``train()`` puts it in training
+    and, for a model partitioned in train mode, it is in training then too: what the user or
+    the override froze stays frozen) and in the evaluation pattern (what ``eval()`` gives), captures each mode with its pattern in place (torch.export writes the flags into
     the graphs; the torch.fx capture reads ``self.training`` of the modules it traces
     through), and every stage wrapper re-applies its stage's table whenever the engine
     switches it: ``train_batch`` and ``eval_batch`` see what the unsplit model would.
@@ -99,16 +99,15 @@ def mode_table(model: nn.Module) -> dict[str, tuple[bool, bool]]:
     modules = list(model.named_modules())
     flags = [m.training for _, m in modules]
     try:
-        if not model.training:
-            model.train(True)
+        model.train(True)
         train = [m.training for _, m in modules]
         model.train(False)
         evaluated = [m.training for _, m in modules]
     finally:
         for (_, m), flag in zip(modules, flags, strict=True):
             m.training = flag
-    if model.training:
-        train = flags
+    if model.training:  # frozen by the user (bn.eval()) or by the override: frozen
+        train = [a and b for a, b in zip(train, flags, strict=True)]
     return {
         name: (t, e)
         for (name, _), t, e in zip(modules, train, evaluated, strict=True)
