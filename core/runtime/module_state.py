@@ -80,8 +80,9 @@ def apply_modes(root: nn.Module, modes: ModuleModes, training: bool) -> None:
     override may keep the norms in eval. ``partition`` records each module's flag in the
     training pattern (a module trains when the model's own ``train()`` puts it in training
     and, for a model partitioned in train mode, it is in training then too: what the user or
-    the override froze stays frozen) and in the evaluation pattern (what ``eval()`` gives), captures each mode with its pattern in place (torch.export writes the flags into
-    the graphs; the torch.fx capture reads ``self.training`` of the modules it traces
+    the override froze stays frozen) and in the evaluation pattern (what ``eval()`` gives),
+    captures each mode with its pattern in place (torch.export writes the flags into the
+    graphs; the torch.fx capture reads ``self.training`` of the modules it traces
     through), and every stage wrapper re-applies its stage's table whenever the engine
     switches it: ``train_batch`` and ``eval_batch`` see what the unsplit model would.
     Only flags that differ from the mode are kept; the flags are set directly, so nothing of a
