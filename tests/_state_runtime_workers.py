@@ -303,8 +303,12 @@ class ReversalNet(nn.Module):
         return out
 
 
+# The gradient hooks shift as well as scale: Adam's steps do not change when every gradient of
+# a parameter is scaled by one constant, so a lost scaling alone would go unseen.
+
+
 def _scale_grad(grad: torch.Tensor) -> torch.Tensor:
-    return grad * 2.0
+    return grad * 2.0 + 0.01
 
 
 def _halve_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -316,7 +320,7 @@ def _shift_input(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[tor
 
 
 def _halve_grad_input(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
-    return tuple(None if g is None else g * 0.5 for g in grad_input)
+    return tuple(None if g is None else g * 0.5 + 0.01 for g in grad_input)
 
 
 def _hooks(backward: bool) -> Callable[[nn.Module], None]:
