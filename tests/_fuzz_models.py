@@ -251,7 +251,8 @@ class BlockState:
     #: forward, backward scaled by 0.5, on the linear map's output; torch.fx only: torch.export
     #: refuses it), ``pre_hook`` (a forward pre-hook registered before partition scaling the
     #: input by 0.75), ``bwd_hook`` (a full backward hook halving the input's gradient; torch.fx
-    #: only, which then calls the block as one op).
+    #: only, which then calls the block as one op), ``loop_buffer`` (``h * (0.5 + self.temp)``,
+    #: a buffer the training loop re-assigns before every call: :func:`set_between_calls`).
     around: str | None = None
 
     def dims(self) -> set[str]:
@@ -945,7 +946,7 @@ def _draw_around(src: Source, spec: FuzzSpec, bf16: bool, put: Callable[..., Non
     for i in range(n):
         if not src.chance(35):
             continue
-        kind = src.choice(("frozen_norm", "function", "pre_hook", "bwd_hook"))
+        kind = src.choice(("frozen_norm", "function", "pre_hook", "bwd_hook", "loop_buffer"))
         whole = isinstance(spec.blocks[i].out, Leaf) and not any(
             p.startswith(f"blocks.{i}.") for p in spec.split_points
         )
@@ -1133,6 +1134,14 @@ class _HalfGrad(torch.autograd.Function):
         return grad * 0.5
 
 
+def set_between_calls(model: nn.Module, call: int) -> None:
+    """What the training loop sets before call ``call`` (both the reference and the pipeline):
+    every ``loop_buffer`` block's ``temp`` re-assigned, ``1 / (2 + call)``."""
+    for module in model.modules():
+        if isinstance(module, FuzzBlock) and module.st.around == "loop_buffer":
+            module.temp = torch.tensor(1.0 / (2 + call))
+
+
 def _scale_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (args[0] * 0.75, *args[1:])
 
@@ -1176,6 +1185,8 @@ class FuzzBlock(nn.Module):
             self.register_forward_pre_hook(_scale_input)
         elif st.around == "bwd_hook":
             self.register_full_backward_hook(_halve_grad_input)
+        elif st.around == "loop_buffer":
+            self.register_buffer("temp", torch.ones(()))
         self.memo_train_only: bool | None = None
         for writer, _, train_only in spec.shared:
             if writer == index:
@@ -1218,6 +1229,8 @@ class FuzzBlock(nn.Module):
             h = self._keep(h / self.scale, dtype)
         if st.around == "frozen_norm":
             h = self.frozen_norm(h)
+        elif st.around == "loop_buffer":
+            h = self._keep(h * (0.5 + self.temp), dtype)
         return h
 
     def train(self, mode: bool = True) -> FuzzBlock:
@@ -1410,7 +1423,8 @@ def reference_run(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) ->
     opt = reference_optimizer(spec, list(model.parameters()))
     torch.manual_seed(spec.seed)  # dropout masks: the pipeline seeds alike before its calls
     results = []
-    for op, chunk in zip(spec.schedule, chunks(spec, batches), strict=True):
+    for k, (op, chunk) in enumerate(zip(spec.schedule, chunks(spec, batches), strict=True)):
+        set_between_calls(model, k)
         losses = []
         if op == "train":
             model.train()
@@ -1438,7 +1452,8 @@ def _reference_run_bf16(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batc
     opt = reference_optimizer(spec, masters)
     torch.manual_seed(spec.seed)
     results = []
-    for op, chunk in zip(spec.schedule, chunks(spec, batches), strict=True):
+    for k, (op, chunk) in enumerate(zip(spec.schedule, chunks(spec, batches), strict=True)):
+        set_between_calls(model, k)
         losses = []
         model.train(op == "train")
         with torch.set_grad_enabled(op == "train"):
@@ -1714,6 +1729,7 @@ def run_local(spec: FuzzSpec) -> Outcome:
         torch.manual_seed(spec.seed)
         for k, (op, chunk) in enumerate(zip(spec.schedule, chunks(spec, batches), strict=True)):
             phase = f"call {k} ({op})"
+            set_between_calls(model, k)
             call = engine.train_batch if op == "train" else engine.eval_batch
             if spec.trace_from is not None and k >= spec.trace_from:
                 with pipedialect.trace(engine, png=False):

@@ -223,7 +223,10 @@ class ModelWatch:
             held = slots[0][0]._buffers.get(slots[0][1])
             where = f"{path}.{name}" if path else name
             if new is not None and held is not None and (new.is_meta or held.is_meta):
-                continue  # materialised per rank (pipedialect.plan.weights), not the loop's
+                # Materialised per rank (pipedialect.plan.weights), not the loop's: keep
+                # watching for the loop's own re-assignment.
+                same[i] = True
+                continue
             if new is None or held is None or new.shape != held.shape or new.dtype != held.dtype:
                 shown = "None" if new is None else f"{new.dtype} {list(new.shape)}"
                 raise ModelChangedError(
