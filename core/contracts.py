@@ -121,6 +121,15 @@ class StageSpec:
     #: forward's default values of model inputs a micro-batch may omit (the first stage fills
     #: them in; :attr:`pipedialect.PipelinePlan.input_defaults`).
     input_defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: Submodules of the stage (by path in it) whose train/eval flag is not the stage's: their
+    #: flag under ``train()`` and under ``eval()`` (a frozen BatchNorm: ``(False, False)``),
+    #: as in the unsplit model (:attr:`pipedialect.PipelinePlan.stage_modes`).
+    module_modes: Mapping[str, tuple[bool, bool]] = field(default_factory=dict)
+    #: Called with the mode whenever the wrapper is switched to train or eval mode (every
+    #: engine does at the start of each ``train_batch`` and ``eval_batch``, on every rank): the
+    #: plan's check of what the training loop changed on the model since ``partition``, which
+    #: raises before any step when the stages cannot follow it.
+    before_step: Callable[[bool], None] | None = field(default=None, compare=False)
 
 
 @runtime_checkable

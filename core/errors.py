@@ -13,6 +13,7 @@ everything the library raises on purpose. Below it, one branch per concern::
     │   ├── CaptureError
     │   ├── PlanMismatchError
     │   ├── RecomputeError
+    │   ├── ModelChangedError
     │   └── PlanDisagreementError (also a TopologyError)
     ├── CodecError
     │   ├── UnsupportedValueError
@@ -57,6 +58,7 @@ __all__ = [
     "LaunchError",
     "MetadataError",
     "MissingCapabilityError",
+    "ModelChangedError",
     "NonFiniteError",
     "PartitionError",
     "PipeDialectError",
@@ -139,6 +141,16 @@ class PlanMismatchError(PartitionError):
         #: The first stage whose output differs (or that failed).
         self.stage = stage
         #: The split point whose output differs, if it is one.
+        self.path = path
+
+
+class ModelChangedError(PartitionError):
+    """The model was changed after ``partition`` in a way its stages cannot follow (a value
+    the capture wrote into the graphs, a hook added); raised before the next step."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        #: The model's attribute, buffer or module that changed.
         self.path = path
 
 

@@ -202,7 +202,11 @@ DIMENSIONS = (
     "frozen",
     "bf16_export",
     "recompute_export",
+    "around",
 )
+#: The dimensions whose gates are drawn together first (``around`` is drawn after everything,
+#: so that older seeds keep their models).
+_GATED_FIRST = DIMENSIONS[:-1]
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,14 @@ class BlockState:
     #: ``frozen``: ``trainable``, ``frozen_bias``, ``frozen`` (``lin`` has
     #: ``requires_grad=False``) or ``none`` (no parameters: ``lin`` is a fixed function).
     params: str = "trainable"
+    #: ``around`` (what holds around the graph): ``frozen_norm`` (a BatchNorm the block's
+    #: ``train()`` override keeps in eval), ``function`` (a custom autograd Function, identity
+    #: forward, backward scaled by 0.5, on the linear map's output; torch.fx only: torch.export
+    #: refuses it), ``pre_hook`` (a forward pre-hook registered before partition scaling the
+    #: input by 0.75), ``bwd_hook`` (a full backward hook halving the input's gradient; torch.fx
+    #: only, which then calls the block as one op), ``loop_buffer`` (``h * (0.5 + self.temp)``,
+    #: a buffer the training loop re-assigns before every call: :func:`set_between_calls`).
+    around: str | None = None
 
     def dims(self) -> set[str]:
         """The :data:`DIMENSIONS` this block exercises."""
@@ -258,6 +270,8 @@ class BlockState:
             found.add("inplace")
         if self.params != "trainable":
             found.add("frozen")
+        if self.around:
+            found.add("around")
         return found
 
     def features(self) -> set[str]:
@@ -277,6 +291,8 @@ class BlockState:
             found.add(f"inplace:scale_{self.scale}")
         if self.params != "trainable":
             found.add(f"frozen:{self.params}")
+        if self.around:
+            found.add(f"around:{self.around}")
         return found
 
     def describe(self, index: int, shared: Sequence[tuple[int, int, bool]] = ()) -> str:
@@ -288,6 +304,7 @@ class BlockState:
         parts += [f"scale.mul_ ({self.scale})"] if self.scale else []
         parts += [f"region {self.region}"] if self.region else []
         parts += [f"params {self.params}"] if self.params != "trainable" else []
+        parts += [f"around {self.around}"] if self.around else []
         for writer, reader, train_only in shared:
             if writer == index:
                 when = " in training" if train_only else ""
@@ -761,6 +778,7 @@ DIM_CHANCE = {
     "frozen": 30,
     "bf16_export": 60,
     "recompute_export": 40,
+    "around": 40,
 }
 _BUFFER_KINDS = ("bn", "bn_cumulative", "stats", "stats_assign", "stats_np", "table")
 
@@ -824,7 +842,7 @@ def _draw_state(src: Source, spec: FuzzSpec, dialect: Dialect) -> FuzzSpec:
     The draws do not depend on which dimensions are kept: :func:`restrict` removes them after.
     """
     n = len(spec.blocks)
-    gates = {d: src.chance(DIM_CHANCE[d]) for d in DIMENSIONS}
+    gates = {d: src.chance(DIM_CHANCE[d]) for d in _GATED_FIRST}
     states = [BlockState() for _ in range(n)]
 
     def put(i: int, **changes: Any) -> None:
@@ -911,6 +929,7 @@ def _draw_state(src: Source, spec: FuzzSpec, dialect: Dialect) -> FuzzSpec:
             for i, st in enumerate(stages):
                 if chosen in st:
                     put(i, params="frozen" if i in tied else "none")
+    _draw_around(src, spec, bf16, put, n)
     return replace(
         spec,
         bf16=bf16,
@@ -918,6 +937,27 @@ def _draw_state(src: Source, spec: FuzzSpec, dialect: Dialect) -> FuzzSpec:
         shared=shared,
         frozen_prefix=prefix if gates["frozen"] else None,
     )
+
+
+def _draw_around(src: Source, spec: FuzzSpec, bf16: bool, put: Callable[..., None], n: int) -> None:
+    """The ``around`` dimension, drawn last ([Note: values the loop sets] and its neighbours:
+    per-module modes, autograd Functions, hooks)."""
+    gate = src.chance(DIM_CHANCE["around"])
+    for i in range(n):
+        if not src.chance(35):
+            continue
+        kind = src.choice(("frozen_norm", "function", "pre_hook", "bwd_hook", "loop_buffer"))
+        whole = isinstance(spec.blocks[i].out, Leaf) and not any(
+            p.startswith(f"blocks.{i}.") for p in spec.split_points
+        )
+        if kind in ("function", "bwd_hook") and spec.capture != "fx":
+            kind = "pre_hook"
+        if kind == "bwd_hook" and not whole:
+            kind = "function"
+        if kind == "frozen_norm" and bf16:
+            kind = "pre_hook"
+        if gate:
+            put(i, around=kind)
 
 
 def restrict(spec: FuzzSpec, dims: Sequence[str]) -> FuzzSpec:
@@ -933,6 +973,7 @@ def restrict(spec: FuzzSpec, dims: Sequence[str]) -> FuzzSpec:
         "regions": {"region": None},
         "inplace": {"inplace": None, "scale": None},
         "frozen": {"params": "trainable"},
+        "around": {"around": None},
     }
     cleared = {k: v for d, f in fields.items() if d not in keep for k, v in f.items()}
     if "recompute_export" not in keep and spec.capture == "export":
@@ -1080,6 +1121,35 @@ def _realise(a: torch.Tensor, tree: Tree) -> Any:
     raise ValueError(f"unknown leaf kind {kind!r}")
 
 
+class _HalfGrad(torch.autograd.Function):
+    """Identity forward, backward scaled by 0.5: lost with its backward, every earlier
+    gradient doubles."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 0.5
+
+
+def set_between_calls(model: nn.Module, call: int) -> None:
+    """What the training loop sets before call ``call`` (both the reference and the pipeline):
+    every ``loop_buffer`` block's ``temp`` re-assigned, ``1 / (2 + call)``."""
+    for module in model.modules():
+        if isinstance(module, FuzzBlock) and module.st.around == "loop_buffer":
+            module.temp = torch.tensor(1.0 / (2 + call))
+
+
+def _scale_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * 0.75, *args[1:])
+
+
+def _halve_grad_input(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
+    return tuple(None if g is None else g * 0.5 for g in grad_input)
+
+
 class FuzzBlock(nn.Module):
     """Block ``index`` of a spec: uses its argument values, then returns its structure.
 
@@ -1109,6 +1179,14 @@ class FuzzBlock(nn.Module):
             self.register_buffer("table", torch.linspace(0.75, 1.25, spec.dim), persistent=False)
         if st.scale:
             self.register_buffer("scale", torch.ones(spec.dim))
+        if st.around == "frozen_norm":
+            self.frozen_norm = nn.BatchNorm1d(spec.dim)
+        elif st.around == "pre_hook":
+            self.register_forward_pre_hook(_scale_input)
+        elif st.around == "bwd_hook":
+            self.register_full_backward_hook(_halve_grad_input)
+        elif st.around == "loop_buffer":
+            self.register_buffer("temp", torch.ones(()))
         self.memo_train_only: bool | None = None
         for writer, _, train_only in spec.shared:
             if writer == index:
@@ -1149,7 +1227,18 @@ class FuzzBlock(nn.Module):
             self.scale.mul_(0.97)
         if st.scale:
             h = self._keep(h / self.scale, dtype)
+        if st.around == "frozen_norm":
+            h = self.frozen_norm(h)
+        elif st.around == "loop_buffer":
+            h = self._keep(h * (0.5 + self.temp), dtype)
         return h
+
+    def train(self, mode: bool = True) -> FuzzBlock:
+        """``frozen_norm``: the override keeps the block's BatchNorm in eval (frozen)."""
+        super().train(mode)
+        if self.st.around == "frozen_norm":
+            self.frozen_norm.eval()
+        return self
 
     def _mix(self, h: torch.Tensor) -> torch.Tensor:
         """The block's linear map (a fixed function when it has no parameters)."""
@@ -1174,6 +1263,8 @@ class FuzzBlock(nn.Module):
             z = z.to(h.dtype)
         else:
             z = self._mix(h)
+        if st.around == "function":
+            z = _HalfGrad.apply(z)
         a = h + torch.tanh(self.drop(z))
         if st.region == "no_grad":
             with torch.no_grad():
@@ -1332,7 +1423,8 @@ def reference_run(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) ->
     opt = reference_optimizer(spec, list(model.parameters()))
     torch.manual_seed(spec.seed)  # dropout masks: the pipeline seeds alike before its calls
     results = []
-    for op, chunk in zip(spec.schedule, chunks(spec, batches), strict=True):
+    for k, (op, chunk) in enumerate(zip(spec.schedule, chunks(spec, batches), strict=True)):
+        set_between_calls(model, k)
         losses = []
         if op == "train":
             model.train()
@@ -1360,7 +1452,8 @@ def _reference_run_bf16(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batc
     opt = reference_optimizer(spec, masters)
     torch.manual_seed(spec.seed)
     results = []
-    for op, chunk in zip(spec.schedule, chunks(spec, batches), strict=True):
+    for k, (op, chunk) in enumerate(zip(spec.schedule, chunks(spec, batches), strict=True)):
+        set_between_calls(model, k)
         losses = []
         model.train(op == "train")
         with torch.set_grad_enabled(op == "train"):
@@ -1636,6 +1729,7 @@ def run_local(spec: FuzzSpec) -> Outcome:
         torch.manual_seed(spec.seed)
         for k, (op, chunk) in enumerate(zip(spec.schedule, chunks(spec, batches), strict=True)):
             phase = f"call {k} ({op})"
+            set_between_calls(model, k)
             call = engine.train_batch if op == "train" else engine.eval_batch
             if spec.trace_from is not None and k >= spec.trace_from:
                 with pipedialect.trace(engine, png=False):

@@ -98,6 +98,7 @@ def _one(dialect: Any, spec: fm.FuzzSpec, fsdp: bool = False, tp: bool = False) 
         engine = dialect.runtime_engine(module, config=config)
         for k, (op, chunk) in enumerate(zip(spec.schedule, fm.chunks(spec, batches), strict=True)):
             phase = f"call {k} ({op})"
+            fm.set_between_calls(model, k)
             call = engine.train_batch if op == "train" else engine.eval_batch
             losses.append(float(call(iter(chunk))))
     except pipedialect.PipeDialectError as exc:

@@ -196,6 +196,13 @@ class Spec:
     batch: Callable[[torch.Generator, int], tuple[torch.Tensor, torch.Tensor]]
     partition_kwargs: dict[str, Any] = field(default_factory=dict)
     freeze: Callable[[nn.Module], None] | None = None
+    #: Sets the modes of the training pattern after ``model.train()`` (a frozen BatchNorm);
+    #: the reference applies it too.
+    modes: Callable[[nn.Module], None] | None = None
+    #: Registers hooks before partition (the reference builds its own model and calls it too).
+    prepare: Callable[[nn.Module], None] | None = None
+    #: What the training loop sets on the model before step ``i`` (both runs).
+    between_steps: Callable[[nn.Module, int], None] | None = None
 
 
 _FOUR = {2: ("blocks.1",), 4: ("blocks.0", "blocks.1", "blocks.2")}
@@ -232,6 +239,204 @@ SPECS: dict[str, Spec] = {
 }
 
 
+# -- around the graph: per-module modes, custom autograd Functions, hooks, loop-set values ------
+
+
+def _freeze_norms(*paths: str) -> Callable[[nn.Module], None]:
+    """``model.bn.eval()`` after ``model.train()``: frozen BatchNorms in fine-tuning."""
+
+    def modes(model: nn.Module) -> None:
+        for path in paths:
+            model.get_submodule(path).eval()
+
+    return modes
+
+
+class NormsEvalNet(BNNet):
+    """A ``train()`` override that keeps every BatchNorm in eval (detectron2's frozen norms)."""
+
+    def train(self, mode: bool = True) -> NormsEvalNet:
+        super().train(mode)
+        for module in self.modules():
+            if isinstance(module, nn.BatchNorm1d):
+                module.eval()
+        return self
+
+
+class GradScale(torch.autograd.Function):
+    """Identity forward; backward scales the gradient by -0.5 (a gradient reversal layer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * -0.5
+
+
+class ReversalBlock(nn.Module):
+    """``h + tanh(W GradScale(h))``: the Function's backward changes every earlier gradient."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = h + torch.tanh(self.lin(GradScale.apply(h)))
+        return out
+
+
+class ReversalNet(nn.Module):
+    def __init__(self, dim: int = 8, seed: int = 0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList(ReversalBlock(dim) for _ in range(4))
+        self.head = nn.Linear(dim, 3)
+        seeded_init(self, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+# The gradient hooks shift as well as scale: Adam's steps do not change when every gradient of
+# a parameter is scaled by one constant, so a lost scaling alone would go unseen.
+
+
+def _scale_grad(grad: torch.Tensor) -> torch.Tensor:
+    return grad * 2.0 + 0.01
+
+
+def _halve_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * 0.5
+
+
+def _shift_input(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return (args[0] + 0.1,)
+
+
+def _halve_grad_input(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
+    return tuple(None if g is None else g * 0.5 + 0.01 for g in grad_input)
+
+
+def _hooks(backward: bool) -> Callable[[nn.Module], None]:
+    """A forward hook, a pre-forward hook, a full backward hook (fx only: torch.export refuses
+    it) on traced-through blocks, and a parameter's tensor hook, each changing the numbers."""
+
+    def prepare(model: nn.Module) -> None:
+        model.get_submodule("blocks.1").register_forward_hook(_halve_output)
+        model.get_submodule("blocks.2").register_forward_pre_hook(_shift_input)
+        if backward:
+            model.get_submodule("blocks.3").register_full_backward_hook(_halve_grad_input)
+        model.get_parameter("blocks.0.lin.weight").register_hook(_scale_grad)
+
+    return prepare
+
+
+class Annealed(nn.Module):
+    """``h + tanh(W h / temp) * gain``: ``temp`` a buffer, ``gain`` a plain float."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.register_buffer("temp", torch.ones(()))
+        self.gain = 1.0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = h + torch.tanh(self.lin(h) / self.temp) * self.gain
+        return out
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = h + torch.tanh(self.lin(h))
+        return out
+
+
+class PlainNet(ReversalNet):
+    """:class:`ReversalNet` without the Function: ``h + tanh(W h)`` blocks."""
+
+    block: Callable[[int], nn.Module] = PlainBlock
+
+    def __init__(self, dim: int = 8, seed: int = 0) -> None:
+        super().__init__(dim, seed)
+        self.blocks = nn.ModuleList(type(self).block(dim) for _ in range(4))
+        seeded_init(self, seed)
+
+
+class AnnealedNet(PlainNet):
+    block = Annealed
+
+
+def _anneal_reassign(model: nn.Module, step: int) -> None:
+    """``model.blocks[i].temp = torch.tensor(1 / (1 + step))``: a buffer re-assigned."""
+    for i in (0, 2):
+        model.get_submodule(f"blocks.{i}").temp = torch.tensor(1.0 / (1 + step))
+
+
+def _anneal_in_place(model: nn.Module, step: int) -> None:
+    model.get_submodule("blocks.3").get_buffer("temp").fill_(1.0 / (1 + step))
+
+
+def _anneal_buffers(model: nn.Module, step: int) -> None:
+    _anneal_reassign(model, step)
+    _anneal_in_place(model, step)
+
+
+def _anneal_float(model: nn.Module, step: int) -> None:
+    """``model.blocks[2].gain = ...``: a plain float the capture wrote into the graph."""
+    model.get_submodule("blocks.2").gain = 1.0 / (1 + step)
+
+
+def _hook_after(model: nn.Module, step: int) -> None:
+    """A forward hook added to a captured block after partition, before the second step."""
+    if step == 1:
+        model.get_submodule("blocks.2").register_forward_hook(_halve_output)
+
+
+def _leaf_hook_after(model: nn.Module, step: int) -> None:
+    """A forward hook added to a Linear (a leaf the fx stages call) before the second step."""
+    if step == 1:
+        model.get_submodule("blocks.2.lin").register_forward_hook(_halve_output)
+
+
+SPECS.update(
+    {
+        # One frozen BatchNorm on each stage of two (and on stages 0 and 2 of four).
+        "frozen_bn": Spec(
+            BNNet, mse_loss, _FOUR, _float_batch, modes=_freeze_norms("blocks.0.bn", "blocks.2.bn")
+        ),
+        # modes=: model.train() before partition, which runs the override.
+        "norms_eval": Spec(NormsEvalNet, mse_loss, _FOUR, _float_batch, modes=_freeze_norms()),
+        "reversal": Spec(ReversalNet, mse_loss, _FOUR, _float_batch),
+        "hooks": Spec(PlainNet, mse_loss, _FOUR, _float_batch, prepare=_hooks(True)),
+        "forward_hooks": Spec(PlainNet, mse_loss, _FOUR, _float_batch, prepare=_hooks(False)),
+        "anneal_buffer": Spec(
+            AnnealedNet,
+            mse_loss,
+            _FOUR,
+            _float_batch,
+            between_steps=_anneal_buffers,
+        ),
+        "anneal_float": Spec(
+            AnnealedNet, mse_loss, _FOUR, _float_batch, between_steps=_anneal_float
+        ),
+        "hook_after": Spec(PlainNet, mse_loss, _FOUR, _float_batch, between_steps=_hook_after),
+        "leaf_hook_after": Spec(
+            PlainNet, mse_loss, _FOUR, _float_batch, between_steps=_leaf_hook_after
+        ),
+    }
+)
+
+
 def spec_of(case: dict[str, Any]) -> Spec:
     return SPECS[case["model"]]
 
@@ -242,9 +447,16 @@ def build(case: dict[str, Any]) -> tuple[nn.Module, Any]:
     model = spec.factory(seed=0)
     if spec.freeze is not None:
         spec.freeze(model)
+    if spec.modes is not None:
+        model.train()
+        spec.modes(model)
+    if spec.prepare is not None:
+        spec.prepare(model)
     kwargs = dict(spec.partition_kwargs)
     if case.get("recompute"):
         kwargs["recompute"] = case["recompute"]
+    if case.get("export"):
+        kwargs["example_inputs"] = (batches(case, 1)[0][0],)
     plan = partition(model, spec.split_points[case.get("stages", 2)], **kwargs)
     return model, plan
 
@@ -307,10 +519,15 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
     model, _ = build(case)
     net = copy.deepcopy(model)
     spec = spec_of(case)
+    if spec.prepare is not None:  # a deep copy leaves tensor hooks behind: build it again
+        net = spec.factory(seed=0)
+        spec.prepare(net)
     steps, gas = steps_of(case)
     data = batches(case, steps * gas)
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
     net.train()
+    if spec.modes is not None:
+        spec.modes(net)
     if case.get("bf16"):
         import _bf16_workers
 
@@ -329,6 +546,8 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
         trainable = [p for p in dict.fromkeys(net.parameters()) if p.requires_grad]
         losses = []
         for step in range(steps):
+            if spec.between_steps is not None:
+                spec.between_steps(net, step)
             total = 0.0
             for inputs, labels in data[step * gas : (step + 1) * gas]:
                 loss = spec.loss_fn(_forward(net, inputs), labels)
@@ -389,7 +608,11 @@ def run_case(dialect_name: str, case: dict[str, Any]) -> dict[str, Any]:
     )
     steps, gas = steps_of(case)
     data = iter(batches(case, steps * gas))
-    losses = [float(engine.train_batch(data)) for _ in range(steps)]
+    losses = []
+    for step in range(steps):
+        if spec.between_steps is not None:
+            spec.between_steps(model, step)
+        losses.append(float(engine.train_batch(data)))
     evaluated = float(engine.eval_batch(iter(batches(case, gas, offset=steps * gas))))
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}

@@ -77,10 +77,11 @@ the ``dtype=`` that fits (:func:`pipedialect.plan.partition.check_capture_dtype`
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -148,8 +149,9 @@ def capture(
         assigned.add(full)
         return True
 
+    applied: list[type] = []
     try:
-        with _state.assignments_in_place(assign):
+        with _state.assignments_in_place(assign), _applied_functions(applied):
             program = torch.export.export(model, (), kwargs, strict=False)
     except CaptureError:
         raise
@@ -164,6 +166,7 @@ def capture(
     finally:
         if handle is not None:
             handle.remove()
+    refuse_functions(applied)
     _, in_spec = pytree.tree_flatten(((), kwargs))
     if program.call_spec.in_spec != in_spec:
         raise CaptureError(
@@ -180,6 +183,40 @@ def capture(
     _state.isolate_earlier_reads(graph, _assignment_copies(graph, model, assigned))
     logger.debug("torch.export captured %s: %d nodes", type(model).__name__, len(graph.nodes))
     return Captured(graph, added)
+
+
+@contextlib.contextmanager
+def _applied_functions(applied: list[type]) -> Iterator[None]:
+    """Record in ``applied`` every autograd Function defined outside torch that forward
+    applies while the block runs ([Note: custom autograd Functions] in ``_fx``)."""
+    function = torch.autograd.function.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+        if cls.__module__.split(".")[0] != "torch" and cls not in applied:
+            applied.append(cls)
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        function.apply = original  # type: ignore[method-assign]
+
+
+def refuse_functions(applied: Sequence[type]) -> None:
+    """Refuse custom autograd Functions: torch.export keeps their forward's operations and
+    drops their ``backward`` ([Note: custom autograd Functions] in ``_fx``)."""
+    if not applied:
+        return
+    shown = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in applied)
+    raise CaptureError(
+        f"forward applies the custom torch.autograd.Function {shown}: torch.export records "
+        "what its forward computes and drops its backward, so the stages would compute other "
+        "gradients than the model. Partition without example_inputs: the torch.fx capture "
+        "keeps each such apply as one call in the stage graph, backward included (call "
+        "plan.verify(...) yourself to check the plan, gradients included)"
+    )
 
 
 def named(model: nn.Module, example_inputs: Mapping[str, Any] | Sequence[Any]) -> dict[str, Any]:

@@ -94,12 +94,14 @@ import logging
 import operator
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.autograd.grad_mode as grad_mode
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import fx, nn
 from torch.fx.graph_module import reduce_graph_module
@@ -666,8 +668,21 @@ def recording_regions() -> Iterator[None]:
 
         return enter
 
+    def function_apply(original: Any) -> Any:
+        def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+            tracer = _tracing()
+            traced = tracer is not None and any(
+                isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs))
+            )
+            if tracer is None or not traced or _torch_function(cls):
+                return original.__get__(None, cls)(*args, **kwargs)
+            return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
+
+        return classmethod(apply)
+
     grad_enabled = torch.is_grad_enabled()
     try:
+        patch(torch.autograd.function.Function, "apply", function_apply)
         patch(grad_mode.no_grad, "__enter__", entering(False, "torch.no_grad()"))
         patch(grad_mode.no_grad, "__exit__", leaving)
         patch(grad_mode.enable_grad, "__enter__", entering(True, "torch.enable_grad()"))
@@ -683,6 +698,41 @@ def recording_regions() -> Iterator[None]:
         for cls, name, original in reversed(originals):
             setattr(cls, name, original)
         torch._C._set_grad_enabled(grad_enabled)  # a region left open by a failed trace
+
+
+#: The graph target that applies each custom autograd Function ([Note: custom autograd
+#: Functions]).
+_APPLIES: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+def function_call(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """The function a stage graph calls to apply the custom autograd Function ``cls``.
+
+    [Note: custom autograd Functions]
+    fx traces ``MyFunction.apply(x)`` by running ``MyFunction.forward`` on proxies: the graph
+    gets the forward's operations (``x.view_as(x)`` for a gradient reversal) and autograd then
+    differentiates those, so ``MyFunction.backward`` is lost and the gradients are wrong with
+    no error. While the torch.fx capture traces, ``apply`` of a Function defined outside torch
+    called on traced values becomes one node calling this function instead, which calls
+    ``cls.apply`` at run time: forward and backward run as in the unsplit model. Functions of
+    torch itself (reentrant checkpointing) are traced as before. torch.export records the
+    forward's operations too; that capture refuses such a Function by name
+    (``_export.refuse_functions``).
+    """
+    found = _APPLIES.get(cls)
+    if found is None:
+
+        def apply(*args: Any, **kwargs: Any) -> Any:
+            return cls.apply(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+        apply.__name__ = apply.__qualname__ = f"{cls.__name__}_apply"
+        found = _APPLIES[cls] = apply
+    return found
+
+
+def _torch_function(cls: type) -> bool:
+    """Whether ``cls`` is an autograd Function of torch itself."""
+    return cls.__module__.split(".")[0] == "torch"
 
 
 def _drop_empty_regions(graph: fx.Graph) -> None:

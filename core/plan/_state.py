@@ -590,7 +590,9 @@ def module_writes(module: nn.Module, names: BufferNames, training: bool) -> list
             if b is not None and id(b) in names.by_id
         ]
         if isinstance(sub, _NormBase) and not (sub._forward_pre_hooks or sub._forward_hooks):
-            if training and sub.track_running_stats:
+            # The module's own flag: a frozen BatchNorm stays in eval while the model trains
+            # ([Note: per-module modes] in ``runtime.module_state``).
+            if training and sub.training and sub.track_running_stats:
                 written.extend(held)
         elif not _pure_builtin(sub):
             written.extend(held)

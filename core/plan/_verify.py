@@ -52,6 +52,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from ..errors import PartitionError, PipeDialectError, PlanMismatchError
+from ..runtime.module_state import apply_modes
 from . import _fx, _state
 
 __all__: list[str] = []
@@ -84,6 +85,10 @@ class CheckedPlan(Protocol):
     def autocast(self) -> torch.dtype | None: ...
     @property
     def num_stages(self) -> int: ...
+    @property
+    def module_modes(self) -> Mapping[str, tuple[bool, bool]]: ...
+    @property
+    def stage_modes(self) -> tuple[Mapping[str, tuple[bool, bool]], ...]: ...
     @property
     def _seen(self) -> dict[str, dict[str, Any]]: ...
     def sends(self, stage_id: int) -> tuple[str, ...]: ...
@@ -127,7 +132,7 @@ def verify(plan: CheckedPlan, args: Sequence[Any], kwargs: Mapping[str, Any]) ->
         autocast = torch.autocast(device, dtype=plan.autocast)
     with _state.parameters_as(model, plan.param_dtype), autocast:
         for training in (True, False):
-            with _Modes(model, plan.stages, training):
+            with _Modes(plan, model, training):
                 try:
                     _verify_mode(plan, model, values, points, targets, inputs, on_meta)
                 except PlanMismatchError as exc:
@@ -136,6 +141,9 @@ def verify(plan: CheckedPlan, args: Sequence[Any], kwargs: Mapping[str, Any]) ->
                     raise PlanMismatchError(
                         f"{exc} (in eval mode)", stage=exc.stage, path=exc.path
                     ) from exc
+        if not on_meta:
+            with _Modes(plan, model, True):
+                _verify_gradients(plan, model, values, inputs)
     logger.info("verified %r against %s", plan, type(model).__name__)
 
 
@@ -182,6 +190,109 @@ def _verify_mode(
         checker.run(values, points, expected)
 
 
+def _verify_gradients(
+    plan: CheckedPlan,
+    model: nn.Module,
+    values: Mapping[str, Any],
+    inputs: Sequence[torch.Tensor],
+) -> None:
+    """Differentiate one weighted sum of the outputs of the model and of the plan with respect
+    to every trainable parameter, and raise at the first gradient that differs ([Note: plan
+    gradients]).
+
+    [Note: plan gradients]
+    A stage graph can compute the model's forward and still differentiate it otherwise: a
+    custom ``torch.autograd.Function`` captured as its forward's ops loses its ``backward``,
+    a hook that changes gradients may not be part of the graph. So, in train mode, after the
+    forward check, both are run with gradients from the same buffers and RNG state, the same
+    scalar (each float output that needs a gradient times fixed weights, summed) is
+    differentiated with ``torch.autograd.grad`` (which leaves every ``.grad`` as it was), and
+    each parameter's gradient is compared, with ten times the forward's tolerances (relative to
+    the gradient's largest entry: a backward adds up many terms). A model whose outputs need no
+    gradient (everything frozen) has nothing to check.
+    """
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    if not params:
+        return
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    stage_of: dict[int, int] = {}
+    for k, stage in enumerate(plan.stages):
+        for p in stage.parameters():
+            stage_of.setdefault(id(p), k)
+    with _Preserved(model, inputs) as rewind, torch.enable_grad():
+        try:
+            expected_out = model(**values, **plan.concrete_args)
+        except Exception as exc:
+            raise PartitionError(
+                f"the model itself raised {type(exc).__name__} running its forward with "
+                f"gradients on the inputs the plan was to be checked on: {exc}"
+            ) from exc
+        outputs = [t for t in _tensors_in(expected_out) if _differentiable(t)]
+        if not outputs:
+            return
+        gen = torch.Generator().manual_seed(0)
+        weights = [
+            torch.rand(t.shape, generator=gen, dtype=torch.float32).to(t.device) for t in outputs
+        ]
+        expected = _grads(_weighted(outputs, weights), params)
+        rewind()
+        env: dict[str, Any] = dict(values)
+        out: Any = None
+        for k, stage in enumerate(plan.stages):
+            names = plan.stage_arg_names[k]
+            out = stage(*(env[n] for n in names))
+            name = plan.stage_names[k]
+            env[name] = out
+            if isinstance(out, tuple):
+                env.update((f"{name}.{i}", item) for i, item in enumerate(out))
+        got_outputs = [t for t in _tensors_in(out) if _differentiable(t)]
+        if [t.shape for t in got_outputs] != [t.shape for t in outputs]:
+            last = plan.num_stages - 1
+            raise PlanMismatchError(
+                f"[Stage {last}] the plan's outputs that need a gradient "
+                f"({[list(t.shape) for t in got_outputs]}) are not the model's "
+                f"({[list(t.shape) for t in outputs]}): a stage lost or added a backward path",
+                stage=last,
+            )
+        got = _grads(_weighted(got_outputs, weights), params)
+    for param, want, have in zip(params, expected, got, strict=True):
+        name = name_of.get(id(param), "?")
+        k = stage_of.get(id(param), plan.num_stages - 1)
+        what = None
+        if (want is None) != (have is None):
+            what = "gets a gradient in " + ("the plan only" if want is None else "the model only")
+        elif want is not None and have is not None:
+            rtol, atol = TOLERANCES.get(want.dtype, TOLERANCES[torch.float32])
+            scale = float(want.detach().abs().max()) if want.numel() else 0.0
+            if not torch.allclose(have, want, rtol=10 * rtol, atol=10 * (atol + rtol * scale)):
+                gap = float((have - want).abs().nan_to_num(nan=float("inf")).max())
+                what = f"has a gradient that differs by up to {gap:.3g} (largest entry {scale:.3g})"
+        if what is not None:
+            raise PlanMismatchError(
+                f"[Stage {k}] parameter {name!r} {what}: the stage computes the model's forward "
+                "but not its backward. A custom torch.autograd.Function whose backward the "
+                "capture did not keep, or a hook that changes gradients, does this: keep such "
+                "a module whole with leaf_modules=[...] (torch.fx capture)",
+                stage=k,
+                path=name,
+            )
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.requires_grad and (t.is_floating_point() or t.is_complex())
+
+
+def _weighted(outputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = (outputs[0].float() * weights[0]).sum()
+    for t, w in zip(outputs[1:], weights[1:], strict=True):
+        total = total + (t.float() * w).sum()
+    return total
+
+
+def _grads(total: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    return torch.autograd.grad(total, params, allow_unused=True)
+
+
 def _modules(model: nn.Module, paths: Sequence[str]) -> list[nn.Module]:
     return [model.get_submodule(path) for path in paths]
 
@@ -193,10 +304,14 @@ def _fake_values() -> FakeTensorMode:
 
 
 class _Modes:
-    """Puts the model and the stages in one mode for a check, and every module's flag back."""
+    """Puts the model and the stages in one mode for a check, each module with the flag the
+    plan recorded for it in that mode ([Note: per-module modes] in ``runtime.module_state``),
+    and every module's flag back afterwards."""
 
-    def __init__(self, model: nn.Module, stages: Sequence[nn.Module], training: bool) -> None:
-        self._roots = [model, *stages]
+    def __init__(self, plan: CheckedPlan, model: nn.Module, training: bool) -> None:
+        self._roots: list[nn.Module] = [model, *plan.stages]
+        tables = plan.stage_modes or tuple({} for _ in plan.stages)
+        self._tables = [plan.module_modes, *tables]
         self._training = training
         self._flags: list[tuple[nn.Module, bool]] = []
 
@@ -207,8 +322,8 @@ class _Modes:
                 if id(module) not in seen:
                     seen.add(id(module))
                     self._flags.append((module, module.training))
-        for root in self._roots:
-            root.train(self._training)
+        for root, table in zip(self._roots, self._tables, strict=True):
+            apply_modes(root, table, self._training)
 
     def __exit__(self, *exc: object) -> None:
         for module, flag in self._flags:

@@ -49,7 +49,14 @@ import torch
 from torch import fx, nn
 
 from ..contracts import StageSpec, TieGroup
-from ..errors import ConfigError, PartitionError, RecomputeError, SplitPointError
+from ..errors import (
+    CaptureError,
+    ConfigError,
+    PartitionError,
+    RecomputeError,
+    SplitPointError,
+)
+from ..runtime.module_state import apply_modes, mode_table
 from . import _export, _fx, _state, _verify
 from ._module_paths import (
     check_execution_order,
@@ -57,6 +64,7 @@ from ._module_paths import (
     close_matches,
     resolve_leaves,
 )
+from ._watch import ModelWatch, reading_attributes
 from .balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, profile_model
 from .liveness import compute_liveness
 from .ties import find_tie_groups
@@ -207,6 +215,16 @@ class PipelinePlan:
     #: The dtype every stage runs its ops under ``torch.autocast`` in (``partition(...,
     #: autocast=)``: fp32 parameters, eligible ops in that dtype), or None.
     autocast: torch.dtype | None = None
+    #: The model's modules whose train/eval flag is not the one ``train(mode)`` gives them:
+    #: path -> (flag in the training pattern, flag in the evaluation pattern) ([Note:
+    #: per-module modes] in ``runtime.module_state``).
+    module_modes: Mapping[str, tuple[bool, bool]] = field(default_factory=dict)
+    #: The same, per stage, by path inside the stage: what its wrapper applies at every
+    #: ``train()``/``eval()``.
+    stage_modes: tuple[Mapping[str, tuple[bool, bool]], ...] = ()
+    #: What the training loop may change on the model, checked before every step ([Note:
+    #: values the loop sets] in ``_watch``).
+    _model_watch: ModelWatch | None = field(default=None, compare=False, repr=False)
     #: What :meth:`verify` saw of each boundary value: shape, dtype, bytes, output paths
     #: ([Note: boundary values]).
     _seen: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
@@ -236,6 +254,8 @@ class PipelinePlan:
             receives=self.liveness[stage_id],
             sends=self.sends(stage_id),
             input_defaults=dict(self.input_defaults),
+            module_modes=dict(self.stage_modes[stage_id]) if self.stage_modes else {},
+            before_step=None if self._model_watch is None else self._model_watch.check,
         )
 
     def boundary_values(self, stage_id: int) -> tuple[BoundaryValue, ...]:
@@ -577,22 +597,27 @@ def _partition(
     _check_recompute_nesting(points, targets, recompute_paths)
     count = len(points) + 1
     names = _state.BufferNames(model)
+    # Each mode is captured with the flags the unsplit model has in it ([Note: per-module
+    # modes] in ``runtime.module_state``).
+    table = mode_table(model)
     added: list[str] = []
     modes: dict[bool, tuple[fx.Graph, dict[fx.Node, int], list[fx.Node]]] = {}
     uses: list[_state.BufferUse] = []
+    reads: dict[tuple[int, str], tuple[nn.Module, Any]] = {}
     try:
         for mode in (True, False):
-            model.train(mode)
-            captured, how, leaf_paths = _capture(
-                model,
-                named_inputs,
-                concrete_args,
-                leaf_modules,
-                point_modules,
-                recompute_paths,
-                snapshot.watch("torch.export"),
-                autocast,
-            )
+            apply_modes(model, table, mode)
+            with reading_attributes(reads):
+                captured, how, leaf_paths = _capture(
+                    model,
+                    named_inputs,
+                    concrete_args,
+                    leaf_modules,
+                    point_modules,
+                    recompute_paths,
+                    snapshot.watch("torch.export"),
+                    autocast,
+                )
             mine = list(captured.added_attrs)
             if not mode:
                 mine = _fx.share_constants(model, captured.graph, mine, added)
@@ -656,6 +681,15 @@ def _partition(
         for stage in cut.stages:
             _export.autocast_stage(stage, _fx.stage_graphs(stage), autocast)
     _record_model_names(model, cut.stages)
+    path_of = {id(m): name for name, m in model.named_modules()}
+    stage_modes = tuple(
+        {
+            name: table[path_of[id(sub)]]
+            for name, sub in stage.named_modules()
+            if name and path_of.get(id(sub)) in table
+        }
+        for stage in cut.stages
+    )
     liveness = compute_liveness(cut.input_names, cut.arg_names, cut.defined_by)
     buffers = tuple(
         BufferInfo(
@@ -684,6 +718,11 @@ def _partition(
         param_dtype=None if named_inputs is None else (capture_dtype or _param_dtype(model)),
         autocast=autocast,
         input_defaults=_input_defaults(model, cut.input_names),
+        module_modes=table,
+        stage_modes=stage_modes,
+        _model_watch=ModelWatch(
+            model, cut.stages, reads, recompute_paths if named_inputs is None else ()
+        ),
     )
 
 
@@ -830,6 +869,7 @@ def _capture(
     """One capture of the model in its current mode: the graph, the capture's name, and the
     leaf module paths. ``after_forward`` watches the export path's forward, which runs under
     ``torch.autocast(autocast)`` when given ([Note: stages under autocast] in ``_export``)."""
+    hooked = _backward_hooked(model, named_inputs is not None)
     if named_inputs is not None:
         region: Any = contextlib.nullcontext()
         if autocast is not None:
@@ -839,6 +879,10 @@ def _capture(
             captured = _export.capture(model, named_inputs, concrete_args or {}, after_forward)
         return captured, "torch.export", []
     leaf_ids, leaf_types, leaf_paths = resolve_leaves(model, leaf_modules or ())
+    # A module with a backward hook is called as one op: its hooks run ([Note: hooks] in
+    # ``_watch``).
+    leaf_ids |= frozenset(id(m) for _, m in hooked)
+    leaf_paths = [*leaf_paths, *(p for p, _ in hooked if p not in leaf_paths)]
     split_ids = frozenset(id(m) for m in point_modules)
     recompute_ids = frozenset(id(model.get_submodule(p)) for p in recompute_paths)
     captured = _fx.capture(
@@ -850,6 +894,35 @@ def _capture(
         checkpoint_ids=recompute_ids,
     )
     return captured, "torch.fx", leaf_paths
+
+
+def _backward_hooked(model: nn.Module, exported: bool) -> list[tuple[str, nn.Module]]:
+    """The modules with a backward (or backward pre-) hook, which a stage graph must call as
+    one op for the hook to run ([Note: hooks] in ``_watch``).
+
+    Raises:
+        CaptureError: the root has one (no stage calls the root), or the capture is
+            torch.export's, which inlines every module.
+    """
+    hooked = [
+        (path, m) for path, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks
+    ]
+    if not hooked:
+        return []
+    paths = [p for p, _ in hooked]
+    if "" in paths:
+        raise CaptureError(
+            f"the model's root ({type(model).__name__}) has a backward hook: no stage runs the "
+            "root's call, so it would never run. Register it on the modules it is about, or "
+            "on the loss"
+        )
+    if exported:
+        raise CaptureError(
+            f"modules {paths} have backward hooks (register_full_backward_hook): torch.export "
+            "inlines every module, so they would never run. Partition without example_inputs: "
+            "the torch.fx capture calls each such module as one op, hooks included"
+        )
+    return hooked
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype | None:

@@ -53,10 +53,67 @@ from torch import nn
 
 from ..errors import RecomputeError
 
-__all__ = ["UpdatedBuffers", "preserved_state", "recompute_with_state"]
+__all__ = [
+    "ModuleModes",
+    "UpdatedBuffers",
+    "apply_modes",
+    "mode_table",
+    "preserved_state",
+    "recompute_with_state",
+]
 
 
 _Slot = tuple[nn.Module, str]
+
+#: Submodules whose train/eval flag is not the one ``train(mode)`` gives the whole tree: their
+#: path (relative to the module the table is for) and their flag in the training pattern and
+#: in the evaluation pattern ([Note: per-module modes]).
+ModuleModes = Mapping[str, tuple[bool, bool]]
+
+
+def apply_modes(root: nn.Module, modes: ModuleModes, training: bool) -> None:
+    """Put ``root`` in ``training`` mode, then give each submodule of ``modes`` its own flag.
+
+    [Note: per-module modes]
+    The unsplit model's submodules need not share one mode: ``model.train();
+    model.backbone.bn.eval()`` freezes a BatchNorm while the rest trains, and a ``train()``
+    override may keep the norms in eval. ``partition`` records each module's flag in the
+    training pattern (a module trains when the model's own ``train()`` puts it in training
+    and, for a model partitioned in train mode, it is in training then too: what the user or
+    the override froze stays frozen) and in the evaluation pattern (what ``eval()`` gives),
+    captures each mode with its pattern in place (torch.export writes the flags into the
+    graphs; the torch.fx capture reads ``self.training`` of the modules it traces
+    through), and every stage wrapper re-applies its stage's table whenever the engine
+    switches it: ``train_batch`` and ``eval_batch`` see what the unsplit model would.
+    Only flags that differ from the mode are kept; the flags are set directly, so nothing of a
+    user's ``train()`` override runs again.
+    """
+    root.train(training)
+    column = 0 if training else 1
+    for path, flags in modes.items():
+        root.get_submodule(path).training = flags[column]
+
+
+def mode_table(model: nn.Module) -> dict[str, tuple[bool, bool]]:
+    """Each module's flag (by its first path in ``model``) in the training pattern and the
+    evaluation pattern ([Note: per-module modes]); the flags are left as they were."""
+    modules = list(model.named_modules())
+    flags = [m.training for _, m in modules]
+    try:
+        model.train(True)
+        train = [m.training for _, m in modules]
+        model.train(False)
+        evaluated = [m.training for _, m in modules]
+    finally:
+        for (_, m), flag in zip(modules, flags, strict=True):
+            m.training = flag
+    if model.training:  # frozen by the user (bn.eval()) or by the override: frozen
+        train = [a and b for a, b in zip(train, flags, strict=True)]
+    return {
+        name: (t, e)
+        for (name, _), t, e in zip(modules, train, evaluated, strict=True)
+        if (t, e) != (True, False)
+    }
 
 
 def _buffer_slots(modules: Iterable[nn.Module]) -> list[_Slot]:

@@ -31,7 +31,7 @@ use it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.utils.checkpoint
@@ -40,7 +40,7 @@ from torch import fx, nn
 from ..contracts import StageSpec, TensorCodec
 from ..errors import ConfigError, WireError
 from .codec import decoded_by
-from .module_state import UpdatedBuffers
+from .module_state import UpdatedBuffers, apply_modes
 from .wire import WireDecoder, WireEncoder
 
 __all__ = ["StageWrapper", "stage_root"]
@@ -118,6 +118,20 @@ class StageWrapper(nn.Module):
         # Not a submodule: the partitioned model, whose modules may hold this stage's buffer
         # tensors (torch.export's stages do), so that fresh copies reach it too.
         self.__dict__["_state_peer"] = shares_state_with
+
+    def train(self, mode: bool = True) -> Self:
+        """Switch the stage to train (``mode``) or eval mode, each of its submodules to the
+        flag the unsplit model's has in that mode (:attr:`StageSpec.module_modes
+        <pipedialect.contracts.StageSpec.module_modes>`, [Note: per-module modes] in
+        :mod:`pipedialect.runtime.module_state`): every engine's ``train_batch`` and
+        ``eval_batch`` come here, so the plan's check of what the loop changed on the model
+        (:attr:`StageSpec.before_step <pipedialect.contracts.StageSpec.before_step>`) runs
+        first."""
+        if self.spec.before_step is not None:
+            self.spec.before_step(mode)
+        super().train(mode)
+        apply_modes(self.mod, self.spec.module_modes, mode)
+        return self
 
     def reset_wire_state(self) -> None:
         """Forget the frozen wire layout and shapes of both boundaries of this stage.
