@@ -121,6 +121,10 @@ class StageSpec:
     #: forward's default values of model inputs a micro-batch may omit (the first stage fills
     #: them in; :attr:`pipedialect.PipelinePlan.input_defaults`).
     input_defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: The stage's parameters that other stages hold too (tie groups over several stages):
+    #: forward must not write them in place (``pipedialect.runtime.stage`` [Note: tied
+    #: parameters written in forward]).
+    tied_parameters: tuple[str, ...] = ()
 
 
 @runtime_checkable

@@ -236,6 +236,13 @@ class PipelinePlan:
             receives=self.liveness[stage_id],
             sends=self.sends(stage_id),
             input_defaults=dict(self.input_defaults),
+            tied_parameters=tuple(
+                name
+                for group in self.tie_groups
+                if len(group.stages) > 1
+                for name, stage in group.members
+                if stage == stage_id
+            ),
         )
 
     def boundary_values(self, stage_id: int) -> tuple[BoundaryValue, ...]:

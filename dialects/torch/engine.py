@@ -46,7 +46,9 @@ from pipedialect.runtime.agreement import (
     nonfinite_loss_error,
     root_nonfinite,
 )
+from pipedialect.runtime.randomness import begin_streams
 from pipedialect.runtime.sharded import is_sharded, local_part
+from pipedialect.runtime.stage import check_trainable
 
 from ._fsdp import FsdpStages
 from ._replicas import Replicas
@@ -162,6 +164,11 @@ class TorchPipeline(nn.Module):
             for runner in self._runners()
         ]
         self.schedule(num_micro_batches)
+
+    def begin_streams(self, kind: str, step: int) -> None:
+        """Start a batch's random streams on this rank's stages
+        (``pipedialect.runtime.randomness`` [Note: random streams])."""
+        begin_streams([r.stage for r in self._runners()], kind, step, self.replicas.replica)
 
     def _runners(self) -> list[StageRunner]:
         return [r for r in self.runners if isinstance(r, StageRunner)]
@@ -432,10 +439,12 @@ class TorchEngine(EngineBase):
             return self._train_batch(data_iter)
 
     def _train_batch(self, data_iter: Iterator[Any] | None) -> torch.Tensor:
+        check_trainable([r.stage for r in self.module._runners()], self.global_steps + 1)
         gas = self.config.gradient_accumulation_steps
         batches = self._pull(data_iter, gas, "train_batch", "gradient_accumulation_steps")
         self.module.train()
         module = self.module
+        module.begin_streams("train", self.global_steps + 1)
         params = [p for p in module.parameters() if p.requires_grad]
         grad_of = None if self.mixed is None else self.grad_of
         try:
@@ -487,6 +496,7 @@ class TorchEngine(EngineBase):
         count, source = self.eval_micro_batches(num_micro_batches)
         batches = self._pull(data_iter, count, "eval_batch", source)
         self.module.eval()
+        self.module.begin_streams("eval", self.global_steps)
         with torch.no_grad():
             loss = self.module.run(batches, count, train=False)
         mean = self._broadcast_loss(loss)
