@@ -56,7 +56,7 @@ from .engine.param_groups import ParamGroupsFn
 from .errors import ConfigError, MissingCapabilityError, TopologyError
 from .plan.batches import check_loss_fn
 from .plan.partition import PipelinePlan, check_capture_dtype
-from .plan.ties import DefaultTieAnalyzer
+from .plan.ties import DefaultTieAnalyzer, check_tied_unwritten
 from .runtime.agreement import agreed, check_plan_agreement
 from .runtime.codec import SchemaCodec
 from .runtime.stage import StageWrapper, record_trainable
@@ -365,6 +365,8 @@ class Dialect(abc.ABC):
                     f"has a data axis of {topology.get_dim('data')}; use a topology with data=1"
                 )
             check_tensor_axis(self, topology.get_dim("tensor") or 1)
+        # Before any collective: every rank refuses the same plan alike.
+        check_tied_unwritten(plan.stages, plan.tie_groups)
         check_plan_agreement(
             plan,
             dialect=self.name,

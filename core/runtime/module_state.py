@@ -274,15 +274,35 @@ class _Replay:
         self.changed_attrs: dict[tuple[int, str], Any] = {}
         self.unknown: list[int] = []
         self.calls = 0
+        self.params = [
+            (n, p, p._version)
+            for m in self.modules
+            for n, p in m.named_parameters(remove_duplicate=False)
+        ]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
             try:
-                return self.function(*args, **kwargs)
+                out = self.function(*args, **kwargs)
             finally:
                 self._learn()
+            self._refuse_written_parameters()
+            return out
         return self._recompute(*args, **kwargs)
+
+    def _refuse_written_parameters(self) -> None:
+        """A recomputed forward that writes a parameter in place (running state kept in an
+        ``nn.Parameter``, ``nn.Embedding(max_norm=...)``) would write it again in backward:
+        refused by name before any backward runs."""
+        for name, param, version in self.params:
+            if param._version != version:
+                raise RecomputeError(
+                    f"parameter {name!r} of {type(self.key).__name__} is written in place by "
+                    "a recomputed forward, so its recomputation in backward would write it a "
+                    "second time. Keep running state in a buffer (register_buffer), or do not "
+                    "recompute this module (leave it out of partition(recompute=...))"
+                )
 
     def _learn(self) -> None:
         changed: list[int] = []

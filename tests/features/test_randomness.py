@@ -49,6 +49,34 @@ def test_local_engine_refuses_a_forward_that_writes_a_tied_parameter(written: st
     workers.check_written_tie(result)
 
 
+def test_recomputing_a_module_that_writes_a_parameter_is_refused_by_name() -> None:
+    """Recomputation would write the running ``nn.Parameter`` a second time in backward."""
+
+    class Centered(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(workers.DIM, 3)
+            self.center = torch.nn.Parameter(torch.zeros(workers.DIM), requires_grad=False)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.center.mul_(0.5).add_(h.mean(0))
+            out: torch.Tensor = self.lin(h - self.center)
+            return out
+
+    model = torch.nn.Sequential(torch.nn.Linear(workers.DIM, workers.DIM), Centered())
+    plan = pipedialect.partition(model, split_points=["0"], recompute=["1"])
+    local = pipedialect.get_dialect("local")
+    conf = workers.config()
+    engine = local.runtime_engine(
+        local.pipe_engine(plan, config=conf, loss_fn=workers.loss_fn), config=conf
+    )
+    with pytest.raises(pipedialect.RecomputeError, match="parameter 'center'") as caught:
+        engine.train_batch(iter(workers.stream(0, workers.GAS)))
+    assert "register_buffer" in str(caught.value)
+    assert engine.global_steps == 0
+
+
 def test_the_stage_streams_differ_and_leave_the_callers_generator_alone() -> None:
     """Every component of a stream's key changes it; a stage's forward and the reference's
     micro-batch consume none of the caller's random numbers."""

@@ -108,10 +108,14 @@ def _recomputed(spec: fm.FuzzSpec) -> fm.FuzzSpec:
     it is captured with torch.fx; otherwise ``spec`` itself."""
     # Not a block split at its ``lin``: a split point inside a recomputed module is refused
     # (it runs as one call), which is not what this sweep is for.
+    # Nor a block writing a parameter in forward: recomputing it is refused at the first
+    # training call (RecomputeError), which the generator never draws either.
     leaves = [
         i
         for i, block in enumerate(spec.blocks)
-        if isinstance(block.out, fm.Leaf) and f"blocks.{i}.lin" not in spec.split_points
+        if isinstance(block.out, fm.Leaf)
+        and f"blocks.{i}.lin" not in spec.split_points
+        and i not in spec.param_write
     ]
     if spec.capture != "fx" or not leaves:
         return spec
