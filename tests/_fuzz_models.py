@@ -202,12 +202,13 @@ DIMENSIONS = (
     "frozen",
     "bf16_export",
     "recompute_export",
-    # Around the graph (drawn by _draw_around, last): randomness, parameters written in
-    # forward, trainability changed after build.
-    "noise",
-    "param_write",
-    "retrain",
 )
+#: Around the graph (drawn by :func:`_draw_around`, last, so that every older seed keeps its
+#: model): randomness, parameters written in forward, trainability changed after build.
+AROUND_DIMENSIONS = ("noise", "param_write", "retrain")
+#: The module-state dimensions, whose gates :func:`_draw_state` draws.
+STATE_DIMENSIONS = DIMENSIONS
+DIMENSIONS = STATE_DIMENSIONS + AROUND_DIMENSIONS
 
 
 @dataclass(frozen=True)
@@ -877,7 +878,7 @@ def _draw_state(src: Source, spec: FuzzSpec, dialect: Dialect) -> FuzzSpec:
     The draws do not depend on which dimensions are kept: :func:`restrict` removes them after.
     """
     n = len(spec.blocks)
-    gates = {d: src.chance(DIM_CHANCE[d]) for d in DIMENSIONS}
+    gates = {d: src.chance(DIM_CHANCE[d]) for d in STATE_DIMENSIONS}
     states = [BlockState() for _ in range(n)]
 
     def put(i: int, **changes: Any) -> None:
