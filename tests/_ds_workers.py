@@ -806,7 +806,7 @@ def checkpoint_reference(model_name: str, steps: int = 3, gas: int = 2) -> dict[
     spec = DROPNET if model_name == "dropnet" else spec_for(model_name)
     model = spec.build(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    streams = ReferenceStreams(model, ["block0"])
+    streams = ReferenceStreams(model, ["block0"] if model_name == "dropnet" else [])
     count = [0]
 
     def forward(model: Any, inputs: Any) -> Any:
