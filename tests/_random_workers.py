@@ -331,8 +331,8 @@ def reference(case: dict[str, Any], seed: int = SEED) -> dict[str, Any]:
         j = count[0]
         count[0] += 1
         step, within = divmod(j, GAS * dp)
-        replica, micro_batch = divmod(within, GAS)
-        with streams.micro_batch("train", step + 1, micro_batch, replica=replica):
+        micro_batch = within % GAS  # replicas draw alike ([Note: random streams])
+        with streams.micro_batch("train", step + 1, micro_batch):
             return model(inputs)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.2)

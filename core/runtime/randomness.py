@@ -9,13 +9,14 @@ far the unsplit model's generator would have advanced by the time its stage star
 depends on every earlier stage's draws), so the pipeline does not try to reproduce the unsplit
 model's single stream. Instead every stage draws from its own stream:
 
-    the forward of stage ``k`` on micro-batch ``m`` of step ``t`` (data-parallel replica
-    ``r``) draws from the default generator seeded with
-    ``stream_seed(seed, kind, t, r, m, k)``,
+    the forward of stage ``k`` on micro-batch ``m`` of step ``t`` draws from the default
+    generator seeded with ``stream_seed(seed, kind, t, 0, m, k)``,
 
 where ``kind`` is ``"train"`` or ``"eval"``, ``t`` is the optimizer step being taken
 (``global_steps + 1``) in training and the steps taken so far (``global_steps``) in
-evaluation, and ``seed`` is ``pipe_engine(seed=)`` (0 by default). The streams depend on
+evaluation, and ``seed`` is ``pipe_engine(seed=)`` (0 by default). Data-parallel replicas
+draw alike on their own micro-batches, as ranks seeded alike do (the key's replica component,
+0 in every engine, is there for a caller that wants them apart). The streams depend on
 nothing a runtime chooses (which rank runs the stage, the schedule, the order in which
 micro-batches are interleaved, recomputation), so the local, deepspeed and torch dialects draw
 the same numbers for the same plan, at every schedule. The generator's state outside the

@@ -346,7 +346,7 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
 
     def _begin_streams(self, kind: str, step: int) -> None:
         """Start the batch's random streams; forget which buffer held which micro-batch."""
-        begin_streams(self._stage_wrappers(), kind, step, self.grid.data_parallel_id)
+        begin_streams(self._stage_wrappers(), kind, step)
         self.__dict__["_pipedialect_micro_batch_of"] = {}
 
     def _exec_backward_pass(self, buffer_id: int) -> None:

@@ -168,7 +168,7 @@ class TorchPipeline(nn.Module):
     def begin_streams(self, kind: str, step: int) -> None:
         """Start a batch's random streams on this rank's stages
         (``pipedialect.runtime.randomness`` [Note: random streams])."""
-        begin_streams([r.stage for r in self._runners()], kind, step, self.replicas.replica)
+        begin_streams([r.stage for r in self._runners()], kind, step)
 
     def _runners(self) -> list[StageRunner]:
         return [r for r in self.runners if isinstance(r, StageRunner)]
