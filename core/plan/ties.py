@@ -44,6 +44,7 @@ __all__ = [
     "find_tie_groups",
     "retie_parameters",
     "tie_keys",
+    "written_in_forward",
 ]
 
 logger = logging.getLogger(__name__)

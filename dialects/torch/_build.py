@@ -18,6 +18,7 @@ from torch import nn
 from pipedialect import ConfigError, Topology, TopologyError
 from pipedialect.engine.config import parse_config
 from pipedialect.engine.precision import Precision
+from pipedialect.plan.ties import written_in_forward
 from pipedialect.runtime.topology import check_topology, check_world_size, joined_world_size
 
 from ._fsdp import check_fsdp_schedule, fsdp_reduce_dtype
@@ -99,6 +100,7 @@ def build_pipeline(
     if mode == "fsdp":
         check_fsdp_schedule(spec)
         fsdp_reduce_dtype(config.precision)
+        _refuse_written_parameters(request.stages)
     num_stages = plan.num_stages
     if grid is not None:
         placement = resolve_placement(spec, num_stages, grid[0], stages_per_rank)
@@ -230,3 +232,18 @@ def _construct(
         replicas.broadcast_state(pipeline)
         pipeline.ties.broadcast_weights()
     return pipeline
+
+
+def _refuse_written_parameters(stages: Sequence[nn.Module]) -> None:
+    """FSDP gathers each parameter into a copy for the forward and drops the copy afterwards: a
+    forward that writes a parameter in place (running state kept in an ``nn.Parameter``,
+    ``nn.Embedding(max_norm=...)``) would lose the write. Refused by name, on every rank alike
+    (every rank scans the same plan)."""
+    for k, stage in enumerate(stages):
+        for name in sorted(written_in_forward(stage)):
+            raise ConfigError(
+                f"[Stage {k}] forward writes the parameter {name!r} in place, and "
+                "data_parallel_mode='fsdp' gathers parameters into copies it drops after the "
+                "forward, so the write would be lost. Keep the running state in a buffer "
+                "(register_buffer), or use data_parallel_mode='ddp'"
+            )

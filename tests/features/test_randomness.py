@@ -77,6 +77,18 @@ def test_recomputing_a_module_that_writes_a_parameter_is_refused_by_name() -> No
     assert engine.global_steps == 0
 
 
+def test_fsdp_refuses_a_stage_that_writes_a_parameter_in_forward() -> None:
+    """FSDP would drop the write with the gathered copy: the torch dialect's build refuses it
+    (before any process group is needed), naming the parameter."""
+    from pipedialect.dialects.torch._build import _refuse_written_parameters
+
+    plan = pipedialect.partition(workers.RunningSolo(), split_points=["first"])
+    stages = pipedialect.get_dialect("torch").wrap_stages(plan)
+    with pytest.raises(pipedialect.ConfigError, match=r"\[Stage 1\].*'center'.*'ddp'"):
+        _refuse_written_parameters(stages)
+    _refuse_written_parameters(stages[:1])  # stage 0 writes nothing
+
+
 def test_the_stage_streams_differ_and_leave_the_callers_generator_alone() -> None:
     """Every component of a stream's key changes it; a stage's forward and the reference's
     micro-batch consume none of the caller's random numbers."""

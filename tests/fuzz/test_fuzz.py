@@ -488,7 +488,11 @@ FSDP_SEEDS = (0, 2, 4, 11, 20, 27, 52, 57, 107, 309)
 @pytest.mark.distributed
 def test_torch_fsdp_matches_the_unsplit_model_on_random_models() -> None:
     """Two stages sharded over two replicas (``_fuzz_workers`` [the fsdp note]): four ranks."""
+    # A parameter written in forward is refused under FSDP (its write would be lost with the
+    # gathered copy; tests/features/test_randomness.py checks the refusal): left out here.
     specs = [fm.spec_from_seed(seed, "torch") for seed in FSDP_SEEDS]
+    assert any(s.param_write for s in specs)
+    specs = [replace(s, param_write=()) for s in specs]
     assert {s.pipe_schedule for s in specs} <= {"1f1b", "gpipe"}
     launched = launch(workers.run_specs, 4, "torch", specs, True, timeout=600)
     problems, ran = [], 0
