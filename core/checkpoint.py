@@ -696,10 +696,11 @@ def load(
     number generators and, given ``dataloader`` (an object with ``load_state_dict``), its
     position are restored. Returns the directory loaded.
 
-    The random number generators of rank ``r`` come from the saving run's rank ``r``: a run with
-    dropout continues exactly when the layout is the same; otherwise each rank gets some rank's
-    stream (a warning says so). A data loader's position comes from the same rank, or from rank
-    0 when the saving run had fewer ranks.
+    The random number generators of rank ``r`` come from the saving run's rank ``r`` (a warning
+    says so when the rank counts differ); the stages' dropout streams follow the restored step
+    counter instead ([Note: random streams] in ``pipedialect.runtime.randomness``), so a run
+    with dropout continues exactly with the same split points on any layout. A data loader's
+    position comes from the same rank, or from rank 0 when the saving run had fewer ranks.
 
     Raises:
         CheckpointError: the checkpoint is missing, incomplete, corrupted or foreign; or the

@@ -130,6 +130,10 @@ class StageSpec:
     #: plan's check of what the training loop changed on the model since ``partition``, which
     #: raises before any step when the stages cannot follow it.
     before_step: Callable[[bool], None] | None = field(default=None, compare=False)
+    #: The stage's parameters that other stages hold too (tie groups over several stages):
+    #: forward must not write them in place (``pipedialect.runtime.stage`` [Note: tied
+    #: parameters written in forward]).
+    tied_parameters: tuple[str, ...] = ()
 
 
 @runtime_checkable

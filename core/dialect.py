@@ -56,10 +56,10 @@ from .engine.param_groups import ParamGroupsFn
 from .errors import ConfigError, MissingCapabilityError, TopologyError
 from .plan.batches import check_loss_fn
 from .plan.partition import PipelinePlan, check_capture_dtype
-from .plan.ties import DefaultTieAnalyzer
+from .plan.ties import DefaultTieAnalyzer, check_tied_unwritten
 from .runtime.agreement import agreed, check_plan_agreement
 from .runtime.codec import SchemaCodec
-from .runtime.stage import StageWrapper
+from .runtime.stage import StageWrapper, record_trainable
 from .runtime.topology import (
     GridTopology,
     check_topology,
@@ -226,11 +226,12 @@ class Dialect(abc.ABC):
         return DefaultTieAnalyzer()
 
     def wrap_stages(
-        self, plan: PipelinePlan, *, dynamic_shapes: bool = False
+        self, plan: PipelinePlan, *, dynamic_shapes: bool = False, seed: int = 0
     ) -> list[StageWrapper]:
         """Wrap every stage of ``plan`` with :attr:`stage_wrapper` and :attr:`codec`, in order.
 
-        Each wrapper gets its own codec instance: codecs keep per-boundary state.
+        Each wrapper gets its own codec instance: codecs keep per-boundary state. ``seed`` roots
+        the stages' random streams (``pipedialect.runtime.randomness`` [Note: random streams]).
         """
         return [
             self.stage_wrapper(
@@ -239,6 +240,7 @@ class Dialect(abc.ABC):
                 codec=self.codec,
                 dynamic_shapes=dynamic_shapes,
                 shares_state_with=plan.model,
+                seed=seed,
             )
             for k, stage in enumerate(plan.stages)
         ]
@@ -254,6 +256,7 @@ class Dialect(abc.ABC):
         topology: Topology | None = None,
         dynamic_shapes: bool = False,
         init_weights: InitWeights | None = None,
+        seed: int = 0,
         **options: Any,
     ) -> nn.Module:
         """Build this rank's pipeline module of ``plan``; every rank calls it alike.
@@ -271,6 +274,10 @@ class Dialect(abc.ABC):
                 (DeepSpeed's spelling ``dynamic_shape`` is accepted too).
             init_weights: fills the stages this rank runs of a meta-device plan
                 (:mod:`pipedialect.plan.weights`); the other stages stay on meta.
+            seed: the root of the random streams that dropout and ``randn``-style operations in
+                forward draw from, one per stage and micro-batch, alike on every rank and
+                dialect (``pipedialect.runtime.randomness`` [Note: random streams]); run the
+                unsplit reference under :class:`~pipedialect.runtime.ReferenceStreams` with it.
             options: this dialect's own options (:attr:`options`).
 
         Raises:
@@ -291,6 +298,7 @@ class Dialect(abc.ABC):
                 topology=topology,
                 dynamic_shapes=dynamic_shapes,
                 init_weights=init_weights,
+                seed=seed,
                 **options,
             )
         _record_builder(module, self)
@@ -313,6 +321,7 @@ class Dialect(abc.ABC):
         topology: Topology | None,
         dynamic_shapes: bool,
         init_weights: InitWeights | None,
+        seed: int,
         **options: Any,
     ) -> nn.Module:
         if "dynamic_shape" in options:  # DeepSpeed's spelling
@@ -339,6 +348,8 @@ class Dialect(abc.ABC):
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable(outputs, labels), got {loss_fn!r}")
         check_loss_fn(loss_fn)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"seed must be a non-negative int, got {seed!r}")
         if dynamic_shapes and Capability.DYNAMIC_SHAPES not in self.capabilities:
             raise ConfigError(
                 f"the {self.name} dialect does not declare dynamic-shapes, so dynamic_shapes=True "
@@ -354,6 +365,8 @@ class Dialect(abc.ABC):
                     f"has a data axis of {topology.get_dim('data')}; use a topology with data=1"
                 )
             check_tensor_axis(self, topology.get_dim("tensor") or 1)
+        # Before any collective: every rank refuses the same plan alike.
+        check_tied_unwritten(plan.stages, plan.tie_groups)
         check_plan_agreement(
             plan,
             dialect=self.name,
@@ -361,16 +374,20 @@ class Dialect(abc.ABC):
                 "config": checked,
                 "topology": topology,
                 "dynamic_shapes": bool(dynamic_shapes),
+                "seed": seed,
                 **_plain_fields(opts),
             },
             stages=stage_modules,
         )
         if stage_modules is None:
             stages: tuple[nn.Module, ...] = tuple(
-                self.wrap_stages(plan, dynamic_shapes=bool(dynamic_shapes))
+                self.wrap_stages(plan, dynamic_shapes=bool(dynamic_shapes), seed=seed)
             )
         else:
             stages = tuple(stage_modules)
+            for stage in stages:
+                if isinstance(stage, StageWrapper):
+                    stage.random.seed = seed
             if len(stages) != plan.num_stages:
                 raise ConfigError(
                     f"got {len(stages)} stage modules for a plan of {plan.num_stages} stages"
@@ -478,6 +495,8 @@ class Dialect(abc.ABC):
         )
         engine = self._build_engine(request)
         _check_engine_protocols(self, engine)
+        # What the optimizer was built over (``stage`` [Note: trainability fixed at build]).
+        record_trainable(module.modules())
         return engine
 
     @abc.abstractmethod

@@ -26,6 +26,7 @@ everything the library raises on purpose. Below it, one branch per concern::
     │   ├── DataError
     │   │   └── DataExhaustedError (also a StopIteration)
     │   ├── MissingCapabilityError
+    │   ├── TrainabilityChangedError
     │   └── UnknownConfigKeyError
     ├── CheckpointError
     │   └── WeightsError
@@ -74,6 +75,7 @@ __all__ = [
     "StructureChangedError",
     "TieError",
     "TopologyError",
+    "TrainabilityChangedError",
     "TrainingArgumentError",
     "UnknownConfigKeyError",
     "UnsupportedValueError",
@@ -241,6 +243,17 @@ class MissingCapabilityError(ConfigError):
         self.dialect = dialect
         #: The capability it lacks (a :class:`~pipedialect.Capability` value).
         self.capability = capability
+
+
+class TrainabilityChangedError(ConfigError):
+    """A parameter was frozen or unfrozen after the engine that trains it was built."""
+
+    def __init__(self, message: str, *, stage: int, parameter: str) -> None:
+        super().__init__(message)
+        #: The stage holding the parameter.
+        self.stage = stage
+        #: The parameter's name in the model.
+        self.parameter = parameter
 
 
 class UnknownConfigKeyError(ConfigError):

@@ -29,7 +29,11 @@ The wire and module state
     :func:`~pipedialect.runtime.wire.pass_through`, :func:`~pipedialect.runtime.wire.read_layout`,
     :func:`~pipedialect.runtime.wire.leaf_paths`;
     :func:`~pipedialect.runtime.module_state.preserved_state`,
-    :func:`~pipedialect.runtime.module_state.recompute_with_state`.
+    :func:`~pipedialect.runtime.module_state.recompute_with_state`; the stages' random streams
+    (:func:`~pipedialect.runtime.randomness.begin_streams`,
+    :func:`~pipedialect.runtime.randomness.not_counted`) and trainability fixed at build
+    (:func:`~pipedialect.runtime.stage.check_trainable`); the parameters a stage writes in
+    forward (:func:`~pipedialect.plan.ties.written_in_forward`).
 
 Ranks that agree
     :func:`~pipedialect.runtime.topology.check_topology`,
@@ -117,14 +121,17 @@ from .plan import (
     retie_parameters,
     tie_keys,
 )
+from .plan.ties import written_in_forward
 from .runtime import (
     GridTopology,
     StageWrapper,
     agree_on_error,
     agreed,
+    begin_streams,
     check_frozen_ties,
     check_inputs,
     check_topology,
+    check_trainable,
     check_world_size,
     counted_square_norm,
     first_nonfinite_grad,
@@ -135,6 +142,7 @@ from .runtime import (
     local_part,
     nonfinite_grad_error,
     nonfinite_loss_error,
+    not_counted,
     pass_through,
     preserved_state,
     pull_micro_batches,
@@ -166,6 +174,7 @@ __all__ = [
     "agreed",
     "analyze_tie_ranks",
     "batch_triple",
+    "begin_streams",
     "build_optimizer",
     "cast_parameters",
     "check_config_keys",
@@ -174,6 +183,7 @@ __all__ = [
     "check_one_optimizer",
     "check_tensor_axis",
     "check_topology",
+    "check_trainable",
     "check_world_size",
     "checkpoint_files",
     "clip_gradients",
@@ -191,6 +201,7 @@ __all__ = [
     "local_part",
     "nonfinite_grad_error",
     "nonfinite_loss_error",
+    "not_counted",
     "parse_config",
     "pass_through",
     "patch_attribute",
@@ -207,6 +218,7 @@ __all__ = [
     "stage_param_name",
     "stage_root",
     "tie_keys",
+    "written_in_forward",
 ]
 __all__ += _contracts.__all__
 __all__ += _errors.__all__

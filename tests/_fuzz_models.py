@@ -207,6 +207,12 @@ DIMENSIONS = (
 #: The dimensions whose gates are drawn together first (``around`` is drawn after everything,
 #: so that older seeds keep their models).
 _GATED_FIRST = DIMENSIONS[:-1]
+#: At run time (drawn by :func:`_draw_runtime`, last, so that every older seed keeps its
+#: model): randomness, parameters written in forward, trainability changed after build.
+RUNTIME_DIMENSIONS = ("noise", "param_write", "retrain")
+#: The module-state dimensions, whose gates :func:`_draw_state` draws.
+STATE_DIMENSIONS = DIMENSIONS
+DIMENSIONS = STATE_DIMENSIONS + RUNTIME_DIMENSIONS
 
 
 @dataclass(frozen=True)
@@ -363,6 +369,18 @@ class FuzzSpec:
     #: ``stem``, ``embed`` and the first ``frozen_prefix`` blocks are frozen (``requires_grad``
     #: False), as a LoRA-style frozen first stage.
     frozen_prefix: int | None = None
+    #: Blocks whose forward adds ``0.05 * torch.randn_like(h)`` (in evaluation too) and
+    #: ``F.dropout(h, 0.2, training=self.training)``: every dialect must draw what the unsplit
+    #: model run under ``ReferenceStreams`` draws ([Note: random streams]).
+    noise: tuple[int, ...] = ()
+    #: Blocks holding a frozen ``nn.Parameter`` ``center`` that forward updates in place as
+    #: running state (``center.mul_(0.5).add_(mean)``) and subtracts: the torch dialect's set-up
+    #: run must put it back.
+    param_write: tuple[int, ...] = ()
+    #: ``(call, block)``: before that (training) call ``blocks.<block>.lin`` has its
+    #: ``requires_grad`` flipped, the call must be refused by ``TrainabilityChangedError``; it
+    #: is flipped back and the schedule goes on.
+    retrain: tuple[int, int] | None = None
     #: The seed this spec was generated from, when a ``random.Random`` drew it.
     origin: int | None = field(default=None, compare=False)
 
@@ -377,6 +395,15 @@ class FuzzSpec:
             found.add("bf16_export")
         if self.recompute and self.capture == "export":
             found.add("recompute_export")
+        found.update(
+            d
+            for d, drawn in (
+                ("noise", self.noise),
+                ("param_write", self.param_write),
+                ("retrain", self.retrain),
+            )
+            if drawn
+        )
         return frozenset(found)
 
     def features(self) -> frozenset[str]:
@@ -409,7 +436,10 @@ class FuzzSpec:
             + (f" dropout={list(self.dropout)}" if self.dropout else "")
             + (" meta" if self.meta else "")
             + (" bf16" if self.bf16 else "")
-            + (f" trace_from={self.trace_from}" if self.trace_from is not None else ""),
+            + (f" trace_from={self.trace_from}" if self.trace_from is not None else "")
+            + (f" noise={list(self.noise)}" if self.noise else "")
+            + (f" param_write={list(self.param_write)}" if self.param_write else "")
+            + (f" retrain={self.retrain}" if self.retrain else ""),
             "  v0 = x, v1 = ids, v2 = tanh(stem(x)) + embed(ids)",
         ]
         for i, b in enumerate(self.blocks):
@@ -686,7 +716,28 @@ def generate(
         origin=origin,
     )
     drawn = _draw_state(src, _draw_features(src, spec, dialect, candidates), dialect)
-    return restrict(_draw_export_recompute(src, drawn), dims)
+    return restrict(_draw_runtime(src, _draw_export_recompute(src, drawn)), dims)
+
+
+def _draw_runtime(src: Source, spec: FuzzSpec) -> FuzzSpec:
+    """What happens around the graph, drawn last (older seeds keep their models): noise and
+    dropout in blocks, a frozen parameter written in forward, a trainability flip."""
+    n = len(spec.blocks)
+    noise = tuple(i for i in range(n) if src.chance(40)) if src.chance(DIM_CHANCE["noise"]) else ()
+    states = spec.state or tuple(BlockState() for _ in spec.blocks)
+    recomputed = set(spec.recompute)
+    # Not recomputed (recomputation would write it twice) and fx only (export refuses
+    # parameter mutation).
+    writable = [i for i in range(n) if f"blocks.{i}" not in recomputed]
+    param_write: tuple[int, ...] = ()
+    if spec.capture == "fx" and writable and src.chance(DIM_CHANCE["param_write"]):
+        param_write = (src.choice(writable),)
+    retrain = None
+    trains = [k for k, op in enumerate(spec.schedule) if op == "train"]
+    with_lin = [i for i in range(n) if states[i].params != "none"]
+    if len(trains) > 1 and with_lin and src.chance(DIM_CHANCE["retrain"]):
+        retrain = (trains[-1], src.choice(with_lin))
+    return replace(spec, noise=noise, param_write=param_write, retrain=retrain)
 
 
 def _draw_export_recompute(src: Source, spec: FuzzSpec) -> FuzzSpec:
@@ -779,6 +830,9 @@ DIM_CHANCE = {
     "bf16_export": 60,
     "recompute_export": 40,
     "around": 40,
+    "noise": 30,
+    "param_write": 20,
+    "retrain": 15,
 }
 _BUFFER_KINDS = ("bn", "bn_cumulative", "stats", "stats_assign", "stats_np", "table")
 
@@ -986,6 +1040,9 @@ def restrict(spec: FuzzSpec, dims: Sequence[str]) -> FuzzSpec:
         spec,
         state=states,
         shared=shared,
+        noise=spec.noise if "noise" in keep else (),
+        param_write=spec.param_write if "param_write" in keep else (),
+        retrain=spec.retrain if "retrain" in keep else None,
         frozen_prefix=spec.frozen_prefix if "frozen" in keep else None,
         bf16=spec.bf16 and ("bf16_export" in keep or spec.capture == "fx"),
     )
@@ -1187,6 +1244,9 @@ class FuzzBlock(nn.Module):
             self.register_full_backward_hook(_halve_grad_input)
         elif st.around == "loop_buffer":
             self.register_buffer("temp", torch.ones(()))
+        self.noisy = index in spec.noise
+        if index in spec.param_write:
+            self.center = nn.Parameter(torch.zeros(spec.dim), requires_grad=False)
         self.memo_train_only: bool | None = None
         for writer, _, train_only in spec.shared:
             if writer == index:
@@ -1240,6 +1300,17 @@ class FuzzBlock(nn.Module):
             self.frozen_norm.eval()
         return self
 
+    def _around(self, h: torch.Tensor) -> torch.Tensor:
+        """Noise and dropout (``spec.noise``); the running ``center`` (``spec.param_write``)."""
+        if self.noisy:
+            h = F.dropout(h, 0.2, training=self.training)
+            h = h + (0.05 * torch.randn_like(h)).to(h.dtype)
+        if hasattr(self, "center"):
+            with torch.no_grad():
+                self.center.mul_(0.5).add_(h.detach().float().mean(0).to(self.center.dtype))
+            h = h - self.center.to(h.dtype)
+        return h
+
     def _mix(self, h: torch.Tensor) -> torch.Tensor:
         """The block's linear map (a fixed function when it has no parameters)."""
         if self.st.params == "none":
@@ -1257,6 +1328,7 @@ class FuzzBlock(nn.Module):
         for use, v in zip(inside, extras, strict=True):
             h = apply_use(h, v, use, None)
         h = self._state(h)
+        h = self._around(h)
         if st.region == "autocast":
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 z = self._mix(h)
@@ -1403,8 +1475,17 @@ def reference_optimizer(spec: FuzzSpec, params: Sequence[nn.Parameter]) -> torch
     return torch.optim.SGD(params, lr=0.05)
 
 
-def reference_run(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) -> list[float]:
+def reference_run(
+    spec: FuzzSpec,
+    model: nn.Module,
+    batches: Sequence[Batch],
+    split_points: Sequence[str] = (),
+) -> list[float]:
     """Run the schedule on the unsplit model by hand; return each call's mean loss.
+
+    Random numbers (dropout, noise) come from ``ReferenceStreams`` of the plan's
+    ``split_points`` and the engines' default seed ([Note: random streams]): the reference
+    draws what each stage of that plan draws.
 
     The model keeps its own semantics: ``model.train()`` before a train call (its buffers and
     counters update as its forward says, once per micro-batch), ``model.eval()`` under
@@ -1418,31 +1499,70 @@ def reference_run(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) ->
     buffer, the buffers as the copies' gradients, the copies rounded back into the model; a
     call's loss is summed and divided in bf16.
     """
+    streams = _streams(model, split_points)
     if spec.bf16:
-        return _reference_run_bf16(spec, model, batches)
+        return _reference_run_bf16(spec, model, batches, streams)
     opt = reference_optimizer(spec, list(model.parameters()))
-    torch.manual_seed(spec.seed)  # dropout masks: the pipeline seeds alike before its calls
     results = []
+    steps = 0
     for k, (op, chunk) in enumerate(zip(spec.schedule, chunks(spec, batches), strict=True)):
         set_between_calls(model, k)
         losses = []
         if op == "train":
             model.train()
-            for (x, ids), y in chunk:
-                loss = fuzz_loss(model(x, ids), y)
+            for m, ((x, ids), y) in enumerate(chunk):
+                with streams.micro_batch("train", steps + 1, m):
+                    loss = fuzz_loss(model(x, ids), y)
                 (loss / spec.gas).backward()
                 losses.append(float(loss.detach()))
             opt.step()
             opt.zero_grad()
+            steps += 1
         else:
             model.eval()
             with torch.no_grad():
-                losses = [float(fuzz_loss(model(x, ids), y)) for (x, ids), y in chunk]
+                for m, ((x, ids), y) in enumerate(chunk):
+                    with streams.micro_batch("eval", steps, m):
+                        losses.append(float(fuzz_loss(model(x, ids), y)))
         results.append(sum(losses) / len(losses))
     return results
 
 
-def _reference_run_bf16(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch]) -> list[float]:
+def refuses_retrain(spec: FuzzSpec, call: int, model: nn.Module, run: Any, chunk: Any) -> str:
+    """Before ``call`` of a ``spec.retrain`` spec: flip the block's ``requires_grad``, check
+    that the call is refused by name (and trained nothing), flip it back; ``""`` when so (or
+    when there is nothing to flip), else what went wrong."""
+    if spec.retrain is None or spec.retrain[0] != call:
+        return ""
+    from pipedialect import TrainabilityChangedError
+
+    lin = model.blocks[spec.retrain[1]].lin  # type: ignore[index,union-attr]
+    flags = [p.requires_grad for p in lin.parameters()]
+    for p, flag in zip(lin.parameters(), flags, strict=True):
+        p.requires_grad_(not flag)
+    try:
+        run(iter(chunk))
+        return f"call {call} trained after blocks.{spec.retrain[1]}.lin's requires_grad changed"
+    except TrainabilityChangedError as exc:
+        flipped = {id(p) for p in lin.parameters()}  # a tied weight has other names too
+        names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in flipped}
+        if exc.parameter not in names or repr(exc.parameter) not in str(exc):
+            return f"call {call} refused the flip without naming the parameter: {exc}"
+        return ""
+    finally:
+        for p, flag in zip(lin.parameters(), flags, strict=True):
+            p.requires_grad_(flag)
+
+
+def _streams(model: nn.Module, split_points: Sequence[str]) -> Any:
+    from pipedialect.runtime import ReferenceStreams
+
+    return ReferenceStreams(model, list(split_points))
+
+
+def _reference_run_bf16(
+    spec: FuzzSpec, model: nn.Module, batches: Sequence[Batch], streams: Any
+) -> list[float]:
     with torch.no_grad():
         for p in dict.fromkeys(model.parameters()):
             p.data = p.data.to(torch.bfloat16)
@@ -1450,15 +1570,18 @@ def _reference_run_bf16(spec: FuzzSpec, model: nn.Module, batches: Sequence[Batc
     masters = [p.detach().float().clone().requires_grad_() for p in params]
     buffers = [torch.zeros_like(p) for p in params]
     opt = reference_optimizer(spec, masters)
-    torch.manual_seed(spec.seed)
     results = []
+    steps = 0
     for k, (op, chunk) in enumerate(zip(spec.schedule, chunks(spec, batches), strict=True)):
         set_between_calls(model, k)
         losses = []
         model.train(op == "train")
+        kind, step = ("train", steps + 1) if op == "train" else ("eval", steps)
+        steps += op == "train"
         with torch.set_grad_enabled(op == "train"):
-            for (x, ids), y in chunk:
-                loss = fuzz_loss(model(x, ids), y)
+            for m, ((x, ids), y) in enumerate(chunk):
+                with streams.micro_batch(kind, step, m):
+                    loss = fuzz_loss(model(x, ids), y)
                 if op == "train":
                     (loss / spec.gas).backward()
                     with torch.no_grad():
@@ -1705,15 +1828,15 @@ def run_local(spec: FuzzSpec) -> Outcome:
     model = build_model(spec)  # the stages share Parameter objects with it (unless on meta)
     batches = micro_batches(spec)
     initial = buffer_values(reference)
-    try:
-        expected = reference_run(spec, reference, batches)
-    except Exception as exc:  # the generator built a model that does not run: a harness bug
-        raise failure(spec, f"the unsplit model itself fails: {exc!r}") from exc
     phase = "partition"
     changed: list[str] = []  # what partition() left on the model (it must leave nothing)
     try:
         plan = partition_spec(model, spec, batches)
         changed = side_effects(spec, model, initial)
+        try:
+            expected = reference_run(spec, reference, batches, plan.split_points)
+        except Exception as exc:  # the generator built a model that does not run: a harness bug
+            raise failure(spec, f"the unsplit model itself fails: {exc!r}") from exc
         phase = "build"
         dialect = pipedialect.get_dialect("local")
         config = ds_config(spec)
@@ -1726,11 +1849,13 @@ def run_local(spec: FuzzSpec) -> Outcome:
         )
         engine = dialect.runtime_engine(module, config=config)
         losses: list[float] = []
-        torch.manual_seed(spec.seed)
         for k, (op, chunk) in enumerate(zip(spec.schedule, chunks(spec, batches), strict=True)):
             phase = f"call {k} ({op})"
             set_between_calls(model, k)
             call = engine.train_batch if op == "train" else engine.eval_batch
+            problem = refuses_retrain(spec, k, model, call, chunk)
+            if problem:
+                raise failure(spec, problem)
             if spec.trace_from is not None and k >= spec.trace_from:
                 with pipedialect.trace(engine, png=False):
                     losses.append(float(call(iter(chunk))))

@@ -100,6 +100,9 @@ def _one(dialect: Any, spec: fm.FuzzSpec, fsdp: bool = False, tp: bool = False) 
             phase = f"call {k} ({op})"
             fm.set_between_calls(model, k)
             call = engine.train_batch if op == "train" else engine.eval_batch
+            retrained = fm.refuses_retrain(spec, k, model, call, chunk)
+            if retrained:
+                raise fm.failure(spec, retrained)
             losses.append(float(call(iter(chunk))))
     except pipedialect.PipeDialectError as exc:
         if phase.startswith("call") and not phase.startswith("call 0"):
@@ -118,6 +121,7 @@ def _one(dialect: Any, spec: fm.FuzzSpec, fsdp: bool = False, tp: bool = False) 
     }
     return {
         "rank": dist.get_rank(),
+        "split_points": list(plan.split_points),
         "stages": stages,
         "losses": losses,
         "params": params,
@@ -169,7 +173,8 @@ def compare(spec: fm.FuzzSpec, per_rank: list[dict[str, Any]]) -> bool:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        expected = fm.reference_run(spec, model, fm.micro_batches(spec))
+        split_points = per_rank[0]["split_points"]
+        expected = fm.reference_run(spec, model, fm.micro_batches(spec), split_points)
     finally:
         torch.set_num_threads(threads)
     ref_params = dict(model.named_parameters(remove_duplicate=False))

@@ -27,6 +27,7 @@ from pipedialect.models import (
     mse_loss,
     seeded_init,
 )
+from pipedialect.runtime import ReferenceStreams
 
 DATA_SEED = 100
 
@@ -298,7 +299,8 @@ DROPNET = ModelSpec(
     _make_batch=lambda gen, b: _skiptied_batch(gen, b),
 )
 
-#: Each rank seeds its RNG with this plus its stage right before training (dropout streams).
+#: Each rank seeds its own RNG with this plus its stage right before training: the stages'
+#: dropout streams must not depend on it ([Note: random streams]).
 DROPOUT_SEED = 1000
 
 
@@ -320,29 +322,23 @@ def count_module_calls(stage: nn.Module, path: str) -> list[int]:
 def checkpoint_reference(model_name: str, steps: int = 3, gas: int = 2) -> dict[str, Any]:
     """The unsplit model on the cases' micro-batches: losses and the gradients of each step.
 
-    On ``dropnet`` each stage's part of the model draws its dropout masks from its own RNG
-    stream, seeded as each rank seeds its own, in micro-batch order (the order every rank runs
-    its forwards in): then the unsplit model sees the masks the pipeline drew.
+    On ``dropnet`` the unsplit model runs under ``ReferenceStreams`` of the plan's split point
+    and the engines' default seed: each stage's part draws the masks the pipeline's stage draws
+    for that step and micro-batch ([Note: random streams]).
     """
     spec = DROPNET if model_name == "dropnet" else spec_for(model_name)
     model = spec.build(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rng = []
-    for stage in range(2):
-        torch.manual_seed(DROPOUT_SEED + stage)
-        rng.append(torch.get_rng_state())
-    saved = torch.get_rng_state()
-
-    def on_stream(stage: int, fn: Any, *args: Any) -> Any:
-        torch.set_rng_state(rng[stage])
-        out = fn(*args)
-        rng[stage] = torch.get_rng_state()
-        return out
+    streams = ReferenceStreams(model, ["block0"] if model_name == "dropnet" else [])
+    count = [0]
 
     def forward(model: Any, inputs: Any) -> Any:
-        if model_name == "dropnet":
-            return on_stream(1, model.stage1, on_stream(0, model.stage0, inputs))
-        return call_model(model, inputs)
+        if model_name != "dropnet":
+            return call_model(model, inputs)
+        step, micro_batch = divmod(count[0], gas)
+        count[0] += 1
+        with streams.micro_batch("train", step + 1, micro_batch):
+            return call_model(model, inputs)
 
     grads: list[dict[str, torch.Tensor]] = []
 
@@ -358,6 +354,5 @@ def checkpoint_reference(model_name: str, steps: int = 3, gas: int = 2) -> dict[
         forward=forward,
         before_step=keep_grads,
     ).losses
-    torch.set_rng_state(saved)
     params = dict(model.named_parameters(remove_duplicate=False))
     return {"losses": losses, "grads": grads, "params": params}

@@ -1424,8 +1424,10 @@ def _check_transformers() -> None:
 
 
 def _warn_on_dropout(model: nn.Module) -> None:
-    """Warn when the model's config has active dropout: the stages draw their masks from each
-    rank's own random stream, so the run is not the single process's, step for step."""
+    """Warn when the model's config has active dropout: the stages draw their masks from one
+    stream per stage and micro-batch (``pipedialect.runtime.randomness``), the same on every
+    dialect but not the single process's generator, so the run is not plain Trainer's, step for
+    step."""
     config = getattr(model, "config", None)
     active = sorted(
         k
@@ -1435,8 +1437,9 @@ def _warn_on_dropout(model: nn.Module) -> None:
     if active:
         warnings.warn(
             f"{type(model).__name__} has dropout ({', '.join(active)}): the stages draw their "
-            "masks on each rank's own random stream, so losses differ from a single process; set "
-            "them to 0 for a run that must match it",
+            "masks from one random stream per stage and micro-batch (the same on every dialect "
+            "and layout of these stages), not from a single process's generator, so losses "
+            "differ from plain Trainer's; set them to 0 for a run that must match it",
             PipeDialectWarning,
             stacklevel=3,
         )

@@ -256,6 +256,13 @@ class PipelinePlan:
             input_defaults=dict(self.input_defaults),
             module_modes=dict(self.stage_modes[stage_id]) if self.stage_modes else {},
             before_step=None if self._model_watch is None else self._model_watch.check,
+            tied_parameters=tuple(
+                name
+                for group in self.tie_groups
+                if len(group.stages) > 1
+                for name, stage in group.members
+                if stage == stage_id
+            ),
         )
 
     def boundary_values(self, stage_id: int) -> tuple[BoundaryValue, ...]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from ..contracts import TieAnalyzer, TieGroup, TieRanks, Topology
 from ..errors import TieError, TopologyError
@@ -40,9 +40,11 @@ __all__ = [
     "DefaultTieAnalyzer",
     "analyze_tie_ranks",
     "check_tie_objects",
+    "check_tied_unwritten",
     "find_tie_groups",
     "retie_parameters",
     "tie_keys",
+    "written_in_forward",
 ]
 
 logger = logging.getLogger(__name__)
@@ -309,3 +311,119 @@ def tie_keys(groups: Iterable[TieGroup], stages: Iterable[tuple[int, nn.Module]]
             except AttributeError:
                 continue
     return keys
+
+
+#: Tensor methods and torch functions that return a view of (or the same tensor as) their
+#: first argument: an in-place operation on the result writes the parameter.
+_ALIASING = frozenset(
+    {
+        "view",
+        "view_as",
+        "reshape",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "expand_as",
+        "narrow",
+        "select",
+        "detach",
+        "data",
+        "__getitem__",
+        "as_strided",
+        "unbind",
+        "split",
+        "chunk",
+        "movedim",
+        "diagonal",
+        "T",
+        "contiguous",
+        "to",
+        "type_as",
+        "float",
+    }
+)
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    return str(getattr(target, "__name__", target)).split(".")[0]
+
+
+def _writes_first_argument(node: fx.Node) -> bool:
+    """Whether the node is an in-place operation on its first argument."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:  # an aten operator (the export path): its schema says so
+        first = schema.arguments[0] if schema.arguments else None
+        return bool(
+            first is not None and first.alias_info is not None and first.alias_info.is_write
+        )
+    name = _target_name(node.target)
+    return name.endswith("_") and not name.endswith("__")
+
+
+def written_in_forward(stage: nn.Module) -> set[str]:
+    """The parameters (by name) a stage's graph writes in place: an in-place operation on the
+    parameter or a view of it, ``torch.embedding_renorm_``, an ``nn.Embedding`` with
+    ``max_norm`` called as a module."""
+    root = stage_root(stage)
+    graph = getattr(root, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return set()
+    params = {n for n, _ in root.named_parameters(remove_duplicate=False)}
+    origin: dict[fx.Node, str] = {}
+    written: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            origin[node] = str(node.target)
+            continue
+        if node.op == "call_module":
+            module = root.get_submodule(str(node.target))
+            if isinstance(module, nn.Embedding) and module.max_norm is not None:
+                written.add(f"{node.target}.weight")
+            continue
+        if node.op not in ("call_method", "call_function") or not node.args:
+            continue
+        first = node.args[0]
+        source = origin.get(first) if isinstance(first, fx.Node) else None
+        name = _target_name(node.target)
+        if name == "embedding" and node.kwargs.get("max_norm") is not None:
+            weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            if isinstance(weight, fx.Node) and weight in origin:
+                written.add(origin[weight])
+        if source is None:
+            continue
+        if _writes_first_argument(node):
+            written.add(source)
+            origin[node] = source
+        elif name in _ALIASING:
+            origin[node] = source
+    return written
+
+
+def check_tied_unwritten(stages: Sequence[nn.Module], groups: Sequence[TieGroup]) -> None:
+    """Refuse a plan whose forward writes in place a parameter that several stages share
+    (``pipedialect.runtime.stage`` [Note: tied parameters written in forward]); every rank
+    computes the same answer from the same plan, before anything runs.
+
+    Raises:
+        TieError: naming the parameter, the stage that writes it and what to do.
+    """
+    tied = {(name, stage) for g in groups if len(g.stages) > 1 for name, stage in g.members}
+    for k, stage in enumerate(stages):
+        for name in sorted(written_in_forward(stage)):
+            if (name, k) in tied:
+                raise TieError(
+                    f"[Stage {k}] forward writes the tied parameter {name!r} in place "
+                    "(nn.Embedding(max_norm=...) renormalising it, or running state kept in an "
+                    "nn.Parameter); the stages sharing it would each keep their own copy and "
+                    "drift apart. Untie it (give the other stage its own parameter), keep "
+                    "running state in a buffer (register_buffer), renormalise outside forward "
+                    "(with torch.no_grad() between steps), or choose split points that keep "
+                    "every user of the parameter on one stage"
+                )

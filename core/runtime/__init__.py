@@ -25,6 +25,14 @@ from .agreement import (
 from .codec import SchemaCodec
 from .launch import free_port
 from .module_state import UpdatedBuffers, preserved_state, recompute_with_state
+from .randomness import (
+    ReferenceStreams,
+    StageRandomness,
+    begin_streams,
+    drawing_from,
+    not_counted,
+    stream_seed,
+)
 from .sharded import (
     copy_full_into,
     counted_square_norm,
@@ -34,7 +42,7 @@ from .sharded import (
     local_slice,
     shard_like,
 )
-from .stage import StageWrapper, stage_root
+from .stage import StageWrapper, check_trainable, record_trainable, stage_root
 from .topology import (
     GridCoord,
     GridTopology,
@@ -50,19 +58,24 @@ __all__ = [
     "ARRIVAL_SECONDS",
     "GridCoord",
     "GridTopology",
+    "ReferenceStreams",
     "SchemaCodec",
+    "StageRandomness",
     "StageWrapper",
     "UpdatedBuffers",
     "agree_on_error",
     "agreed",
+    "begin_streams",
     "check_frozen_ties",
     "check_inputs",
     "check_plan_agreement",
     "check_topology",
     "check_topology_object",
+    "check_trainable",
     "check_world_size",
     "copy_full_into",
     "counted_square_norm",
+    "drawing_from",
     "first_nonfinite_grad",
     "first_nonfinite_loss",
     "free_port",
@@ -74,12 +87,15 @@ __all__ = [
     "local_slice",
     "nonfinite_grad_error",
     "nonfinite_loss_error",
+    "not_counted",
     "pass_through",
     "preserved_state",
     "pull_micro_batches",
     "read_layout",
     "recompute_with_state",
+    "record_trainable",
     "root_nonfinite",
     "shard_like",
     "stage_root",
+    "stream_seed",
 ]

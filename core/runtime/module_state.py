@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import RecomputeError
 
@@ -203,20 +204,74 @@ def _modules_by_id(modules: Iterable[nn.Module]) -> dict[int, nn.Module]:
     return {id(m): m for root in modules for m in root.modules()}
 
 
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of a plain tensor's storage (None for a tensor subclass without one)."""
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class _SavedBeforeWrite(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Copy a parameter right before an operation first writes its storage in place.
+
+    [Note: parameters written in a set-up run]
+    A forward may write a parameter in place (``nn.Embedding(max_norm=...)`` renormalises the
+    rows it looks up; running state kept in a frozen ``nn.Parameter``). A run that must leave no
+    trace puts those parameters back afterwards; copying every parameter up front would double
+    the stage's memory, so each one is copied only when an operation whose schema writes an
+    argument is about to write its storage.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.params: dict[int, nn.Parameter] = {}
+        for p in params:
+            key = _storage_key(p)
+            if key is not None:
+                self.params.setdefault(key, p)
+        self.saved: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            if not isinstance(value, torch.Tensor):
+                continue
+            key = _storage_key(value)
+            if key in self.params and key not in self.saved:
+                param = self.params[key]
+                self.saved[key] = (param, param.detach().clone())
+        return func(*args, **kwargs)
+
+    def restore(self) -> None:
+        """Write every saved parameter's value back (the same tensor object, in place)."""
+        with torch.no_grad():
+            for param, value in self.saved.values():
+                param.copy_(value)
+
+
 @contextlib.contextmanager
 def preserved_state(modules: Sequence[nn.Module]) -> Iterator[None]:
     """Run the block on copies of every buffer of ``modules``; afterwards put the original
-    tensors and plain Python attributes back, so that the block leaves the module state as it
-    was (used where a runtime runs a stage once to learn its shapes)."""
+    tensors, plain Python attributes and the values of parameters the block wrote in place
+    back ([Note: parameters written in a set-up run]), so that the block leaves the module
+    state as it was (used where a runtime runs a stage once to learn its shapes)."""
+    params = [p for m in modules for p in m.parameters()]
     slots = _buffer_slots(modules)
     originals = [_get(slot) for slot in slots]
     copies = {id(b): _copy_of(b) for b in originals if b is not None}
     attrs = _scalar_attributes(modules)
     by_id = _modules_by_id(modules)
     _replace(slots, copies)
+    writes = _SavedBeforeWrite(params)
     try:
-        yield
+        with writes:
+            yield
     finally:
+        writes.restore()
         for (owner, name), buf in zip(slots, originals, strict=True):
             owner._buffers[name] = buf
         for (module_id, name), value in attrs.items():
@@ -276,15 +331,35 @@ class _Replay:
         self.changed_attrs: dict[tuple[int, str], Any] = {}
         self.unknown: list[int] = []
         self.calls = 0
+        self.params = [
+            (n, p, p._version)
+            for m in self.modules
+            for n, p in m.named_parameters(remove_duplicate=False)
+        ]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
             try:
-                return self.function(*args, **kwargs)
+                out = self.function(*args, **kwargs)
             finally:
                 self._learn()
+            self._refuse_written_parameters()
+            return out
         return self._recompute(*args, **kwargs)
+
+    def _refuse_written_parameters(self) -> None:
+        """A recomputed forward that writes a parameter in place (running state kept in an
+        ``nn.Parameter``, ``nn.Embedding(max_norm=...)``) would write it again in backward:
+        refused by name before any backward runs."""
+        for name, param, version in self.params:
+            if param._version != version:
+                raise RecomputeError(
+                    f"parameter {name!r} of {type(self.key).__name__} is written in place by "
+                    "a recomputed forward, so its recomputation in backward would write it a "
+                    "second time. Keep running state in a buffer (register_buffer), or do not "
+                    "recompute this module (leave it out of partition(recompute=...))"
+                )
 
     def _learn(self) -> None:
         changed: list[int] = []

@@ -38,12 +38,13 @@ import torch.utils.checkpoint
 from torch import fx, nn
 
 from ..contracts import StageSpec, TensorCodec
-from ..errors import ConfigError, WireError
+from ..errors import ConfigError, TieError, TrainabilityChangedError, WireError
 from .codec import decoded_by
 from .module_state import UpdatedBuffers, apply_modes
+from .randomness import StageRandomness
 from .wire import WireDecoder, WireEncoder
 
-__all__ = ["StageWrapper", "stage_root"]
+__all__ = ["StageWrapper", "check_trainable", "record_trainable", "stage_root"]
 
 
 class StageWrapper(nn.Module):
@@ -61,6 +62,8 @@ class StageWrapper(nn.Module):
             objects): a buffer replaced by a fresh copy (:mod:`pipedialect.runtime.module_state`
             [Note: buffers updated in place]) is replaced there too, so it keeps seeing the
             stage's state.
+        seed: the root of the stage's random streams (:mod:`pipedialect.runtime.randomness`
+            [Note: random streams]); ``pipe_engine(seed=)``.
 
     Raises:
         ConfigError: the spec does not describe a stage: its id is outside its stages, the
@@ -76,6 +79,7 @@ class StageWrapper(nn.Module):
         codec: TensorCodec | None = None,
         dynamic_shapes: bool = False,
         shares_state_with: nn.Module | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         stage_id, total_stages = spec.stage_id, spec.num_stages
@@ -114,6 +118,10 @@ class StageWrapper(nn.Module):
         self._decoder = WireDecoder(codec, prefix=self.log_prefix, frozen=frozen)
         self._encoder = WireEncoder(codec, prefix=self.log_prefix, frozen=frozen)
         self._buffers_updated: UpdatedBuffers | None = None
+        #: The stream the stage's forwards draw random numbers from ([Note: random streams]).
+        self.random = StageRandomness(stage_id, seed)
+        self._cuda_devices: tuple[torch.device, ...] | None = None
+        self._trainable: dict[str, bool] | None = None
         self._state_peer: nn.Module | None
         # Not a submodule: the partitioned model, whose modules may hold this stage's buffer
         # tensors (torch.export's stages do), so that fresh copies reach it too.
@@ -132,6 +140,54 @@ class StageWrapper(nn.Module):
         super().train(mode)
         apply_modes(self.mod, self.spec.module_modes, mode)
         return self
+
+    def _trainability(self) -> dict[str, tuple[bool, int | None]]:
+        """``requires_grad`` of every parameter of the model (the state peer, which every rank
+        holds whole) and of this stage, by name, with this stage's id where it holds one."""
+        found: dict[str, tuple[bool, int | None]] = {}
+        if self._state_peer is not None:
+            for n, p in self._state_peer.named_parameters(remove_duplicate=False):
+                found[n] = (p.requires_grad, None)
+        for n, p in self.mod.named_parameters(remove_duplicate=False):
+            found[n] = (p.requires_grad, self.stage_id)
+        return found
+
+    def record_trainable(self) -> None:
+        """Remember which parameters are trainable now: when the engine's optimizer is built
+        ([Note: trainability fixed at build])."""
+        self._trainable = {n: flag for n, (flag, _) in self._trainability().items()}
+
+    def check_trainable(self, step: int) -> None:
+        """Refuse a step after a parameter's ``requires_grad`` changed since
+        :meth:`record_trainable` ([Note: trainability fixed at build]).
+
+        Raises:
+            TrainabilityChangedError: naming the parameter, its stage and what to do.
+        """
+        if self._trainable is None:  # an engine built without runtime_engine: from now on
+            self.record_trainable()
+            return
+        for name, (now, stage) in self._trainability().items():
+            before = self._trainable.get(name)
+            if before is None or before == now:
+                continue
+            change, effect = (
+                ("unfrozen", "never step it")
+                if now
+                else ("frozen", "go on stepping it with its momentum and weight decay")
+            )
+            where = f"of stage {stage}" if stage is not None else "of the model"
+            raise TrainabilityChangedError(
+                f"{self.log_prefix} parameter {name!r} ({where}) was {change} (requires_grad "
+                f"set to {now}) after the engine was built, before step {step}: the optimizer "
+                f"was built over the parameters trainable then and would {effect}, unlike the "
+                "unsplit model with an optimizer built now. Set requires_grad before "
+                "runtime_engine(), or build the engine again (pipe_engine, then "
+                "runtime_engine) after changing it; to go on with this engine, set it back "
+                f"with requires_grad_({before})",
+                stage=self.stage_id if stage is None else stage,
+                parameter=name,
+            )
 
     def reset_wire_state(self) -> None:
         """Forget the frozen wire layout and shapes of both boundaries of this stage.
@@ -200,7 +256,9 @@ class StageWrapper(nn.Module):
         Values after the first stage came through :attr:`codec`, and the module's split-point
         guards judge them as it decodes them ([Note: split-point outputs] in ``_fx``). Buffers
         the forward updates in place get a fresh copy first when gradients are enabled
-        (:mod:`pipedialect.runtime.module_state` [Note: buffers updated in place]).
+        (:mod:`pipedialect.runtime.module_state` [Note: buffers updated in place]). Random
+        numbers come from the stage's stream for this micro-batch
+        (:mod:`pipedialect.runtime.randomness` [Note: random streams]).
         """
         if self._buffers_updated is None:
             self._buffers_updated = UpdatedBuffers(self.mod, self._state_peer)
@@ -208,10 +266,61 @@ class StageWrapper(nn.Module):
         if torch.is_grad_enabled():
             tracker.fresh_copies()
         before = tracker.versions()
-        with decoded_by(self.codec if self.stage_id > 0 else None):
-            out = self.mod(*(received[i] for i in self._arg_index))
+        tied = self._tied_versions()
+        args = [received[i] for i in self._arg_index]
+        with (
+            self.random.forward(self._devices_drawing(args)),
+            decoded_by(self.codec if self.stage_id > 0 else None),
+        ):
+            out = self.mod(*args)
         tracker.learn(before)
+        self._check_tied_unwritten(tied)
         return out
+
+    def _tied_versions(self) -> list[tuple[str, nn.Parameter, int]]:
+        """The version counters of this stage's tied parameters before a forward."""
+        if not self.spec.tied_parameters:
+            return []
+        params = dict(self.mod.named_parameters(remove_duplicate=False))
+        return [
+            (name, params[name], params[name]._version)
+            for name in self.spec.tied_parameters
+            if name in params
+        ]
+
+    def _check_tied_unwritten(self, tied: list[tuple[str, nn.Parameter, int]]) -> None:
+        """Refuse a forward that wrote a tied parameter in place.
+
+        [Note: tied parameters written in forward]
+        A tie shared by stages on different ranks is one copy per rank, kept equal by
+        starting equal and summing their gradients before every step. A forward that writes
+        the parameter in place (``nn.Embedding(max_norm=...)`` renormalising its rows, running
+        state kept in a frozen ``nn.Parameter``) changes this copy only: the others drift
+        apart from it, and the stages that read them compute with the old values. The stage
+        refuses that forward by name on every dialect (where the copies are one object as well,
+        so that a model that trains locally trains everywhere), before the optimizer steps.
+        """
+        for name, param, version in tied:
+            if param._version != version:
+                raise TieError(
+                    f"{self.log_prefix} forward wrote the tied parameter {name!r} in place "
+                    "(nn.Embedding(max_norm=...) renormalising it, or running state kept in an "
+                    "nn.Parameter); the stages sharing it would each keep their own copy and "
+                    "drift apart. Untie it (give the other stage its own parameter), keep "
+                    "running state in a buffer (register_buffer), renormalise outside forward "
+                    "(with torch.no_grad() between steps), or choose split points that keep "
+                    "every user of the parameter on one stage"
+                )
+
+    def _devices_drawing(self, args: Sequence[Any]) -> tuple[torch.device, ...]:
+        """The CUDA devices whose generators the stage's forward may draw from: those of its
+        parameters, buffers and tensor arguments (worked out once)."""
+        if self._cuda_devices is None:
+            tensors = [*self.mod.parameters(), *self.mod.buffers()]
+            tensors += [a for a in args if isinstance(a, torch.Tensor)]
+            found = {t.device for t in tensors if t.device.type == "cuda"}
+            self._cuda_devices = tuple(sorted(found, key=str))
+        return self._cuda_devices
 
     def send(self, received: Sequence[Any], out: Any) -> tuple[torch.Tensor, ...]:
         """Collect the values of :attr:`sends` and encode them as wire tensors."""
@@ -256,6 +365,36 @@ class StageWrapper(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage_id={self.stage_id}, name={self.name!r}, total_stages={self.total_stages}"
+
+
+def record_trainable(modules: Any) -> None:
+    """:meth:`StageWrapper.record_trainable` on every stage wrapper among ``modules``."""
+    for module in modules:
+        if isinstance(module, StageWrapper):
+            module.record_trainable()
+
+
+def check_trainable(modules: Any, step: int) -> None:
+    """:meth:`StageWrapper.check_trainable` on every stage wrapper among ``modules``; an engine
+    calls it before each training step, inside the phase whose errors every rank raises.
+
+    [Note: trainability fixed at build]
+    Every engine builds its optimizer over the parameters that need a gradient when
+    ``runtime_engine`` runs (DeepSpeed's too, and its flat buffers, ZeRO partitions and
+    parameter groups cannot take a new parameter). A parameter unfrozen afterwards would get
+    gradients that no optimizer applies; one frozen afterwards would still be stepped by
+    optimizers that decay or carry momentum. The unsplit model's loop would rebuild its
+    optimizer, so the engines refuse the step instead, by name, before any forward: rebuilding
+    the engine is what the user's unsplit loop does too. Each wrapper checks the whole model it
+    was partitioned from (every rank holds it, on the meta device where it builds only its
+    stages), not only its stage: a change the training script makes on every rank is then
+    seen by every rank at once, which all refuse the step without waiting for each other (a
+    change to one rank's stage only reaches the others through ``agreement`` [Note: one error,
+    every rank]).
+    """
+    for module in modules:
+        if isinstance(module, StageWrapper):
+            module.check_trainable(step)
 
 
 def _device_of(out: Any, received: Sequence[Any], mod: nn.Module) -> torch.device:

@@ -67,9 +67,11 @@ from pipedialect.sdk import (
     ParamGroupsFn,
     agree_on_error,
     agreed,
+    begin_streams,
     check_config_keys,
     check_inputs,
     check_one_optimizer,
+    check_trainable,
     checkpoint_files,
     first_nonfinite_grad,
     first_nonfinite_loss,
@@ -146,11 +148,13 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
     def _train_batch(self, data_iter: Iterator[Any] | None) -> Any:
         if not torch.is_grad_enabled():
             raise ConfigError("train_batch() needs gradients enabled; use eval_batch() instead")
+        check_trainable(self._stage_wrappers(), self.global_steps + 1)
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         source = self.data_iterator
         items = self._pull_step(source, self.micro_batches, "train_batch", None)
         self.__dict__["_pipedialect_losses"] = []
+        self._begin_streams("train", self.global_steps + 1)
         try:
             if items is not None:
                 self.data_iterator = iter(items)
@@ -176,6 +180,7 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
         items = self._pull_step(
             data_iter, self.micro_batches if count is None else count, "eval_batch", source
         )
+        self._begin_streams("eval", self.global_steps)
         try:
             return super().eval_batch(data_iter if items is None else iter(items), *args, **kwargs)
         except BaseException:
@@ -268,6 +273,12 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
     # -- check_finite ---------------------------------------------------------------------------
 
     def _exec_forward_pass(self, buffer_id: int) -> None:
+        # Remember the micro-batch the buffer holds, for a recomputation in its backward
+        # ([Note: random streams] in pipedialect.runtime.randomness).
+        wrappers = self._stage_wrappers()
+        if wrappers:
+            held = self.__dict__.setdefault("_pipedialect_micro_batch_of", {})
+            held[buffer_id] = wrappers[0].random.next_micro_batch
         PipelineEngine._exec_forward_pass(self, buffer_id)
         if self.check_finite and self.module.training and self.is_last_stage():
             loss = self.loss
@@ -331,13 +342,35 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
                     break
         agree_on_error(error, device=self.device, what=f"step {step}", choose=root_nonfinite)
 
+    # -- random streams ([Note: random streams] in pipedialect.runtime.randomness) -------------
+
+    def _stage_wrappers(self) -> list[StageWrapper]:
+        return [f for f in self.module.forward_funcs if isinstance(f, StageWrapper)]
+
+    def _begin_streams(self, kind: str, step: int) -> None:
+        """Start the batch's random streams; forget which buffer held which micro-batch."""
+        begin_streams(self._stage_wrappers(), kind, step)
+        self.__dict__["_pipedialect_micro_batch_of"] = {}
+
     def _exec_backward_pass(self, buffer_id: int) -> None:
         # A stage with nothing to train: its one parameter gets a zero gradient, so that
         # DeepSpeed's bf16 optimizer has a gradient to take the norm of (see _nothing_to_train).
         placeholder = self.module._parameters.get(NOTHING_TO_TRAIN)
         if placeholder is not None and placeholder.grad is None:
             placeholder.grad = torch.zeros_like(placeholder)
-        PipelineEngine._exec_backward_pass(self, buffer_id)
+        # DeepSpeed's activation checkpointing runs the stage's forward again here: it must
+        # draw the micro-batch's numbers once more, and count nothing.
+        micro_batch = self.__dict__.get("_pipedialect_micro_batch_of", {}).get(buffer_id)
+        wrappers = self._stage_wrappers()
+        saved = [w.random.next_micro_batch for w in wrappers]
+        if micro_batch is not None:
+            for w in wrappers:
+                w.random.next_micro_batch = micro_batch
+        try:
+            PipelineEngine._exec_backward_pass(self, buffer_id)
+        finally:
+            for w, n in zip(wrappers, saved, strict=True):
+                w.random.next_micro_batch = n
 
     # -- the wire's metadata tensor, sent once ([Note: metadata sent once]) ---------------------
 

@@ -27,7 +27,9 @@ from pipedialect.sdk import (
     EngineBase,
     ParamGroupsFn,
     PipelinePlan,
+    begin_streams,
     check_inputs,
+    check_trainable,
     checkpoint_files,
     clip_gradients,
     first_nonfinite_loss,
@@ -112,12 +114,14 @@ class LocalEngine(EngineBase):
 
         Every micro-batch is read first; a failure anywhere leaves no gradient behind.
         """
+        check_trainable(self.module.stages, self.global_steps + 1)
         gas = self.config.gradient_accumulation_steps
         batches = self._pull(
             self._resolve_iter(data_iter), gas, "train_batch", "gradient_accumulation_steps"
         )
         self.module.train()
         step = self.global_steps + 1
+        begin_streams(self.module.stages, "train", step)
         losses: list[torch.Tensor] = []
         try:
             for i, (inputs, labels) in enumerate(batches):
@@ -159,6 +163,7 @@ class LocalEngine(EngineBase):
         count, source = self.eval_micro_batches(num_micro_batches)
         batches = self._pull(data_iter, count, "eval_batch", source)
         self.module.eval()
+        begin_streams(self.module.stages, "eval", self.global_steps)
         losses: list[torch.Tensor] = []
         outputs: Any = None
         with torch.no_grad():

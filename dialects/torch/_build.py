@@ -22,6 +22,7 @@ from pipedialect.sdk import (
     check_world_size,
     joined_world_size,
     parse_config,
+    written_in_forward,
 )
 
 from ._fsdp import check_fsdp_schedule, fsdp_reduce_dtype
@@ -113,6 +114,7 @@ def build_pipeline(
     if mode == "fsdp":
         check_fsdp_schedule(spec)
         fsdp_reduce_dtype(config.precision)
+        _refuse_written_parameters(request.stages)
     layout = resolve_layout(tensor_parallel, request.stages, plan.model, tensor, plan.tie_groups)
     if layout is None and tensor > 1:
         raise ConfigError(
@@ -281,3 +283,18 @@ def _construct(
         replicas.broadcast_state(pipeline)
         pipeline.ties.broadcast_weights()
     return pipeline
+
+
+def _refuse_written_parameters(stages: Sequence[nn.Module]) -> None:
+    """FSDP gathers each parameter into a copy for the forward and drops the copy afterwards: a
+    forward that writes a parameter in place (running state kept in an ``nn.Parameter``,
+    ``nn.Embedding(max_norm=...)``) would lose the write. Refused by name, on every rank alike
+    (every rank scans the same plan)."""
+    for k, stage in enumerate(stages):
+        for name in sorted(written_in_forward(stage)):
+            raise ConfigError(
+                f"[Stage {k}] forward writes the parameter {name!r} in place, and "
+                "data_parallel_mode='fsdp' gathers parameters into copies it drops after the "
+                "forward, so the write would be lost. Keep the running state in a buffer "
+                "(register_buffer), or use data_parallel_mode='ddp'"
+            )

@@ -10,11 +10,12 @@ passed in-process when both stages are on this rank and sent with ``send_object_
 a few tensors) otherwise. Only the rank holding the first stage needs data. Every stage runs
 with gradients enabled, so its wire layout is the one training uses (``pipedialect.runtime.wire``
 [Note: wire layout]) and the ``requires_grad`` of each example tells torch which boundary
-tensors carry gradients. The run leaves no trace: the RNG state is restored afterwards, so the
-training steps draw what they would have, the stages run on copies of their buffers and their
-plain Python attributes are put back (``pipedialect.runtime.module_state.preserved_state``: running
-statistics count only the training micro-batches), and the first stage runs on a copy of the
-micro-batch.
+tensors carry gradients. The run leaves no trace: the RNG state is restored afterwards and the
+stages' random streams are not advanced (``pipedialect.runtime.randomness`` [Note: random
+streams]), so the training steps draw what they would have, the stages run on copies of their
+buffers and their plain Python attributes are put back
+(``pipedialect.runtime.module_state.preserved_state``: running statistics count only the
+training micro-batches), and the first stage runs on a copy of the micro-batch.
 
 The examples fix the shape, dtype and stride of every boundary tensor for the whole run
 (static shapes), and the run also freezes each wrapper's wire layout.
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipedialect.sdk import preserved_state
+from pipedialect.sdk import not_counted, preserved_state
 
 from ._stage import StageRunner, normalize_wire, to_device
 
@@ -91,7 +92,12 @@ def infer_examples(
     local = [runners[k].stage for k in sorted(runners)]
     # The model inputs as well: a stage may update them in place.
     first_inputs = _copied(first_inputs)
-    with torch.random.fork_rng(devices=devices), torch.enable_grad(), preserved_state(local):
+    with (
+        torch.random.fork_rng(devices=devices),
+        torch.enable_grad(),
+        preserved_state(local),
+        not_counted(local),
+    ):
         carried: tuple[torch.Tensor, ...] | None = None
         for k in range(num_stages):
             if placement[k] != rank:

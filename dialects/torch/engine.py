@@ -48,7 +48,9 @@ from pipedialect.sdk import (
     TrainingConfig,
     agree_on_error,
     agreed,
+    begin_streams,
     check_inputs,
+    check_trainable,
     checkpoint_files,
     first_nonfinite_loss,
     is_sharded,
@@ -265,6 +267,11 @@ class TorchPipeline(nn.Module):
         except PipeDialectError as exc:
             self._layout_error = exc
             raise
+
+    def begin_streams(self, kind: str, step: int) -> None:
+        """Start a batch's random streams on this rank's stages
+        (``pipedialect.runtime.randomness`` [Note: random streams])."""
+        begin_streams([r.stage for r in self._runners()], kind, step)
 
     def _runners(self) -> list[StageRunner]:
         return [r for r in self.runners if isinstance(r, StageRunner)]
@@ -557,10 +564,12 @@ class TorchEngine(EngineBase):
             return self._train_batch(data_iter)
 
     def _train_batch(self, data_iter: Iterator[Any] | None) -> torch.Tensor:
+        check_trainable([r.stage for r in self.module._runners()], self.global_steps + 1)
         gas = self.config.gradient_accumulation_steps
         batches = self._pull(data_iter, gas, "train_batch", "gradient_accumulation_steps")
         self.module.train()
         module = self.module
+        module.begin_streams("train", self.global_steps + 1)
         params = [p for p in module.parameters() if p.requires_grad]
         grad_of = None if self.mixed is None else self.grad_of
         try:
@@ -613,6 +622,7 @@ class TorchEngine(EngineBase):
         count, source = self.eval_micro_batches(num_micro_batches)
         batches = self._pull(data_iter, count, "eval_batch", source)
         self.module.eval()
+        self.module.begin_streams("eval", self.global_steps)
         with torch.no_grad():
             loss = self.module.run(batches, count, train=False)
         mean = self._broadcast_loss(loss)

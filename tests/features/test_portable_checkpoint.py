@@ -218,15 +218,15 @@ def _dropout_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)) for _ in range(4)]
 
 
-def test_dropout_model_resumes_with_identical_later_losses_on_another_plan(
-    tmp_path: Path,
-) -> None:
+def test_dropout_model_resumes_with_identical_later_losses(tmp_path: Path) -> None:
+    """The stages' dropout streams follow the restored step counter and the split points
+    ([Note: random streams]): a fresh engine of the same plan continues the same masks."""
     engine = _local(_Dropout(), ["drop"])
     for step in range(2):
         engine.train_batch(iter(_dropout_batches(step)))
     ckpt.save(engine, tmp_path)
     straight = [float(engine.train_batch(iter(_dropout_batches(s)))) for s in range(2, 5)]
-    resumed_engine = _local(_Dropout(), ["a"])  # another split point
+    resumed_engine = _local(_Dropout(), ["drop"])
     with torch.no_grad():
         resumed_engine.module.stages[0].mod.a.weight.add_(1.0)  # the checkpoint must win
     torch.manual_seed(1234)  # and its random number generators

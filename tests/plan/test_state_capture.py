@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,19 @@ def _train_local(plan: Any, loss_fn: Any, batches: list[Any], steps: int = w.STE
     return losses, evals, engine
 
 
-def _reference(model: nn.Module, loss_fn: Any, batches: list[Any], steps: int = w.STEPS) -> Any:
+def _reference(
+    model: nn.Module,
+    loss_fn: Any,
+    batches: list[Any],
+    steps: int = w.STEPS,
+    split_points: list[str] | None = None,
+) -> Any:
     """:func:`_state_workers.reference` with the same seed before each step as
-    :func:`_train_local`."""
+    :func:`_train_local`; with ``split_points``, random numbers drawn as that plan's stages
+    draw them (``ReferenceStreams``)."""
+    from pipedialect.runtime import ReferenceStreams
+
+    streams = ReferenceStreams(model, split_points or [])
     optimizer = torch.optim.Adam(model.parameters(), lr=w.LR)
     losses, evals = [], []
     for step in range(steps):
@@ -67,8 +78,9 @@ def _reference(model: nn.Module, loss_fn: Any, batches: list[Any], steps: int = 
         torch.manual_seed(100 + step)
         model.train()
         total = 0.0
-        for x, y in chunk:
-            loss = loss_fn(model(x), y)
+        for m, (x, y) in enumerate(chunk):
+            with streams.micro_batch("train", step + 1, m) if split_points else nullcontext():
+                loss = loss_fn(model(x), y)
             (loss / w.GAS).backward()
             total += loss.item() / w.GAS
         optimizer.step()
@@ -76,7 +88,11 @@ def _reference(model: nn.Module, loss_fn: Any, batches: list[Any], steps: int = 
         losses.append(total)
         model.eval()
         with torch.no_grad():
-            evals.append(sum(loss_fn(model(x), y).item() for x, y in chunk) / w.GAS)
+            values = []
+            for m, (x, y) in enumerate(chunk):
+                with streams.micro_batch("eval", step + 1, m) if split_points else nullcontext():
+                    values.append(loss_fn(model(x), y).item())
+            evals.append(sum(values) / w.GAS)
     model.train()
     return losses, evals
 
@@ -223,7 +239,7 @@ def test_stages_follow_train_and_eval_mode(path: str) -> None:
         plan = _partition(model, ["stat"], path)
         batches = w.state_batches(w.STEPS * w.GAS)
         losses, evals, _ = _train_local(plan, w.mse, batches)
-        expected, expected_evals = _reference(reference, w.mse, batches)
+        expected, expected_evals = _reference(reference, w.mse, batches, split_points=["stat"])
         _assert_losses(losses, expected, f"loss (partitioned in train={made_in})")
         _assert_losses(evals, expected_evals, f"eval loss (partitioned in train={made_in})")
         _assert_state(model, reference)
