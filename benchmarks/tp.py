@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _smoke
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -303,11 +304,20 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--gas", type=int, default=4)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, one step")
-    args = parser.parse_args()
-    if args.smoke:
-        args.dim, args.heads, args.blocks, args.seq, args.vocab = 16, 4, 2, 8, 32
-        args.steps, args.warmup, args.gas, args.micro = 1, 0, 2, 2
+    args = _smoke.parse_args(
+        parser,
+        {
+            "dim": 16,
+            "heads": 4,
+            "blocks": 2,
+            "seq": 8,
+            "vocab": 32,
+            "steps": 1,
+            "warmup": 0,
+            "gas": 2,
+            "micro": 2,
+        },
+    )
     world = PP * DP * TP
     results = launch(timing, world, args, timeout=3600)
     mem_ours = launch(memory, world, args, "ours", timeout=3600)
