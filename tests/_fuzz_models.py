@@ -1,4 +1,4 @@
-"""Random models for the differential fuzzer (issue #12): a spec as data, a model built from it.
+"""Random models for the differential fuzzer: a spec as data, a model built from it.
 
 A :class:`FuzzSpec` describes a model as data: blocks (``blocks.0``, ...), each returning a random
 structure (nested dicts, lists and tuples of float tensors with and without a gradient, int and
@@ -14,7 +14,7 @@ and bf16 (``"bf16": {"enabled": true}``) for one local spec in five (by its weig
 draw changes), compared with DeepSpeed's bf16 recipe written out on the unsplit model
 (:func:`reference_run`: bf16 parameters, fp32 master weights, bf16 gradient accumulation).
 
-Last come the dimensions of module state (issue #24, :data:`DIMENSIONS`, drawn by
+Last come the dimensions of module state (:data:`DIMENSIONS`, drawn by
 :func:`_draw_state` after everything else, so a seed drawn without them is the model it was at
 445325a): ``buffers`` (BatchNorm, hand-written running statistics under ``if self.training:``,
 non-persistent buffers), ``counter`` (``self.calls += 1``), ``cross_buffer`` (a buffer written
@@ -42,7 +42,7 @@ A spec is drawn from a :class:`Source`: hypothesis (which shrinks a failing spec
     .venv/bin/python tests/_fuzz_models.py 0-300 -q --only none         # the 445325a models
     .venv/bin/python tests/_fuzz_models.py 4,9 --dialect torch --only inplace,frozen
 
-``--only`` keeps some of the issue-#24 dimensions (comma-separated) and removes the others'
+``--only`` keeps some of the module-state dimensions (comma-separated) and removes the others'
 state from the same seed's model (the draws are the same); ``--dialect deepspeed|torch`` runs
 each seed in its own launch of two ranks; the end of the output counts the models that ran,
 were refused and failed per dimension and feature. For a mutation study (put one bug back,
@@ -190,7 +190,7 @@ class BlockSpec:
     out: Tree
 
 
-#: The dimensions of module state (issue #24), in the order they are drawn; ``--only`` (and
+#: The dimensions of module state, in the order they are drawn; ``--only`` (and
 #: the ``dims`` of :func:`generate`) selects some. See :class:`BlockState` and :class:`FuzzSpec`.
 DIMENSIONS = (
     "buffers",
@@ -217,7 +217,7 @@ DIMENSIONS = STATE_DIMENSIONS + RUNTIME_DIMENSIONS
 
 @dataclass(frozen=True)
 class BlockState:
-    """The module state of one block (issue #24); every field at its default: no state.
+    """The module state of one block; every field at its default: no state.
 
     What the block's forward does with each (in this order, before its linear map, except the
     regions, which wrap or follow it):
@@ -356,9 +356,9 @@ class FuzzSpec:
     #: Run the calls from this one on inside ``pipedialect.trace`` (local only).
     trace_from: int | None = None
     #: Train with ``"bf16": {"enabled": true}`` (local only): one fx spec in five by its weight
-    #: seed, and export specs that draw the ``bf16_export`` dimension (issue #24).
+    #: seed, and export specs that draw the ``bf16_export`` dimension.
     bf16: bool = False
-    #: Module state, one :class:`BlockState` per block (issue #24); empty: no block has any.
+    #: Module state, one :class:`BlockState` per block; empty: no block has any.
     state: tuple[BlockState, ...] = ()
     #: ``(writer, reader, train_only)``: ``blocks.writer`` copies its output's batch mean into
     #: its buffer ``memo`` (only in training when ``train_only``), and the model's forward adds
@@ -385,7 +385,7 @@ class FuzzSpec:
     origin: int | None = field(default=None, compare=False)
 
     def dims(self) -> frozenset[str]:
-        """The issue-#24 dimensions (:data:`DIMENSIONS`) this spec exercises."""
+        """The module-state dimensions (:data:`DIMENSIONS`) this spec exercises."""
         found = {d for st in self.state for d in st.dims()}
         if self.shared:
             found.add("cross_buffer")
@@ -632,7 +632,7 @@ def generate(
 ) -> FuzzSpec:
     """Draw one spec that ``dialect`` can run (two ranks for the distributed ones).
 
-    ``dims``: the issue-#24 dimensions kept (:func:`restrict`); every one is drawn all the
+    ``dims``: the module-state dimensions kept (:func:`restrict`); every one is drawn all the
     same, so a seed's model with fewer dimensions is its full model with some state removed.
     """
     dim = src.integer(4, 8)
@@ -741,7 +741,7 @@ def _draw_runtime(src: Source, spec: FuzzSpec) -> FuzzSpec:
 
 
 def _draw_export_recompute(src: Source, spec: FuzzSpec) -> FuzzSpec:
-    """Blocks of an export-captured spec recomputed in backward (issue 37: the export
+    """Blocks of an export-captured spec recomputed in backward (the export
     route's recomputed regions), drawn last (older seeds keep their models). A block whose
     forward writes a buffer or its input in place is not drawn: the capture refuses it."""
     if not (src.chance(DIM_CHANCE["recompute_export"]) and spec.capture == "export"):
@@ -891,7 +891,7 @@ def _inplace_candidates(spec: FuzzSpec) -> list[int]:
 
 
 def _draw_state(src: Source, spec: FuzzSpec, dialect: Dialect) -> FuzzSpec:
-    """Every issue-#24 dimension, drawn after all else (older seeds keep their models).
+    """Every module-state dimension, drawn after all else (older seeds keep their models).
 
     The draws do not depend on which dimensions are kept: :func:`restrict` removes them after.
     """
@@ -1015,7 +1015,7 @@ def _draw_around(src: Source, spec: FuzzSpec, bf16: bool, put: Callable[..., Non
 
 
 def restrict(spec: FuzzSpec, dims: Sequence[str]) -> FuzzSpec:
-    """``spec`` with only the issue-#24 dimensions in ``dims`` (the others' state removed)."""
+    """``spec`` with only the module-state dimensions in ``dims`` (the others' state removed)."""
     unknown = set(dims) - set(DIMENSIONS)
     if unknown:
         raise ValueError(f"unknown dimensions {sorted(unknown)}; choose from {DIMENSIONS}")
@@ -1051,7 +1051,7 @@ def restrict(spec: FuzzSpec, dims: Sequence[str]) -> FuzzSpec:
 def spec_from_seed(
     seed: int, dialect: Dialect = "local", dims: Sequence[str] = DIMENSIONS
 ) -> FuzzSpec:
-    """The spec seed ``seed`` draws for ``dialect`` (with the issue-#24 dimensions ``dims``)."""
+    """The spec seed ``seed`` draws for ``dialect`` (with the module-state dimensions ``dims``)."""
     return generate(RandomSource(seed), dialect, origin=seed, dims=dims)
 
 
@@ -1691,7 +1691,7 @@ def counters(model: nn.Module) -> dict[str, int]:
 
 def side_effects(spec: FuzzSpec, model: nn.Module, initial: dict[str, torch.Tensor]) -> list[str]:
     """How ``model`` differs from a freshly built one (``initial``: its buffers): what
-    ``partition`` left on it (issue #24: it must change nothing)."""
+    ``partition`` left on it (it must change nothing)."""
     problems = [
         f"partition() changed the Python attribute {name} to {value} (it was 0)"
         for name, value in counters(model).items()
@@ -2002,7 +2002,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only",
         type=_dims,
         default=list(DIMENSIONS),
-        help=f"comma-separated issue-#24 dimensions to keep ({', '.join(DIMENSIONS)}), "
+        help=f"comma-separated module-state dimensions to keep ({', '.join(DIMENSIONS)}), "
         "or 'none' for the models of 445325a; default: all",
     )
     parser.add_argument(
@@ -2048,7 +2048,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{total} specs: {failed} failed, {refused} refused, {total - failed - refused} ran")
     table = dimension_counts(results)
     if table:
-        print("by issue-#24 dimension and feature:\n" + format_counts(table))
+        print("by module-state dimension and feature:\n" + format_counts(table))
     return 1 if failed else 0
 
 

@@ -1,4 +1,4 @@
-"""Models with state, what each rank runs with them, and the unsplit references (issue 24).
+"""Models with state, what each rank runs with them, and the unsplit references.
 
 Module-level, so that spawned ranks can import it. Every case builds the model (identical
 weights on every rank: per-module seeded init), freezes what the case freezes, partitions it,

@@ -1,10 +1,10 @@
 """Models with state and what each rank runs in the state-capture tests (importable by ranks).
 
-The models are small and hold the state issue 24 is about: BatchNorm running statistics and
+The models are small and hold module state: BatchNorm running statistics and
 ``num_batches_tracked``, a buffer written by one stage and read by the next, a hand-written
 running mean under ``torch.no_grad()`` in an ``if self.training:`` branch, non-persistent
 buffers. The torch dialect's schedule set-up runs every stage once more on the first micro-batch
-(issue 24 item 5, fixed apart from capture), so the torch runs use the variants whose buffer
+(fixed apart from capture), so the torch runs use the variants whose buffer
 writes do not depend on earlier micro-batches (``last``: the latest batch mean): they check what
 crosses a boundary, not that. :func:`reference` trains the unsplit model with a plain PyTorch
 loop (plain Adam, the loss of each micro-batch divided by the accumulation steps) and evaluates

@@ -1,4 +1,4 @@
-"""Crash-safe checkpoints (issue #15) and the soak test (issue #17).
+"""Crash-safe checkpoints and the soak test.
 
 A rank SIGKILLed inside ``save_checkpoint`` (a new tag; a reused tag, killed between renaming
 the old one aside and putting the new one in place) leaves the previous checkpoint loadable and

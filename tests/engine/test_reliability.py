@@ -1,4 +1,4 @@
-"""Reliability (issue #17): disagreeing ranks, short data, unclear errors, non-finite numbers.
+"""Reliability: disagreeing ranks, short data, unclear errors, non-finite numbers.
 
 The local dialect runs in this process. The deepspeed and torch dialects run one two-process
 launch each (gloo on 127.0.0.1, ``_reliability_workers``), every case in turn; each case that

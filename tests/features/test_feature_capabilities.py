@@ -1,4 +1,4 @@
-"""Portable checkpoints and traces go through the Dialect contract (issue 25, item 1).
+"""Portable checkpoints and traces go through the Dialect contract.
 
 ``pipedialect.checkpoint`` and ``pipedialect.trace`` read an engine only through its dialect's
 ``engine_state`` (and ``instrument``) hooks, declared as the ``portable-checkpoints`` and

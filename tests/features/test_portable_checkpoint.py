@@ -1,4 +1,4 @@
-"""Portable checkpoints (issue #15): ``pipedialect.checkpoint`` across dialects and layouts.
+"""Portable checkpoints: ``pipedialect.checkpoint`` across dialects and layouts.
 
 The reference is always the unsplit model trained by a plain PyTorch loop (``torch.optim.Adam``,
 ``clip_grad_norm_``) on the same samples per step, never the code's own output. One launch

@@ -1,4 +1,4 @@
-"""Hugging Face models in and out, one rough edge at a time (issue 26, items 1 to 3).
+"""Hugging Face models in and out, one rough edge at a time.
 
 - In: a model built on the meta device with its default attention (sdpa) partitions with
   ``example_inputs=``: the check against the meta model compares structure, shapes and dtypes

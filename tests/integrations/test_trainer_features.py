@@ -347,7 +347,7 @@ def test_plain_training_arguments_are_refused_by_name(tmp_path: Path) -> None:
 def test_a_dialect_whose_engines_a_loop_cannot_drive_is_refused_when_built(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 39: the engine members the integration reads are the TrainerEngine protocol,
+    """The engine members the integration reads are the TrainerEngine protocol,
     declared as the trainer-loop capability; a dialect without it is refused at construction,
     naming it, not at the first save."""
     local = pipedialect.get_dialect("local")

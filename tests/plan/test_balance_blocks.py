@@ -1,4 +1,4 @@
-"""Balancing sees what crosses a boundary (issue 26, item 6).
+"""Balancing sees what crosses a boundary.
 
 On a Llama-style model ``balance="flops"`` used to cut inside attention (after ``q_proj``,
 ``v_proj``, ``o_proj``): a few percent fewer FLOPs on the worst stage for 2.5 times the bytes

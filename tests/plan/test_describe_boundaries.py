@@ -1,4 +1,4 @@
-"""``describe()`` names every boundary value by where it comes from (issue 26, item 8).
+"""``describe()`` names every boundary value by where it comes from.
 
 ``submod_0.3`` said nothing; now each value a stage sends is a module's output at a path
 (``model.layers.0 -> output``, ``model.rotary_emb -> [0]``), a value computed inside a forward,

@@ -1,4 +1,4 @@
-"""Models with state split without changing what they compute (issue 24, the capture side).
+"""Models with state split without changing what they compute.
 
 Grad-mode and autocast regions, train/eval behaviour, in-place buffer updates, buffers read by a
 later stage, bf16 through torch.export, forward defaults and dataclass outputs. The reference is

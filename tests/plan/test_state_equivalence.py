@@ -1,4 +1,4 @@
-"""Module state the differential fuzzer found wrong or refused (issue #24's remainder).
+"""Module state the differential fuzzer found wrong or refused .
 
 Buffer reassignment (``self.running = 0.9 * self.running + ...``) in traced code, on both
 capture paths (torch.export dropped it silently: fuzz seed 82); a value computed from buffers

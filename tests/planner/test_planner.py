@@ -108,7 +108,7 @@ class _ShardingOptions(TorchOptions):
 
 
 class _ShardingTorch(TorchDialect):
-    """The torch dialect as it will declare tensor parallelism (issue 34)."""
+    """The torch dialect as it will declare tensor parallelism."""
 
     options = _ShardingOptions
     capabilities = TorchDialect.capabilities | {Capability.TENSOR_PARALLEL}

@@ -1,5 +1,5 @@
-"""Models with state on every dialect, at run time (issue 24 items 4, 5, 7, 8, 9; bf16 buffers;
-one error on every rank, issue 26).
+"""Models with state on every dialect, at run time (bf16 buffers;
+one error on every rank).
 
 The reference is always the unsplit model trained by a plain PyTorch loop in one process on the
 same micro-batches (``_state_runtime_workers.reference``): losses every step, the evaluation
