@@ -57,8 +57,9 @@ from .errors import ConfigError, MissingCapabilityError, TopologyError
 from .plan.batches import check_loss_fn
 from .plan.partition import PipelinePlan, check_capture_dtype
 from .plan.ties import DefaultTieAnalyzer, check_tied_unwritten
-from .runtime.agreement import agreed, check_plan_agreement
+from .runtime.agreement import agreed
 from .runtime.codec import SchemaCodec
+from .runtime.plan_agreement import check_plan_agreement
 from .runtime.stage import StageWrapper, record_trainable
 from .runtime.topology import (
     GridTopology,

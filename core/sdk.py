@@ -42,14 +42,14 @@ Ranks that agree
     :func:`~pipedialect.runtime.topology.join_with_deadline`;
     :func:`~pipedialect.runtime.agreement.agreed`,
     :func:`~pipedialect.runtime.agreement.agree_on_error`,
-    :func:`~pipedialect.runtime.agreement.check_frozen_ties`,
-    :func:`~pipedialect.runtime.agreement.check_inputs`,
-    :func:`~pipedialect.runtime.agreement.pull_micro_batches`; non-finite losses and gradients
-    (:func:`~pipedialect.runtime.agreement.first_nonfinite_loss`,
-    :func:`~pipedialect.runtime.agreement.first_nonfinite_grad`,
-    :func:`~pipedialect.runtime.agreement.nonfinite_loss_error`,
-    :func:`~pipedialect.runtime.agreement.nonfinite_grad_error`,
-    :func:`~pipedialect.runtime.agreement.root_nonfinite`); sharded tensors
+    :func:`~pipedialect.runtime.plan_agreement.check_frozen_ties`,
+    :func:`~pipedialect.runtime.micro_batches.check_inputs`,
+    :func:`~pipedialect.runtime.micro_batches.pull_micro_batches`; non-finite losses and gradients
+    (:func:`~pipedialect.runtime.nonfinite.first_nonfinite_loss`,
+    :func:`~pipedialect.runtime.nonfinite.first_nonfinite_grad`,
+    :func:`~pipedialect.runtime.nonfinite.nonfinite_loss_error`,
+    :func:`~pipedialect.runtime.nonfinite.nonfinite_grad_error`,
+    :func:`~pipedialect.runtime.nonfinite.root_nonfinite`); sharded tensors
     (:func:`~pipedialect.runtime.sharded.is_sharded`,
     :func:`~pipedialect.runtime.sharded.local_part`,
     :func:`~pipedialect.runtime.sharded.gathered`,

@@ -43,12 +43,9 @@ from ..contracts import AttributeCounters, EngineState, HeldStage
 from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError, PipeDialectError
 from ..plan.batches import input_spec
 from ..plan.ties import tie_keys
-from ..runtime.agreement import (
-    agree_on_error,
-    first_nonfinite_grad,
-    nonfinite_grad_error,
-    pull_micro_batches,
-)
+from ..runtime.agreement import agree_on_error
+from ..runtime.micro_batches import pull_micro_batches
+from ..runtime.nonfinite import first_nonfinite_grad, nonfinite_grad_error
 from ..runtime.sharded import local_part
 from ..runtime.stage import stage_root
 from . import checkpoint_files

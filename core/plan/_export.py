@@ -11,7 +11,7 @@ example inputs, decorators and context variables just run, and data-dependent co
 an error rather than a silent guess. transformers tests its models against it.
 
 The exported program is turned into the same flat ``fx.Graph`` the fx capture produces, so the
-splitter, liveness and tie analysis are shared ([Note: own splitter] in ``_fx``):
+splitter, liveness and tie analysis are shared ([Note: own splitter] in ``capture._split``):
 
 - every use of a parameter or buffer becomes a ``get_attr`` of the original model, named as
   the module that uses it holds it (a weight tied between ``transformer.wte`` and ``lm_head``
@@ -45,7 +45,7 @@ A recomputed region inside keeps the autocast state (the checkpoint restores it 
 recomputing).
 
 [Note: recomputed regions]
-The exported graph has no module calls to route through a checkpoint (``_fx`` [Note:
+The exported graph has no module calls to route through a checkpoint (``capture._recompute`` [Note:
 recomputed calls]), but every node records the modules whose forward ran it. So after the cut,
 :func:`checkpoint_regions` outlines, in each stage graph, the run of nodes a recomputed module
 computed into a small ``GraphModule`` (the stage's attribute ``recomputed_<n>``, holding no
@@ -60,8 +60,8 @@ the stage boundary follows the last of them.
 
 What export fixes at capture time: tensor shapes (micro-batches must have the example inputs'
 shapes), dtypes, and the train/eval mode. The mode is handled by capturing twice ([Note: stage
-modes] in ``_fx``); devices export also writes into the graph, and those are made to follow the
-stage's tensors again, so a plan captured on the CPU runs on a GPU.
+modes] in ``capture._modal``); devices export also writes into the graph, and those are made to
+follow the stage's tensors again, so a plan captured on the CPU runs on a GPU.
 
 [Note: export precision]
 Dtypes cannot be made to follow: ``x.to(h.dtype)`` becomes ``to(x, torch.float32)`` when ``h``
@@ -97,8 +97,9 @@ from torch.export.graph_signature import (
 
 from ..errors import CaptureError, RecomputeError, SplitPointError, StructureChangedError
 from . import _state
-from ._fx import Captured, remove_attrs
 from ._module_paths import check_execution_order, check_single_call
+from .capture._capture import Captured
+from .capture._tracer import remove_attrs
 
 __all__: list[str] = []
 
@@ -188,7 +189,7 @@ def capture(
 @contextlib.contextmanager
 def _applied_functions(applied: list[type]) -> Iterator[None]:
     """Record in ``applied`` every autograd Function defined outside torch that forward
-    applies while the block runs ([Note: custom autograd Functions] in ``_fx``)."""
+    applies while the block runs ([Note: custom autograd Functions] in ``capture._functions``)."""
     function = torch.autograd.function.Function
     original = function.__dict__["apply"]
 
@@ -206,7 +207,7 @@ def _applied_functions(applied: list[type]) -> Iterator[None]:
 
 def refuse_functions(applied: Sequence[type]) -> None:
     """Refuse custom autograd Functions: torch.export keeps their forward's operations and
-    drops their ``backward`` ([Note: custom autograd Functions] in ``_fx``)."""
+    drops their ``backward`` ([Note: custom autograd Functions] in ``capture._functions``)."""
     if not applied:
         return
     shown = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in applied)

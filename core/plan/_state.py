@@ -44,7 +44,7 @@ assignment get a clone of the buffer (:func:`isolate_earlier_reads`), since in t
 hold the old tensor, which autograd may have saved.
 
 Ownership is decided on both train and eval captures together ([Note: stage modes] in
-``_fx``), so both modes send the same boundary values.
+``capture._modal``), so both modes send the same boundary values.
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ class StateSnapshot:
                 live.update(table)
             module.training = training
         # ``.data`` rather than a no_grad region: restoring may run inside a trace, which
-        # would record the region ([Note: grad-mode regions] in ``_fx``).
+        # would record the region ([Note: grad-mode regions] in ``capture._regions``).
         for _, module in self._modules:
             for buffer in module._buffers.values():
                 if buffer is None:

@@ -5,8 +5,8 @@ The plan is run stage by stage on one set of inputs, as a pipeline would run it 
 the values ``stage_arg_names`` names), and the unsplit model on the same inputs; both under
 ``torch.no_grad()``, from the same RNG state (dropout draws the same masks) and the same buffer
 values, once in train mode and once in eval mode (model and stages alike: the stages run each
-mode's graph, [Note: stage modes] in ``_fx``), with the parameters in the dtype the plan was
-captured with (:attr:`~pipedialect.PipelinePlan.param_dtype`). Forward hooks on the split-point
+mode's graph, [Note: stage modes] in ``capture._modal``), with the parameters in the dtype the plan
+was captured with (:attr:`~pipedialect.PipelinePlan.param_dtype`). Forward hooks on the split-point
 modules record each split point's real output in both runs. After stage ``k`` the plan's
 split-point output is compared with the model's: on the fx path the split point is one call, so
 its hook fires in the plan run too; on the torch.export path its code is inlined, so every
@@ -53,7 +53,8 @@ from torch._subclasses.fake_tensor import (
 
 from ..errors import PartitionError, PipeDialectError, PlanMismatchError
 from ..runtime.module_state import apply_modes
-from . import _fx, _state
+from . import _state
+from .capture import _modal
 
 __all__: list[str] = []
 
@@ -615,7 +616,7 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 def _output(stage: fx.GraphModule) -> fx.Node:
-    return _fx.mode_graph(stage, stage.training).output_node()
+    return _modal.mode_graph(stage, stage.training).output_node()
 
 
 def _returned(stage: fx.GraphModule) -> list[Any] | None:

@@ -50,7 +50,7 @@ import torch
 from torch import fx, nn
 
 from ..errors import ModelChangedError
-from . import _fx
+from .capture import _modal
 
 __all__: list[str] = []
 
@@ -118,7 +118,7 @@ def _live_modules(stages: Sequence[fx.GraphModule]) -> set[int]:
     their real forward (and hooks) at every call."""
     live: set[int] = set()
     for stage in stages:
-        for graph in _fx.stage_graphs(stage):
+        for graph in _modal.stage_graphs(stage):
             for node in graph.nodes:
                 if node.op == "call_module":
                     live.update(id(m) for m in stage.get_submodule(str(node.target)).modules())

@@ -42,7 +42,7 @@ import torch
 from torch import fx, nn
 
 from ..errors import ConfigError, DataError
-from ..runtime.agreement import check_inputs
+from ..runtime.micro_batches import check_inputs
 from ._export import check_input
 from ._state import StateSnapshot
 

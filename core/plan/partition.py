@@ -4,12 +4,12 @@
 flat graph in which every split point is a single call (or, given ``example_inputs``, with
 torch.export: [Note: export capture] in ``_export``), puts the stage boundary after each split
 point's call (Slapo's ``cut_pipeline_stage``), and cuts the graph into one GraphModule per stage
-whose parameters keep the original model's names (see ``_fx`` [Note: own splitter]). The plan
-also says what each stage receives and sends ([Note: liveness] in :mod:`pipedialect.plan.liveness`)
-and which parameters stages share (:mod:`pipedialect.plan.ties`). Everything is derived from the
-graph's node order, so every rank that partitions the same model gets the same plan;
-:meth:`PipelinePlan.fingerprint` lets ranks check that. :meth:`PipelinePlan.verify` runs the
-plan and the model on one set of inputs and names the first stage that differs ([Note: plan
+whose parameters keep the original model's names (see ``capture._split`` [Note: own splitter]). The
+plan also says what each stage receives and sends ([Note: liveness] in
+:mod:`pipedialect.plan.liveness`) and which parameters stages share (:mod:`pipedialect.plan.ties`).
+Everything is derived from the graph's node order, so every rank that partitions the same model gets
+the same plan; :meth:`PipelinePlan.fingerprint` lets ranks check that. :meth:`PipelinePlan.verify`
+runs the plan and the model on one set of inputs and names the first stage that differs ([Note: plan
 verification] in ``_verify``); ``partition`` does it before returning when it has
 ``example_inputs``.
 
@@ -57,7 +57,7 @@ from ..errors import (
     SplitPointError,
 )
 from ..runtime.module_state import apply_modes, mode_table
-from . import _export, _fx, _state, _verify
+from . import _export, _state, _verify
 from ._module_paths import (
     check_execution_order,
     check_single_call,
@@ -66,6 +66,8 @@ from ._module_paths import (
 )
 from ._watch import ModelWatch, reading_attributes
 from .balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, profile_model
+from .capture import _guards, _modal, _recompute, _regions, _split, _tracer
+from .capture._capture import Captured, capture, share_constants
 from .liveness import compute_liveness
 from .ties import find_tie_groups
 
@@ -332,7 +334,7 @@ class PipelinePlan:
                 )
                 lines.append(f"    sends:     {len(values)} value(s){total}")
                 lines.extend(f"      {value.describe()}" for value in values)
-            if isinstance(stage, _fx.ModalGraphModule):
+            if isinstance(stage, _modal.ModalGraphModule):
                 lines.append("    runs other code in eval mode than in train mode")
         if self.tie_groups:
             lines.append("Tied parameters:")
@@ -382,7 +384,7 @@ class PipelinePlan:
             "buffers": [(b.name, b.owner, b.readers, b.persistent, b.value) for b in self.buffers],
             "param_dtype": None if self.param_dtype is None else str(self.param_dtype),
             "defaults": {k: repr(v) for k, v in self.input_defaults.items()},
-            "code": [_fx.stage_code(stage) for stage in self.stages],
+            "code": [_modal.stage_code(stage) for stage in self.stages],
             "params": [
                 [(n, list(p.shape)) for n, p in stage.named_parameters()] for stage in self.stages
             ],
@@ -422,8 +424,8 @@ def partition(
             calls them; each stage ends after its split point's call. A split point runs as one
             call even if fx could trace through its code; the code after it still sees its
             output's real structure and constants (``None``, numbers), which the stage using
-            them checks on every micro-batch ([Note: split-point outputs] in ``_fx``). With
-            ``num_stages``, the split points every answer must contain (default: none).
+            them checks on every micro-batch ([Note: split-point outputs] in ``capture._guards``).
+            With ``num_stages``, the split points every answer must contain (default: none).
         num_stages: how many stages; the split points not given are chosen by ``balance``
             (:mod:`pipedialect.plan.balance`), the same on every rank.
         balance: the cost model that chooses split points for ``num_stages``: ``"parameters"``
@@ -448,8 +450,8 @@ def partition(
             replayed) instead of kept: the stage graphs call them through the checkpoint, so
             it works alike on every dialect. Nested matches count once, at the outermost
             module; each matched module runs as one call ([Note: recomputed calls] in
-            ``_fx``), or, with ``example_inputs``, its nodes of the exported graph as one
-            region ([Note: recomputed regions] in ``_export``).
+            ``capture._recompute``), or, with ``example_inputs``, its nodes of the exported graph as
+            one region ([Note: recomputed regions] in ``_export``).
         concrete_args: values fixed at capture time for forward parameters that steer control
             flow (``{"use_cache": False}``); they are not plan inputs.
         leaf_modules: module paths or classes fx must call rather than trace through.
@@ -460,8 +462,8 @@ def partition(
             every other parameter keeps its default unless ``concrete_args`` fixes it (a
             forward taking ``**kwargs`` accepts other names there, e.g. ``return_dict``), and
             the stages are specialised to these shapes and dtypes (stage 0 checks them); each
-            mode is captured ([Note: stage modes] in ``_fx``). This is the route for code fx
-            cannot trace, such as transformers models ([Note: export capture] in
+            mode is captured ([Note: stage modes] in ``capture._modal``). This is the route for code
+            fx cannot trace, such as transformers models ([Note: export capture] in
             ``_export``); it does not take ``leaf_modules``. The plan is then checked against
             the model on them (:meth:`PipelinePlan.verify`) before it is returned.
         dtype: with ``example_inputs``, the dtype the floating-point parameters have while
@@ -480,8 +482,8 @@ def partition(
     The model is left exactly as it was: buffers, Python attributes and train/eval flags of
     every module are restored after capture, also when it raises ([Note: module state] in
     ``_state``). Both capture paths keep in-place buffer updates, ``no_grad``/autocast regions
-    ([Note: grad-mode regions] in ``_fx``) and both modes' code (each stage runs its train-mode
-    code under ``train()`` and its eval-mode code under ``eval()``).
+    ([Note: grad-mode regions] in ``capture._regions``) and both modes' code (each stage runs its
+    train-mode code under ``train()`` and its eval-mode code under ``eval()``).
 
     Raises:
         SplitPointError: a split point is unknown, never called, called more than once, out of
@@ -627,7 +629,7 @@ def _partition(
                 )
             mine = list(captured.added_attrs)
             if not mode:
-                mine = _fx.share_constants(model, captured.graph, mine, added)
+                mine = share_constants(model, captured.graph, mine, added)
             added.extend(mine)
             snapshot.check_unchanged(
                 how, ignore=[n for n in added if _CAPTURE_CONSTANT.fullmatch(n)]
@@ -643,10 +645,10 @@ def _partition(
                 if mode:
                     raise
                 raise SplitPointError(f"in eval mode (model.eval()): {exc}") from exc
-            stage_of = _fx.assign_stages(graph, split_nodes)
-            _fx.label_guards(captured.guards, stage_of)
-            _fx.place_regions(graph, stage_of, split_nodes, points)
-            computed = (s for n, s in stage_of.items() if not _fx.is_guard(n))
+            stage_of = _split.assign_stages(graph, split_nodes)
+            _guards.label_guards(captured.guards, stage_of)
+            _regions.place_regions(graph, stage_of, split_nodes, points)
+            computed = (s for n, s in stage_of.items() if not _guards.is_guard(n))
             if mode and points and not any(s == count - 1 for s in computed):
                 raise SplitPointError(
                     f"split point {points[-1]!r} is the last computation in forward: the stage "
@@ -667,7 +669,7 @@ def _partition(
             graph.lint()
         train_graph, train_stages, _ = modes[True]
         eval_graph, eval_stages, _ = modes[False]
-        cut = _fx.split(
+        cut = _split.split(
             model,
             train_graph,
             train_stages,
@@ -677,16 +679,16 @@ def _partition(
             training=training,
         )
     finally:
-        _fx.remove_attrs(model, added)
+        _tracer.remove_attrs(model, added)
     if recompute_paths:
         for stage in cut.stages:
             if named_inputs is None:
-                _fx.checkpoint_calls(stage, frozenset(recompute_paths))
+                _recompute.checkpoint_calls(stage, frozenset(recompute_paths))
             else:
                 _export.checkpoint_regions(stage, recompute_paths)
     if autocast is not None:
         for stage in cut.stages:
-            _export.autocast_stage(stage, _fx.stage_graphs(stage), autocast)
+            _export.autocast_stage(stage, _modal.stage_graphs(stage), autocast)
     _record_model_names(model, cut.stages)
     path_of = {id(m): name for name, m in model.named_modules()}
     stage_modes = tuple(
@@ -872,7 +874,7 @@ def _capture(
     recompute_paths: Sequence[str],
     after_forward: Callable[..., None],
     autocast: torch.dtype | None = None,
-) -> tuple[_fx.Captured, str, list[str]]:
+) -> tuple[Captured, str, list[str]]:
     """One capture of the model in its current mode: the graph, the capture's name, and the
     leaf module paths. ``after_forward`` watches the export path's forward, which runs under
     ``torch.autocast(autocast)`` when given ([Note: stages under autocast] in ``_export``)."""
@@ -892,7 +894,7 @@ def _capture(
     leaf_paths = [*leaf_paths, *(p for p, _ in hooked if p not in leaf_paths)]
     split_ids = frozenset(id(m) for m in point_modules)
     recompute_ids = frozenset(id(model.get_submodule(p)) for p in recompute_paths)
-    captured = _fx.capture(
+    captured = capture(
         model,
         leaf_ids=split_ids | leaf_ids | recompute_ids,
         leaf_types=leaf_types,

@@ -8,23 +8,19 @@ The bottom room: it imports only :mod:`pipedialect.contracts` and
 
 from __future__ import annotations
 
-from .agreement import (
-    ARRIVAL_SECONDS,
-    agree_on_error,
-    agreed,
-    check_frozen_ties,
-    check_inputs,
-    check_plan_agreement,
+from .agreement import ARRIVAL_SECONDS, agree_on_error, agreed
+from .codec import SchemaCodec
+from .launch import free_port
+from .micro_batches import check_inputs, pull_micro_batches
+from .module_state import UpdatedBuffers, preserved_state, recompute_with_state
+from .nonfinite import (
     first_nonfinite_grad,
     first_nonfinite_loss,
     nonfinite_grad_error,
     nonfinite_loss_error,
-    pull_micro_batches,
     root_nonfinite,
 )
-from .codec import SchemaCodec
-from .launch import free_port
-from .module_state import UpdatedBuffers, preserved_state, recompute_with_state
+from .plan_agreement import check_frozen_ties, check_plan_agreement
 from .randomness import (
     ReferenceStreams,
     StageRandomness,

@@ -254,8 +254,8 @@ class StageWrapper(nn.Module):
         """Call the stage's module on its arguments, picked out of ``received``.
 
         Values after the first stage came through :attr:`codec`, and the module's split-point
-        guards judge them as it decodes them ([Note: split-point outputs] in ``_fx``). Buffers
-        the forward updates in place get a fresh copy first when gradients are enabled
+        guards judge them as it decodes them ([Note: split-point outputs] in ``capture._guards``).
+        Buffers the forward updates in place get a fresh copy first when gradients are enabled
         (:mod:`pipedialect.runtime.module_state` [Note: buffers updated in place]). Random
         numbers come from the stage's stream for this micro-batch
         (:mod:`pipedialect.runtime.randomness` [Note: random streams]).

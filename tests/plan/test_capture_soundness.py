@@ -471,9 +471,9 @@ def test_partition_with_example_inputs_refuses_a_plan_that_differs() -> None:
 
 def test_partition_with_example_inputs_names_a_wrong_stage(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage corrupted while the plan is built: the check names it, on the export path."""
-    from pipedialect.plan import _fx
+    from pipedialect.plan.capture import _split
 
-    build = _fx._build_stage
+    build = _split._build_stage
 
     def corrupting(*args: Any, **kwargs: Any) -> fx.GraphModule:
         stage = build(*args, **kwargs)
@@ -481,7 +481,7 @@ def test_partition_with_example_inputs_names_a_wrong_stage(monkeypatch: pytest.M
             _corrupt(stage, torch.ops.aten.linear.default)
         return stage
 
-    monkeypatch.setattr(_fx, "_build_stage", corrupting)
+    monkeypatch.setattr(_split, "_build_stage", corrupting)
     with pytest.raises(PlanMismatchError) as info:
         partition(Chain().eval(), ["blocks.0", "blocks.1"], example_inputs={"x": _x()})
     assert info.value.stage == 0 and info.value.path == "blocks.0"

@@ -274,7 +274,7 @@ def test_a_mode_switching_stage_survives_deepcopy_and_pickle() -> None:
     model = ModeNet()
     plan = _partition(model, ["stat"], "export")
     stage = plan.stages[1]
-    assert isinstance(stage, pipedialect.plan._fx.ModalGraphModule)
+    assert isinstance(stage, pipedialect.plan.capture._modal.ModalGraphModule)
     h = _x(3)
     for make in (copy.deepcopy, lambda s: pickle.loads(pickle.dumps(s))):
         copied, reference = make(stage), copy.deepcopy(model)

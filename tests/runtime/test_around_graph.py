@@ -228,7 +228,7 @@ def test_verify_checks_gradients_so_a_dropped_backward_never_passes() -> None:
     """A stage whose Function call is replaced by its forward (what a capture that loses the
     backward produces) computes the model's forward exactly; ``plan.verify`` still refuses it,
     naming the stage and a parameter whose gradient differs."""
-    from pipedialect.plan._fx import function_call
+    from pipedialect.plan.capture._functions import function_call
 
     _, plan = workers.build({"model": "reversal"})
     x = workers.batches({"model": "reversal"}, 1)[0][0]

@@ -173,7 +173,7 @@ def test_recomputation_starts_from_the_state_the_forward_saw() -> None:
     """A recomputed module that updates a buffer in place and divides by it: its gradients
     use the value the forward used (not the one the forward left), and the buffer is updated
     once per call."""
-    from pipedialect.plan._fx import recomputed  # what the stage graphs call
+    from pipedialect.plan.capture._recompute import recomputed  # what the stage graphs call
 
     block = workers.ScaleBlock(4)
     seeded = copy.deepcopy(block)
