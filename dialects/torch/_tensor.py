@@ -61,7 +61,7 @@ import contextlib
 import copy
 import fnmatch
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -219,11 +219,63 @@ def _closure(graph: fx.Graph, path: str, rowwise: set[str]) -> tuple[set[fx.Node
             region.add(user)
             if user.op == "call_module" and str(user.target) in rowwise:
                 pure = pure and len(user.all_input_nodes) == 1
-            elif user.op in ("output", "call_module", "get_attr", "placeholder"):
+            elif user.op in ("output", "call_module", "get_attr", "placeholder") or _draws(user):
                 pure = False
             else:
                 todo.append(user)
     return region, pure
+
+
+#: Random operations: on a shard they draw other numbers than on the whole tensor (a
+#: dropout mask over a slice of the features is not the slice of the whole mask).
+_RANDOM_FUNCTIONS = frozenset(
+    {
+        "dropout",
+        "dropout1d",
+        "dropout2d",
+        "dropout3d",
+        "alpha_dropout",
+        "feature_alpha_dropout",
+        "bernoulli",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "normal",
+        "multinomial",
+        "rrelu",
+    }
+)
+_RANDOM_METHODS = frozenset({"bernoulli", "bernoulli_", "uniform_", "normal_", "random_"})
+
+
+@contextlib.contextmanager
+def _one_stream(stage: nn.Module, reference: nn.Module) -> Iterator[Callable[[], None]]:
+    """Both copies of a stage draw from the stage's random stream at the micro-batch it is at
+    (``pipedialect.runtime.randomness`` [Note: random streams]); afterwards the stage's count
+    is as it was: the check's forwards are no micro-batch of the run. Yields the call that
+    puts the stream back between the two runs."""
+    live, twin = getattr(stage, "random", None), getattr(reference, "random", None)
+    if live is None or twin is None:
+        yield lambda: None
+        return
+    saved = dict(vars(live))
+
+    def again() -> None:
+        vars(live).update(saved)
+
+    vars(twin).update(saved)
+    try:
+        yield again
+    finally:
+        again()
+
+
+def _draws(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: a region holding one is gathered whole, never
+    kept sharded (``[Note: tensor parallel on torch]``)."""
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", "") in _RANDOM_FUNCTIONS
+    return node.op == "call_method" and node.target in _RANDOM_METHODS
 
 
 def _reached_rowwise(graph: fx.Graph, paths: set[str], rowwise: set[str]) -> dict[str, set[str]]:
@@ -629,11 +681,12 @@ def check_stage(
                 param.data = param.data.to(dtypes[name])
     tol = _tolerance(reference)
     grad_mode = torch.enable_grad() if gradients else torch.no_grad()
-    with preserved_state([stage, reference]), grad_mode:
+    with preserved_state([stage, reference]), grad_mode, _one_stream(stage, reference) as again:
         state = torch.random.get_rng_state()
         with _raw_outputs(reference) as ref_raw:
             ref_out = _leaves(run_reference(ref_args))
         torch.random.set_rng_state(state)
+        again()
         with _raw_outputs(stage) as got_raw:
             try:
                 got_out = _leaves(run(got_args))

@@ -242,6 +242,7 @@ class TorchPipeline(nn.Module):
                 reference = references.get(k)
                 if reference is None:
                     continue
+                _follow_buffers(reference, runner.stage)
                 twin = StageRunner(reference, k, self.num_stages, BatchContext(), self.device)
                 args = [first_inputs] if runner.first else list(self._examples[k].inputs)
                 check_stage(
@@ -406,6 +407,19 @@ class _Accumulate:
         self.engine.accumulate_grads(self.params)
 
 
+def _follow_buffers(reference: nn.Module, stage: nn.Module) -> None:
+    """Give the unsharded copy of a stage the stage's buffers as they are now: the copy was
+    taken when the engine was built, and the loop may have set a buffer since (a value it
+    re-assigns before every step reaches the stage, not the copy), which would show as a
+    difference the tensor-parallel layout does not make."""
+    live = dict(stage.named_buffers())
+    with torch.no_grad():
+        for name, buffer in reference.named_buffers():
+            now = live.get(name)
+            if now is not None and now.shape == buffer.shape and now is not buffer:
+                buffer.copy_(now)
+
+
 def _sum_over(value: torch.Tensor, device: torch.device, group: Any) -> torch.Tensor:
     """``value`` summed over ``group`` (one pipeline's ranks; None: every rank)."""
     total = value.to(device=device, dtype=torch.float32)
@@ -564,7 +578,9 @@ class TorchEngine(EngineBase):
             return self._train_batch(data_iter)
 
     def _train_batch(self, data_iter: Iterator[Any] | None) -> torch.Tensor:
-        check_trainable([r.stage for r in self.module._runners()], self.global_steps + 1)
+        check_trainable(
+            [r.stage for r in self.module._runners()], self.global_steps + 1, self.module.device
+        )
         gas = self.config.gradient_accumulation_steps
         batches = self._pull(data_iter, gas, "train_batch", "gradient_accumulation_steps")
         self.module.train()

@@ -375,7 +375,9 @@ def test_check_stops_a_single_process_case_that_makes_no_progress(
     summary = out.split("conformance summary")[1]
     for name in ("hang", "hang-deaf"):
         assert f"[training] TestTraining::test_matches_unsplit[{name}-plain-2]" in summary
-        assert f"conformance of {name!r}: FAILED: 1 of 2 test(s) failed" in summary
+        # The hanging case is the one failure; the others the selection matches are skipped
+        # for capabilities these single-process dialects do not declare.
+        assert re.search(rf"conformance of {name!r}: FAILED: 1 of \d+ test\(s\) failed", summary)
     report = (
         "ranks [0] did not finish the case: case 'plain-2' made no progress for 10s in the "
         "test process: the dialect hangs (a call into it never returned). Raise "
