@@ -20,7 +20,13 @@ stages its split points make, every stage gets:
   divided by ``t``. Under ``ddp`` every replica holds them whole and all-reduces the gradients at
   the end of the step; under ``fsdp`` each rank holds ``1/d`` of them, gathers a stage's
   parameters before it computes (held until torch's lowering reshards them) and keeps its
-  gradients unsharded from the first backward to the reduce-scatter after the last one.
+  gradients unsharded from the first backward to the reduce-scatter after the last one. Both
+  the gathered parameters and the unsharded gradients are whole (``T`` bytes, not
+  ``(d - 1) / d T``): FSDP2 all-gathers into buffers of its own beside the shards it keeps, and
+  the reduce-scatter writes the gradient's shard while the whole gradients still exist (the
+  resident set of FSDP2 ranks on gloo grows so, for 2 and 4 replicas alike). So during a step
+  a stage under ``fsdp`` holds ``2 T`` beyond its shards: with Adam and ``d = 2`` as much as
+  under ``ddp``; sharding saves memory between steps and, during them, only from ``d > 2`` on.
   Activations: the bytes the stage's forward saves, scaled by ``b / batch`` (the tensor-parallel
   part divided by ``t``), times the micro-batches in flight that the simulation counts.
 
@@ -294,7 +300,9 @@ def stage_inputs(
     fsdp = layout.data_parallel_mode == "fsdp" and d > 1
     shard = d if fsdp else 1
     base = trainable * per_parameter / shard + stage.state_bytes
-    gathered = trainable * (shard - 1) / shard
+    # FSDP2 gathers into a whole-size buffer beside the shard it keeps, and accumulates whole
+    # gradients beside the gradient's shard ([Note: cost model]): both whole, not (d - 1) / d.
+    gathered = trainable
     times = StageTimes(
         forward=forward,
         backward_input=backward - weight + recompute,

@@ -298,16 +298,16 @@ def _layout(**kw: Any) -> Layout:
 def test_state_per_rank_under_ddp_and_fsdp() -> None:
     """Two atoms of 100 trainable bytes and 10 frozen each, Adam (2 states): one stage holds
     (100 + 100) * (1 + 1 + 2) + 20 = 820 bytes and 16 of activations per micro-batch. Over two
-    replicas, FSDP keeps 800 / 2 + 20 = 420 always, and 100 more of gathered parameters and
-    100 of unsharded gradients while the stage computes: 636 at the peak, with one
-    micro-batch."""
+    replicas, FSDP keeps 800 / 2 + 20 = 420 always, and the whole 200 of gathered parameters
+    and the whole 200 of unsharded gradients beside the shards while the stage computes: 836 at
+    the peak, with one micro-batch."""
     chain = _two_atoms()
     cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=100.0)
     program = build_program("gpipe", 1, 1, 1)
     ddp = predict(chain, _layout(data_parallel=2), cluster, program)
     assert ddp.peak_memory == (820.0 + 16.0,)
     fsdp = predict(chain, _layout(data_parallel=2, data_parallel_mode="fsdp"), cluster, program)
-    assert fsdp.peak_memory == (420.0 + 100.0 + 100.0 + 16.0,)
+    assert fsdp.peak_memory == (420.0 + 200.0 + 200.0 + 16.0,)
     # DDP all-reduces 200 bytes over 2 ranks at 100 B/s: 2 (1/2) 200 / 100 = 2 s after the
     # 6 s of compute (two atoms of 1 + 2); FSDP gathers (1 s) before and reduce-scatters
     # (1 s) after.
