@@ -35,6 +35,7 @@ micro-batches in flight per stage against the counted ones (emulated workloads).
 
     python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--workloads compute,gpt]
     python benchmarks/planner.py --smoke        # a few layouts, seconds of compute: it runs
+    python benchmarks/planner.py --sharded --isolate   # the FSDP, TP and 3D layouts only
 
 ``--isolate`` launches every layout in fresh ranks (slower): without it a launch runs several
 layouts and only its first pays the runtime's one-time memory, so the memory comparison holds
@@ -161,10 +162,11 @@ LAYOUTS: tuple[Spec, ...] = (
     ("mhgpt", "torch", 4, "1f1b", 2, 1, 2, 4, None, "fsdp", 1),
     ("mhgpt", "torch", 8, "1f1b", 2, 1, 2, 4, None, "fsdp", 2),
     ("mhgpt", "torch", 8, "1f1b", 2, 1, 2, 8, None, "fsdp", 2),
+    ("gpt", "torch", 2, "1f1b", 1, 1, 2, 4, None, "fsdp", 1),
 )
 #: What --smoke runs: one layout of each workload's torch and DeepSpeed runs on 2 ranks, at a
-#: twentieth of the emulated costs.
-SMOKE = "18,23,24,41,45"
+#: twentieth of the emulated costs, and one FSDP layout (in the gpt launch: no launch more).
+SMOKE = "18,23,24,41,45,63"
 
 # -- the models ---------------------------------------------------------------------------------
 
@@ -526,6 +528,11 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--select", default=None, help="comma-separated indices into LAYOUTS")
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="only the FSDP, tensor-parallel and 3D layouts (with --workloads and --only)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="times every emulated cost")
     parser.add_argument("--repeats", type=int, default=5, help="measure_time's least runs")
     parser.add_argument(
@@ -543,6 +550,8 @@ def main() -> None:
     )
     wanted = set(opts.workloads.split(","))
     specs = [s for s in LAYOUTS if opts.only in (None, s[1]) and s[0] in wanted]
+    if opts.sharded:
+        specs = [s for s in specs if s[9] == "fsdp" or s[10] > 1]
     if opts.select:
         specs = [LAYOUTS[int(i)] for i in opts.select.split(",")]
     if opts.out is not None:

@@ -14,7 +14,10 @@ stages its split points make, every stage gets:
 - communication: a message across a boundary takes ``latency + bytes / bandwidth`` (activations
   forward, their gradients back, the same size); a ring all-reduce of ``x`` bytes over ``n``
   ranks takes ``2 (n - 1) / n * x / bandwidth + 2 (n - 1) * latency``, an all-gather or a
-  reduce-scatter half of that;
+  reduce-scatter ``(n - 1) / n * x / gather bandwidth + (n - 1) * latency``: half an
+  all-reduce where the backend's collectives are rings (NCCL), but gloo's all-gather and
+  reduce-scatter take about as long as its all-reduce, so the calibration measures their
+  bandwidth apart;
 - memory: parameters, gradients and ``optimizer_states`` tensors of optimizer state per
   trainable parameter (Adam: 2), at the parameters' own size; the tensor-parallel parameters
   divided by ``t``. Under ``ddp`` every replica holds them whole and all-reduces the gradients at
@@ -74,11 +77,20 @@ class Cluster:
     collective_bandwidth: float | None = None
     #: Bytes every rank's runtime holds beyond state and activations ([Note: calibration]).
     memory_overhead: float = 0.0
+    #: Bytes per second all-gathers and reduce-scatters reach (FSDP's gathers and gradient
+    #: reductions), as a ring's ``(n - 1) / n`` of the whole tensor; None: ``ring_bandwidth``
+    #: ([Note: calibration] measures it: on gloo they are no faster than an all-reduce).
+    shard_bandwidth: float | None = None
 
     @property
     def ring_bandwidth(self) -> float:
-        """The bandwidth collectives run at."""
+        """The bandwidth all-reduces run at."""
         return self.collective_bandwidth or self.bandwidth
+
+    @property
+    def gather_bandwidth(self) -> float:
+        """The bandwidth all-gathers and reduce-scatters run at."""
+        return self.shard_bandwidth or self.ring_bandwidth
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -250,10 +262,11 @@ def ring_all_reduce(nbytes: float, ranks: int, cluster: Cluster) -> float:
 
 
 def ring_gather(nbytes: float, ranks: int, cluster: Cluster) -> float:
-    """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` in all."""
+    """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` in all (at the cluster's
+    :attr:`~Cluster.gather_bandwidth`)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    return (ranks - 1) / ranks * nbytes / cluster.ring_bandwidth + (ranks - 1) * cluster.latency
+    return (ranks - 1) / ranks * nbytes / cluster.gather_bandwidth + (ranks - 1) * cluster.latency
 
 
 @dataclass(frozen=True)

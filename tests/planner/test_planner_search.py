@@ -350,3 +350,17 @@ def test_nothing_fits_names_the_closest_layout() -> None:
     cluster = Cluster(world_size=2, memory_per_rank=10.0, bandwidth=1.0)
     with pytest.raises(ConfigError, match=r"no layout of the torch dialect fits.*closest"):
         search({"": _two_atoms()}, cluster, TORCH_LIKE, 4)
+
+
+def test_fsdp_gathers_and_reductions_run_at_the_measured_gather_bandwidth() -> None:
+    """Gloo's all-gather and reduce-scatter are no faster than its all-reduce of the same
+    tensor, so the calibration measures their bandwidth apart. With 200 trainable bytes over
+    2 replicas, a gather bandwidth of 25 B/s makes each of them (1/2) 200 / 25 = 4 s (at the
+    all-reduce's 100 B/s: 1 s), before and after the 6 s of compute."""
+    chain = _two_atoms()
+    cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=100.0, shard_bandwidth=25.0)
+    program = build_program("gpipe", 1, 1, 1)
+    fsdp = predict(chain, _layout(data_parallel=2, data_parallel_mode="fsdp"), cluster, program)
+    assert math.isclose(fsdp.step_time, 4.0 + 6.0 + 4.0)
+    ddp = predict(chain, _layout(data_parallel=2), cluster, program)
+    assert math.isclose(ddp.step_time, 6.0 + 2.0)
