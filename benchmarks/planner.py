@@ -395,7 +395,9 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
             del model, plan
             mbs = config["train_micro_batch_size_per_gpu"]
             m = config["gradient_accumulation_steps"]
-            gen = torch.Generator().manual_seed(1 + rank)
+            # One stream per data replica: the tensor-parallel ranks of a stage (innermost in
+            # the mesh) must read the same micro-batches.
+            gen = torch.Generator().manual_seed(1 + (rank // layout["tensor"]) % layout["data"])
             data = iter([_batch(workload, mbs, gen) for _ in range(m * (steps + 2))])
             engine.train_batch(data)
             dist.barrier()
@@ -486,6 +488,8 @@ def _payload(
         "placement": program.placement,
         # The ranks of one pipeline rank (pipe outermost in the mesh: data x tensor of them).
         "replica_size": lay.data_parallel * lay.tensor_parallel,
+        "data": lay.data_parallel,
+        "tensor": lay.tensor_parallel,
         "blocks_of": _blocks_of(lay),
         "name": re.sub(
             r"[^A-Za-z0-9=._-]+", "_", f"{workload}-{dialect}-{lay.world_size}-{lay.describe()}"
