@@ -12,7 +12,13 @@ Workloads (``WORKLOADS``), each a model of 8 blocks:
   sample crossing every boundary (8-32 MiB per micro-batch): communication-heavy;
 - ``dp``: 16 MiB of trainable parameters per block: data parallelism's gradient all-reduce
   dominates;
-- ``gpt``: a small TinyGPT (``pipedialect.models``) computing for real.
+- ``gpt``: a small TinyGPT (``pipedialect.models``) computing for real;
+- ``mhgpt``: a small MultiHeadGPT computing for real, with its tensor plan
+  (``MHGPT_TENSOR_PLAN``): the tensor-parallel layouts (PP x TP, and PP x FSDP x TP on 8 ranks).
+
+Sharded data parallelism (``data_parallel_mode="fsdp"``, the torch dialect) runs on the ``dp``,
+``compute`` and ``gpt`` workloads beside their DDP layouts; after the per-workload lines the
+table sums up the FSDP layouts and the tensor-parallel ones across workloads.
 
 For each dialect (torch, deepspeed) and world size (2, 4) the runtime is first calibrated with
 ``pipedialect.planner.calibrate`` (what ``pipedialect plan --calibrate`` stores; here into a
@@ -29,6 +35,7 @@ micro-batches in flight per stage against the counted ones (emulated workloads).
 
     python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--workloads compute,gpt]
     python benchmarks/planner.py --smoke        # a few layouts, seconds of compute: it runs
+    python benchmarks/planner.py --sharded --isolate   # the FSDP, TP and 3D layouts only
 
 ``--isolate`` launches every layout in fresh ranks (slower): without it a launch runs several
 layouts and only its first pays the runtime's one-time memory, so the memory comparison holds
@@ -60,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipedialect
-from pipedialect.models import TinyGPT, cross_entropy_loss
+from pipedialect.models import MHGPT_TENSOR_PLAN, MultiHeadGPT, TinyGPT, cross_entropy_loss
 from pipedialect.planner import Layout, LayoutPlan, calibrate, plan_layout, write_chrome_trace
 from pipedialect.runtime.launch import launch
 
@@ -74,6 +81,9 @@ BALLAST = 4 << 20
 #: Samples of the micro-batch the planner measures (larger: the timer's own cost matters less).
 EXAMPLE_BATCH = 8
 GPT = {"vocab": 512, "dim": 64, "max_len": 32, "num_blocks": 8}
+MHGPT = {"vocab": 512, "dim": 64, "heads": 4, "max_len": 32, "num_blocks": 8}
+#: The workloads that compute for real (no emulated blocks, no in-flight counts).
+REAL = {"gpt": GPT, "mhgpt": MHGPT}
 
 #: name: (milliseconds per sample per block, features per sample across a boundary, trainable
 #: elements per block, frozen bytes per block, bytes per rank the planner is told).
@@ -82,63 +92,81 @@ WORKLOADS: dict[str, tuple[tuple[float, ...], int, int, int, int]] = {
     "comm": ((0.03,) * 8, 1 << 18, 32, 0, 2 << 30),
     "dp": ((0.5,) * 8, 32, 4 << 20, 0, 2 << 30),
     "gpt": ((), 0, 0, 0, 2 << 30),
+    "mhgpt": ((), 0, 0, 0, 2 << 30),
 }
 
 #: (workload, dialect, world size, schedule, pipeline ranks, stages per rank, data replicas,
-#: micro-batches, recomputation pattern or None).
-Spec = tuple[str, str, int, str, int, int, int, int, str | None]
+#: micro-batches, recomputation pattern or None, data-parallel mode "ddp" | "fsdp", tensor degree).
+Spec = tuple[str, str, int, str, int, int, int, int, str | None, str, int]
 LAYOUTS: tuple[Spec, ...] = (
-    ("compute", "torch", 4, "1f1b", 4, 1, 1, 4, None),
-    ("compute", "torch", 4, "1f1b", 4, 1, 1, 8, None),
-    ("compute", "torch", 4, "1f1b", 4, 1, 1, 16, None),
-    ("compute", "torch", 4, "gpipe", 4, 1, 1, 8, None),
-    ("compute", "torch", 4, "1f1b", 2, 1, 2, 8, None),
-    ("compute", "torch", 4, "interleaved_1f1b", 4, 2, 1, 8, None),
-    ("compute", "torch", 4, "interleaved_1f1b", 2, 2, 2, 8, None),
-    ("compute", "torch", 4, "looped_bfs", 4, 2, 1, 8, None),
-    ("compute", "torch", 4, "interleaved_zero_bubble", 4, 1, 1, 8, None),
-    ("compute", "torch", 4, "interleaved_zero_bubble", 4, 2, 1, 8, None),
-    ("compute", "torch", 4, "zbv_zero_bubble", 4, 2, 1, 8, None),
-    ("compute", "torch", 4, "dualpipev", 4, 2, 1, 8, None),
-    ("compute", "torch", 4, "1f1b", 4, 1, 1, 8, "blocks.*"),
-    ("compute", "torch", 4, "zbv_zero_bubble", 4, 2, 1, 8, "blocks.*"),
-    ("compute", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 4, None),
-    ("compute", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, None),
-    ("compute", "deepspeed", 4, "deepspeed_1f1b", 2, 1, 2, 8, None),
-    ("compute", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, "blocks.*"),
-    ("compute", "torch", 2, "1f1b", 2, 1, 1, 8, None),
-    ("compute", "torch", 2, "gpipe", 2, 1, 1, 4, None),
-    ("compute", "torch", 2, "interleaved_1f1b", 2, 2, 1, 8, None),
-    ("compute", "torch", 2, "zbv_zero_bubble", 2, 2, 1, 8, None),
-    ("compute", "torch", 2, "dualpipev", 2, 2, 1, 8, None),
-    ("compute", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 8, None),
-    ("comm", "torch", 2, "1f1b", 2, 1, 1, 4, None),
-    ("comm", "torch", 2, "1f1b", 2, 1, 1, 8, None),
-    ("comm", "torch", 2, "gpipe", 2, 1, 1, 4, None),
-    ("comm", "torch", 4, "1f1b", 4, 1, 1, 8, None),
-    ("comm", "torch", 4, "1f1b", 2, 1, 2, 8, None),
-    ("comm", "torch", 4, "interleaved_1f1b", 4, 2, 1, 8, None),
-    ("comm", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 4, None),
-    ("comm", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 8, None),
-    ("comm", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, None),
-    ("comm", "deepspeed", 4, "deepspeed_1f1b", 2, 1, 2, 8, None),
-    ("dp", "torch", 2, "1f1b", 2, 1, 1, 8, None),
-    ("dp", "torch", 4, "1f1b", 4, 1, 1, 8, None),
-    ("dp", "torch", 4, "1f1b", 2, 1, 2, 4, None),
-    ("dp", "torch", 4, "1f1b", 2, 1, 2, 8, None),
-    ("dp", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 4, None),
-    ("dp", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, None),
-    ("dp", "deepspeed", 4, "deepspeed_1f1b", 2, 1, 2, 8, None),
-    ("gpt", "torch", 2, "1f1b", 2, 1, 1, 4, None),
-    ("gpt", "torch", 2, "1f1b", 2, 1, 1, 8, None),
-    ("gpt", "torch", 2, "gpipe", 2, 1, 1, 4, None),
-    ("gpt", "torch", 2, "1f1b", 2, 1, 1, 8, "blocks.*"),
-    ("gpt", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 4, None),
-    ("gpt", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 8, None),
+    ("compute", "torch", 4, "1f1b", 4, 1, 1, 4, None, "ddp", 1),
+    ("compute", "torch", 4, "1f1b", 4, 1, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 4, "1f1b", 4, 1, 1, 16, None, "ddp", 1),
+    ("compute", "torch", 4, "gpipe", 4, 1, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 4, "1f1b", 2, 1, 2, 8, None, "ddp", 1),
+    ("compute", "torch", 4, "interleaved_1f1b", 4, 2, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 4, "interleaved_1f1b", 2, 2, 2, 8, None, "ddp", 1),
+    ("compute", "torch", 4, "looped_bfs", 4, 2, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 4, "interleaved_zero_bubble", 4, 1, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 4, "interleaved_zero_bubble", 4, 2, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 4, "zbv_zero_bubble", 4, 2, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 4, "dualpipev", 4, 2, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 4, "1f1b", 4, 1, 1, 8, "blocks.*", "ddp", 1),
+    ("compute", "torch", 4, "zbv_zero_bubble", 4, 2, 1, 8, "blocks.*", "ddp", 1),
+    ("compute", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 4, None, "ddp", 1),
+    ("compute", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, None, "ddp", 1),
+    ("compute", "deepspeed", 4, "deepspeed_1f1b", 2, 1, 2, 8, None, "ddp", 1),
+    ("compute", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, "blocks.*", "ddp", 1),
+    ("compute", "torch", 2, "1f1b", 2, 1, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 2, "gpipe", 2, 1, 1, 4, None, "ddp", 1),
+    ("compute", "torch", 2, "interleaved_1f1b", 2, 2, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 2, "zbv_zero_bubble", 2, 2, 1, 8, None, "ddp", 1),
+    ("compute", "torch", 2, "dualpipev", 2, 2, 1, 8, None, "ddp", 1),
+    ("compute", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 8, None, "ddp", 1),
+    ("comm", "torch", 2, "1f1b", 2, 1, 1, 4, None, "ddp", 1),
+    ("comm", "torch", 2, "1f1b", 2, 1, 1, 8, None, "ddp", 1),
+    ("comm", "torch", 2, "gpipe", 2, 1, 1, 4, None, "ddp", 1),
+    ("comm", "torch", 4, "1f1b", 4, 1, 1, 8, None, "ddp", 1),
+    ("comm", "torch", 4, "1f1b", 2, 1, 2, 8, None, "ddp", 1),
+    ("comm", "torch", 4, "interleaved_1f1b", 4, 2, 1, 8, None, "ddp", 1),
+    ("comm", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 4, None, "ddp", 1),
+    ("comm", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 8, None, "ddp", 1),
+    ("comm", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, None, "ddp", 1),
+    ("comm", "deepspeed", 4, "deepspeed_1f1b", 2, 1, 2, 8, None, "ddp", 1),
+    ("dp", "torch", 2, "1f1b", 2, 1, 1, 8, None, "ddp", 1),
+    ("dp", "torch", 4, "1f1b", 4, 1, 1, 8, None, "ddp", 1),
+    ("dp", "torch", 4, "1f1b", 2, 1, 2, 4, None, "ddp", 1),
+    ("dp", "torch", 4, "1f1b", 2, 1, 2, 8, None, "ddp", 1),
+    ("dp", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 4, None, "ddp", 1),
+    ("dp", "deepspeed", 4, "deepspeed_1f1b", 4, 1, 1, 8, None, "ddp", 1),
+    ("dp", "deepspeed", 4, "deepspeed_1f1b", 2, 1, 2, 8, None, "ddp", 1),
+    ("gpt", "torch", 2, "1f1b", 2, 1, 1, 4, None, "ddp", 1),
+    ("gpt", "torch", 2, "1f1b", 2, 1, 1, 8, None, "ddp", 1),
+    ("gpt", "torch", 2, "gpipe", 2, 1, 1, 4, None, "ddp", 1),
+    ("gpt", "torch", 2, "1f1b", 2, 1, 1, 8, "blocks.*", "ddp", 1),
+    ("gpt", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 4, None, "ddp", 1),
+    ("gpt", "deepspeed", 2, "deepspeed_1f1b", 2, 1, 1, 8, None, "ddp", 1),
+    ("dp", "torch", 4, "1f1b", 2, 1, 2, 4, None, "fsdp", 1),
+    ("dp", "torch", 4, "1f1b", 2, 1, 2, 8, None, "fsdp", 1),
+    ("dp", "torch", 4, "gpipe", 2, 1, 2, 8, None, "fsdp", 1),
+    ("dp", "torch", 4, "1f1b", 1, 1, 4, 4, None, "fsdp", 1),
+    ("dp", "torch", 2, "1f1b", 1, 1, 2, 4, None, "fsdp", 1),
+    ("compute", "torch", 4, "1f1b", 2, 1, 2, 8, None, "fsdp", 1),
+    ("gpt", "torch", 4, "1f1b", 2, 1, 2, 4, None, "fsdp", 1),
+    ("gpt", "torch", 4, "1f1b", 2, 1, 2, 8, None, "fsdp", 1),
+    ("gpt", "torch", 4, "1f1b", 2, 1, 2, 4, None, "ddp", 1),
+    ("mhgpt", "torch", 4, "1f1b", 2, 1, 1, 4, None, "ddp", 2),
+    ("mhgpt", "torch", 4, "1f1b", 2, 1, 1, 8, None, "ddp", 2),
+    ("mhgpt", "torch", 4, "gpipe", 2, 1, 1, 4, None, "ddp", 2),
+    ("mhgpt", "torch", 4, "1f1b", 4, 1, 1, 8, None, "ddp", 1),
+    ("mhgpt", "torch", 4, "1f1b", 2, 1, 2, 4, None, "fsdp", 1),
+    ("mhgpt", "torch", 8, "1f1b", 2, 1, 2, 4, None, "fsdp", 2),
+    ("mhgpt", "torch", 8, "1f1b", 2, 1, 2, 8, None, "fsdp", 2),
+    ("gpt", "torch", 2, "1f1b", 1, 1, 2, 4, None, "fsdp", 1),
 )
 #: What --smoke runs: one layout of each workload's torch and DeepSpeed runs on 2 ranks, at a
-#: twentieth of the emulated costs.
-SMOKE = "18,23,24,41,45"
+#: twentieth of the emulated costs, and one FSDP layout (in the gpt launch: no launch more).
+SMOKE = "18,23,24,41,45,63"
 
 # -- the models ---------------------------------------------------------------------------------
 
@@ -251,23 +279,26 @@ def _model(workload: str, scale: float) -> nn.Module:
     torch.manual_seed(0)
     if workload == "gpt":
         return TinyGPT(**GPT, seed=0)
+    if workload == "mhgpt":
+        return MultiHeadGPT(**MHGPT, seed=0)
     return Emulated(workload, scale)
 
 
 def _batch(workload: str, samples: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """One micro-batch: (input, target)."""
-    if workload == "gpt":
-        shape = (samples, GPT["max_len"])
+    if workload in REAL:
+        sizes = REAL[workload]
+        shape = (samples, sizes["max_len"])
         return (
-            torch.randint(0, GPT["vocab"], shape, generator=gen),
-            torch.randint(0, GPT["vocab"], shape, generator=gen),
+            torch.randint(0, sizes["vocab"], shape, generator=gen),
+            torch.randint(0, sizes["vocab"], shape, generator=gen),
         )
     width = WORKLOADS[workload][1]
     return torch.randn(samples, width, generator=gen), torch.randn(samples, width, generator=gen)
 
 
 def _loss(workload: str) -> Any:
-    return cross_entropy_loss if workload == "gpt" else _mse
+    return cross_entropy_loss if workload in REAL else _mse
 
 
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -350,7 +381,7 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
         baseline = _rss()
         with _PeakRSS() as peak:
             model = _model(workload, layout["scale"])
-            leaves = None if workload == "gpt" else LEAVES
+            leaves = None if workload in REAL else LEAVES
             plan = pipedialect.partition(model, **layout["partition"], leaf_modules=leaves)
             config = _config(layout)
             module = dialect.pipe_engine(
@@ -364,7 +395,9 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
             del model, plan
             mbs = config["train_micro_batch_size_per_gpu"]
             m = config["gradient_accumulation_steps"]
-            gen = torch.Generator().manual_seed(1 + rank)
+            # One stream per data replica: the tensor-parallel ranks of a stage (innermost in
+            # the mesh) must read the same micro-batches.
+            gen = torch.Generator().manual_seed(1 + (rank // layout["tensor"]) % layout["data"])
             data = iter([_batch(workload, mbs, gen) for _ in range(m * (steps + 2))])
             engine.train_batch(data)
             dist.barrier()
@@ -378,7 +411,7 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
             k for k, r in enumerate(layout["placement"]) if r == rank // layout["replica_size"]
         ]
         in_flight = {}
-        if rank % layout["replica_size"] == 0 and workload != "gpt":
+        if rank % layout["replica_size"] == 0 and workload not in REAL:
             in_flight = _in_flight(EVENTS, {k: layout["blocks_of"][k] for k in local})
         results.append(
             {
@@ -418,13 +451,14 @@ def _spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def _find(plan: LayoutPlan, spec: Spec) -> Layout:
-    _, _, _, schedule, p, v, d, m, recompute = spec
+    _, _, _, schedule, p, v, d, m, recompute, mode, t = spec
     for row in plan.rows:
         lay = row.layout
         if (
             row.prediction is not None
             and (lay.schedule, lay.pipeline, lay.stages_per_rank, lay.data_parallel)
             == (schedule, p, v, d)
+            and (lay.data_parallel_mode if d > 1 else "ddp", lay.tensor_parallel) == (mode, t)
             and lay.micro_batches == m
             and lay.recompute == recompute
         ):
@@ -452,7 +486,10 @@ def _payload(
         "config": lay.config(),
         "topology": lay.topology,
         "placement": program.placement,
-        "replica_size": lay.data_parallel,
+        # The ranks of one pipeline rank (pipe outermost in the mesh: data x tensor of them).
+        "replica_size": lay.data_parallel * lay.tensor_parallel,
+        "data": lay.data_parallel,
+        "tensor": lay.tensor_parallel,
         "blocks_of": _blocks_of(lay),
         "name": re.sub(
             r"[^A-Za-z0-9=._-]+", "_", f"{workload}-{dialect}-{lay.world_size}-{lay.describe()}"
@@ -470,7 +507,7 @@ def _plan(
     model = _model(workload, scale)
     gen = torch.Generator().manual_seed(0)
     example = _batch(workload, EXAMPLE_BATCH, gen)[0]
-    name = "input_ids" if workload == "gpt" else "x"
+    name = "input_ids" if workload in REAL else "x"
     return plan_layout(
         model,
         {name: example},
@@ -481,7 +518,8 @@ def _plan(
         measure_time=True,
         repeats=repeats,
         optimizer_states=0,
-        leaf_modules=None if workload == "gpt" else LEAVES,
+        leaf_modules=None if workload in REAL else LEAVES,
+        tensor_parallel=MHGPT_TENSOR_PLAN if workload == "mhgpt" else None,
         recompute="blocks.*",
         exhaustive=True,
     )
@@ -494,6 +532,11 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--select", default=None, help="comma-separated indices into LAYOUTS")
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="only the FSDP, tensor-parallel and 3D layouts (with --workloads and --only)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="times every emulated cost")
     parser.add_argument("--repeats", type=int, default=5, help="measure_time's least runs")
     parser.add_argument(
@@ -511,6 +554,8 @@ def main() -> None:
     )
     wanted = set(opts.workloads.split(","))
     specs = [s for s in LAYOUTS if opts.only in (None, s[1]) and s[0] in wanted]
+    if opts.sharded:
+        specs = [s for s in specs if s[9] == "fsdp" or s[10] > 1]
     if opts.select:
         specs = [LAYOUTS[int(i)] for i in opts.select.split(",")]
     if opts.out is not None:
@@ -573,6 +618,25 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "not met"
 
 
+def _summary(group: Sequence[dict[str, Any]]) -> str:
+    """One line: the group's median step error, Spearman and largest memory error per rank."""
+    errors = [abs(r["predicted"] / r["measured"] - 1) for r in group]
+    median = statistics.median(errors)
+    rho = _spearman([r["predicted"] for r in group], [r["measured"] for r in group])
+    mem_errors = [
+        abs(p / m - 1)
+        for r in group
+        for p, m in zip(r["memory_predicted"], r["memory_measured"], strict=False)
+        if m > 0
+    ]
+    mem = max(mem_errors) if mem_errors else float("nan")
+    return (
+        f"{len(group)} layouts; median step error {median:.1%} (<= 10%: "
+        f"{_verdict(median <= 0.10)}); Spearman {rho:.3f} (>= 0.8: {_verdict(rho >= 0.8)}); "
+        f"largest peak-memory error per rank {mem:.1%} (<= 15%: {_verdict(mem <= 0.15)})"
+    )
+
+
 def _report(rows: list[dict[str, Any]]) -> None:
     mib = float(1 << 20)
     header = (
@@ -601,21 +665,7 @@ def _report(rows: list[dict[str, Any]]) -> None:
     print(f"layouts: {len(rows)}")
     for workload in sorted({r["workload"] for r in rows}):
         group = [r for r in rows if r["workload"] == workload]
-        errors = [abs(r["predicted"] / r["measured"] - 1) for r in group]
-        median = statistics.median(errors)
-        rho = _spearman([r["predicted"] for r in group], [r["measured"] for r in group])
-        mem_errors = [
-            abs(p / m - 1)
-            for r in group
-            for p, m in zip(r["memory_predicted"], r["memory_measured"], strict=False)
-            if m > 0
-        ]
-        mem = max(mem_errors) if mem_errors else float("nan")
-        print(
-            f"{workload}: {len(group)} layouts; median step error {median:.1%} (<= 10%: "
-            f"{_verdict(median <= 0.10)}); Spearman {rho:.3f} (>= 0.8: {_verdict(rho >= 0.8)}); "
-            f"largest peak-memory error per rank {mem:.1%} (<= 15%: {_verdict(mem <= 0.15)})"
-        )
+        print(f"{workload}: {_summary(group)}")
         for dialect, world in sorted({(r["dialect"], r["world"]) for r in group}):
             sub = [r for r in group if (r["dialect"], r["world"]) == (dialect, world)]
             chosen = next(r for r in sub if r["chosen"])
@@ -627,6 +677,17 @@ def _report(rows: list[dict[str, Any]]) -> None:
                 f"({fastest['measured'] * 1e3:.0f} ms): ratio {ratio:.3f} (<= 1.05: "
                 f"{_verdict(ratio <= 1.05)})"
             )
+    # Across workloads: the sharded and the tensor-parallel layouts on their own.
+    sharded = [
+        r
+        for r in rows
+        if r["layout"].data_parallel > 1 and r["layout"].data_parallel_mode == "fsdp"
+    ]
+    tensor = [r for r in rows if r["layout"].tensor_parallel > 1]
+    if sharded:
+        print(f"FSDP layouts (all workloads): {_summary(sharded)}")
+    if tensor:
+        print(f"tensor-parallel layouts (TP and 3D, all workloads): {_summary(tensor)}")
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime at the end: {load}")
 

@@ -187,6 +187,11 @@ def plan_layout(
             else None
         ),
         memory_overhead=calibration.memory_overhead if calibration is not None else 0.0,
+        shard_bandwidth=(
+            calibration.shard_bandwidth or None
+            if calibration is not None and bandwidth is None
+            else None
+        ),
     )
     calibration_note = None
     if calibration is not None:

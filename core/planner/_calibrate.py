@@ -16,7 +16,10 @@ this machine by running it:
   one ping-pong alone), at two sizes: the small one gives the latency, the difference the
   bandwidth;
 - *collectives at size*: a ring all-reduce of the larger size on every rank, whose time gives the
-  bandwidth collectives reach (data-parallel gradient reductions run at it);
+  bandwidth collectives reach (data-parallel gradient reductions run at it), and an all-gather
+  and a reduce-scatter of that size, whose mean gives the bandwidth sharded data parallelism's
+  gathers and gradient reductions reach (on gloo about half the all-reduce's, counted per byte
+  a ring moves: its all-gather is no faster than its all-reduce of the same tensor);
 - *the runtime's memory*: the resident set each rank grows by while it builds and trains the
   near-free model (the engine's buffers, caches, the process group's), added to every rank's
   predicted peak.
@@ -26,7 +29,7 @@ The result is stored as JSON in the user's cache (``$PIPEDIALECT_CACHE``, defaul
 another file), keyed by dialect, machine (host
 name, cores, accelerator) and torch version; :func:`~pipedialect.planner.plan_layout` uses the
 stored one for what the caller does not give (``action_overhead``, ``step_overhead``,
-``latency``, ``bandwidth``, the collective bandwidth). ``pipedialect plan --calibrate`` runs it.
+``latency``, ``bandwidth``, the collective bandwidths). ``pipedialect plan --calibrate`` runs it.
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ class Calibration:
     #: a near-free model's engine adds, building and training: buffers, caches, the process
     #: group's), which the planner adds to every rank's predicted peak.
     memory_overhead: float = 0.0
+    #: Bytes per second (of the whole tensor) an all-gather and a reduce-scatter reach on
+    #: ``world_size`` ranks, counted as a ring's ``(n - 1) / n`` of the bytes: what sharded data
+    #: parallelism's gathers and gradient reductions cost. Not half an all-reduce on every
+    #: backend: gloo's take about as long as its all-reduce of the same bytes, or longer.
+    #: 0: not measured (the all-reduce's bandwidth is used).
+    shard_bandwidth: float = 0.0
 
     def describe(self) -> str:
         """One line for tables."""
@@ -87,7 +96,8 @@ class Calibration:
             f"{self.action_overhead * 1e3:.3f} ms per computation, "
             f"{self.step_overhead * 1e3:.2f} ms per step, messages {self.latency * 1e6:.0f} us "
             f"+ {self.bandwidth / 1e9:.2f} GB/s, all-reduce "
-            f"{self.collective_bandwidth / 1e9:.2f} GB/s, {self.memory_overhead / 2**20:.0f} MiB "
+            f"{self.collective_bandwidth / 1e9:.2f} GB/s, all-gather/reduce-scatter "
+            f"{self.shard_bandwidth / 1e9:.2f} GB/s, {self.memory_overhead / 2**20:.0f} MiB "
             "per rank"
         )
 
@@ -179,6 +189,7 @@ def calibrate(
         latency=latency,
         bandwidth=bandwidth,
         collective_bandwidth=first["collective_bandwidth"],
+        shard_bandwidth=first["shard_bandwidth"],
         measured_at=time.time(),
         memory_overhead=float(max(r["memory"] for r in results)),
     )
@@ -250,6 +261,12 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
     reduce = _median_seconds(lambda: dist.all_reduce(grads), 5)
     ring = 2 * (world - 1)
     collective = (ring / world) * _LARGE / max(reduce - ring * latency, 1e-9)
+    shard = torch.zeros(_LARGE // 4 // world)
+    gathered = torch.empty(shard.numel() * world)
+    gather = _median_seconds(lambda: dist.all_gather_into_tensor(gathered, shard), 5)
+    scatter = _median_seconds(lambda: dist.reduce_scatter_tensor(shard, gathered), 5)
+    half = (world - 1) / world * gathered.numel() * 4
+    sharded = half / max((gather + scatter) / 2 - (world - 1) * latency, 1e-9)
 
     offer = offer_of(dialect)
     schedule = "1f1b" if "1f1b" in offer.schedules else offer.schedules[0]
@@ -300,6 +317,7 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
         "latency": latency,
         "bandwidth": bandwidth,
         "collective_bandwidth": collective,
+        "shard_bandwidth": sharded,
         "schedule": schedule,
         "boundary": 2 * 4 * 4,
         "steps": measured,

@@ -14,13 +14,22 @@ stages its split points make, every stage gets:
 - communication: a message across a boundary takes ``latency + bytes / bandwidth`` (activations
   forward, their gradients back, the same size); a ring all-reduce of ``x`` bytes over ``n``
   ranks takes ``2 (n - 1) / n * x / bandwidth + 2 (n - 1) * latency``, an all-gather or a
-  reduce-scatter half of that;
+  reduce-scatter ``(n - 1) / n * x / gather bandwidth + (n - 1) * latency``: half an
+  all-reduce where the backend's collectives are rings (NCCL), but gloo's all-gather and
+  reduce-scatter take about as long as its all-reduce, so the calibration measures their
+  bandwidth apart;
 - memory: parameters, gradients and ``optimizer_states`` tensors of optimizer state per
   trainable parameter (Adam: 2), at the parameters' own size; the tensor-parallel parameters
   divided by ``t``. Under ``ddp`` every replica holds them whole and all-reduces the gradients at
   the end of the step; under ``fsdp`` each rank holds ``1/d`` of them, gathers a stage's
   parameters before it computes (held until torch's lowering reshards them) and keeps its
-  gradients unsharded from the first backward to the reduce-scatter after the last one.
+  gradients unsharded from the first backward to the reduce-scatter after the last one. Both
+  the gathered parameters and the unsharded gradients are whole (``T`` bytes, not
+  ``(d - 1) / d T``): FSDP2 all-gathers into buffers of its own beside the shards it keeps, and
+  the reduce-scatter writes the gradient's shard while the whole gradients still exist (the
+  resident set of FSDP2 ranks on gloo grows so, for 2 and 4 replicas alike). So during a step
+  a stage under ``fsdp`` holds ``2 T`` beyond its shards: with Adam and ``d = 2`` as much as
+  under ``ddp``; sharding saves memory between steps and, during them, only from ``d > 2`` on.
   Activations: the bytes the stage's forward saves, scaled by ``b / batch`` (the tensor-parallel
   part divided by ``t``), times the micro-batches in flight that the simulation counts.
 
@@ -68,11 +77,20 @@ class Cluster:
     collective_bandwidth: float | None = None
     #: Bytes every rank's runtime holds beyond state and activations ([Note: calibration]).
     memory_overhead: float = 0.0
+    #: Bytes per second all-gathers and reduce-scatters reach (FSDP's gathers and gradient
+    #: reductions), as a ring's ``(n - 1) / n`` of the whole tensor; None: ``ring_bandwidth``
+    #: ([Note: calibration] measures it: on gloo they are no faster than an all-reduce).
+    shard_bandwidth: float | None = None
 
     @property
     def ring_bandwidth(self) -> float:
-        """The bandwidth collectives run at."""
+        """The bandwidth all-reduces run at."""
         return self.collective_bandwidth or self.bandwidth
+
+    @property
+    def gather_bandwidth(self) -> float:
+        """The bandwidth all-gathers and reduce-scatters run at."""
+        return self.shard_bandwidth or self.ring_bandwidth
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -244,10 +262,11 @@ def ring_all_reduce(nbytes: float, ranks: int, cluster: Cluster) -> float:
 
 
 def ring_gather(nbytes: float, ranks: int, cluster: Cluster) -> float:
-    """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` in all."""
+    """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` in all (at the cluster's
+    :attr:`~Cluster.gather_bandwidth`)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    return (ranks - 1) / ranks * nbytes / cluster.ring_bandwidth + (ranks - 1) * cluster.latency
+    return (ranks - 1) / ranks * nbytes / cluster.gather_bandwidth + (ranks - 1) * cluster.latency
 
 
 @dataclass(frozen=True)
@@ -294,7 +313,9 @@ def stage_inputs(
     fsdp = layout.data_parallel_mode == "fsdp" and d > 1
     shard = d if fsdp else 1
     base = trainable * per_parameter / shard + stage.state_bytes
-    gathered = trainable * (shard - 1) / shard
+    # FSDP2 gathers into a whole-size buffer beside the shard it keeps, and accumulates whole
+    # gradients beside the gradient's shard ([Note: cost model]): both whole, not (d - 1) / d.
+    gathered = trainable
     times = StageTimes(
         forward=forward,
         backward_input=backward - weight + recompute,

@@ -132,17 +132,23 @@ def test_fsdp_and_tensor_parallel_appear_once_the_dialect_declares_them() -> Non
     assert not any("not offered" in n for n in plan.offer.not_offered)
 
 
-def test_fsdp_holds_less_state_than_ddp() -> None:
+def test_fsdp_holds_less_state_than_ddp_from_four_replicas_on() -> None:
+    """With Adam, a step under FSDP holds the shards (4 T / d) plus the whole gathered
+    parameters and gradients (2 T): as much as DDP's 4 T at d = 2, less at d = 4."""
     plan = _plan(exhaustive=True, micro_batches=[2])
     preds = {
         (r.layout.schedule, r.layout.pipeline, r.layout.data_parallel_mode): r.prediction
         for r in plan.rows
         if r.prediction is not None
     }
-    ddp = preds[("1f1b", 2, "ddp")]
-    fsdp = preds[("1f1b", 2, "fsdp")]
-    assert ddp is not None and fsdp is not None
-    assert max(fsdp.peak_memory) < max(ddp.peak_memory)
+    for pipeline in (1, 2):
+        ddp = preds[("1f1b", pipeline, "ddp")]
+        fsdp = preds[("1f1b", pipeline, "fsdp")]
+        assert ddp is not None and fsdp is not None
+        if pipeline == 1:  # four replicas
+            assert max(fsdp.peak_memory) < max(ddp.peak_memory)
+        else:  # two
+            assert max(fsdp.peak_memory) == pytest.approx(max(ddp.peak_memory))
 
 
 def test_nothing_fits_is_a_named_error() -> None:

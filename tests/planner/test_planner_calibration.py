@@ -63,12 +63,14 @@ def test_calibrate_stores_what_the_planner_then_uses(
     assert calibration.action_overhead >= 0 and calibration.step_overhead >= 0
     assert calibration.action_overhead + calibration.step_overhead > 0
     assert calibration.bandwidth > 1e6 and calibration.collective_bandwidth > 1e6
+    assert calibration.shard_bandwidth > 1e6  # all-gather and reduce-scatter, measured
     assert calibration.latency >= 0
     assert calibration.memory_overhead > 0  # building an engine grows the resident set
     plan = plan_layout(TinyGPT(), IDS, **ARGS)
     assert any("calibrated (torch, 2 ranks)" in note for note in plan.notes)
     assert plan.cluster.action_overhead == calibration.action_overhead
     assert plan.cluster.bandwidth == calibration.bandwidth
+    assert plan.cluster.gather_bandwidth == calibration.shard_bandwidth
     best = plan.prediction(plan.layout)
     assert min(best.peak_memory) > calibration.memory_overhead
     assert load_calibration("deepspeed") is None

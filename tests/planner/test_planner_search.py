@@ -298,16 +298,16 @@ def _layout(**kw: Any) -> Layout:
 def test_state_per_rank_under_ddp_and_fsdp() -> None:
     """Two atoms of 100 trainable bytes and 10 frozen each, Adam (2 states): one stage holds
     (100 + 100) * (1 + 1 + 2) + 20 = 820 bytes and 16 of activations per micro-batch. Over two
-    replicas, FSDP keeps 800 / 2 + 20 = 420 always, and 100 more of gathered parameters and
-    100 of unsharded gradients while the stage computes: 636 at the peak, with one
-    micro-batch."""
+    replicas, FSDP keeps 800 / 2 + 20 = 420 always, and the whole 200 of gathered parameters
+    and the whole 200 of unsharded gradients beside the shards while the stage computes: 836 at
+    the peak, with one micro-batch."""
     chain = _two_atoms()
     cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=100.0)
     program = build_program("gpipe", 1, 1, 1)
     ddp = predict(chain, _layout(data_parallel=2), cluster, program)
     assert ddp.peak_memory == (820.0 + 16.0,)
     fsdp = predict(chain, _layout(data_parallel=2, data_parallel_mode="fsdp"), cluster, program)
-    assert fsdp.peak_memory == (420.0 + 100.0 + 100.0 + 16.0,)
+    assert fsdp.peak_memory == (420.0 + 200.0 + 200.0 + 16.0,)
     # DDP all-reduces 200 bytes over 2 ranks at 100 B/s: 2 (1/2) 200 / 100 = 2 s after the
     # 6 s of compute (two atoms of 1 + 2); FSDP gathers (1 s) before and reduce-scatters
     # (1 s) after.
@@ -350,3 +350,17 @@ def test_nothing_fits_names_the_closest_layout() -> None:
     cluster = Cluster(world_size=2, memory_per_rank=10.0, bandwidth=1.0)
     with pytest.raises(ConfigError, match=r"no layout of the torch dialect fits.*closest"):
         search({"": _two_atoms()}, cluster, TORCH_LIKE, 4)
+
+
+def test_fsdp_gathers_and_reductions_run_at_the_measured_gather_bandwidth() -> None:
+    """Gloo's all-gather and reduce-scatter are no faster than its all-reduce of the same
+    tensor, so the calibration measures their bandwidth apart. With 200 trainable bytes over
+    2 replicas, a gather bandwidth of 25 B/s makes each of them (1/2) 200 / 25 = 4 s (at the
+    all-reduce's 100 B/s: 1 s), before and after the 6 s of compute."""
+    chain = _two_atoms()
+    cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=100.0, shard_bandwidth=25.0)
+    program = build_program("gpipe", 1, 1, 1)
+    fsdp = predict(chain, _layout(data_parallel=2, data_parallel_mode="fsdp"), cluster, program)
+    assert math.isclose(fsdp.step_time, 4.0 + 6.0 + 4.0)
+    ddp = predict(chain, _layout(data_parallel=2), cluster, program)
+    assert math.isclose(ddp.step_time, 6.0 + 2.0)
