@@ -61,7 +61,7 @@ import contextlib
 import copy
 import fnmatch
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -249,25 +249,17 @@ _RANDOM_METHODS = frozenset({"bernoulli", "bernoulli_", "uniform_", "normal_", "
 
 
 @contextlib.contextmanager
-def _one_stream(stage: nn.Module, reference: nn.Module) -> Iterator[Callable[[], None]]:
+def _one_stream(stage: nn.Module, reference: nn.Module) -> Iterator[None]:
     """Both copies of a stage draw from the stage's random stream at the micro-batch it is at
     (``pipedialect.runtime.randomness`` [Note: random streams]); afterwards the stage's count
-    is as it was: the check's forwards are no micro-batch of the run. Yields the call that
-    puts the stream back between the two runs."""
+    is as it was: the check's forwards are no micro-batch of the run."""
     live, twin = getattr(stage, "random", None), getattr(reference, "random", None)
     if live is None or twin is None:
-        yield lambda: None
+        yield
         return
-    saved = dict(vars(live))
-
-    def again() -> None:
-        vars(live).update(saved)
-
-    vars(twin).update(saved)
-    try:
-        yield again
-    finally:
-        again()
+    vars(twin).update(vars(live))
+    with live.not_counted():
+        yield
 
 
 def _draws(node: fx.Node) -> bool:
@@ -681,12 +673,11 @@ def check_stage(
                 param.data = param.data.to(dtypes[name])
     tol = _tolerance(reference)
     grad_mode = torch.enable_grad() if gradients else torch.no_grad()
-    with preserved_state([stage, reference]), grad_mode, _one_stream(stage, reference) as again:
+    with preserved_state([stage, reference]), grad_mode, _one_stream(stage, reference):
         state = torch.random.get_rng_state()
         with _raw_outputs(reference) as ref_raw:
             ref_out = _leaves(run_reference(ref_args))
         torch.random.set_rng_state(state)
-        again()
         with _raw_outputs(stage) as got_raw:
             try:
                 got_out = _leaves(run(got_args))
