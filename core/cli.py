@@ -83,6 +83,21 @@ def demo_settings(args: argparse.Namespace) -> DemoSettings:
     )
 
 
+def _failure_summary(message: str) -> str:
+    """One line of a launch failure: which rank failed and the error it named, without the
+    traceback or the log tail that follow it (the rank logs the CLI points to keep those).
+
+    ``"rank 0 of 2 failed (exit code 1):"`` alone tells a user nothing: the named error on the
+    next line (``ExtensionBuildError: ... Delete it (rm ...)``) is what says what to do.
+    """
+    kept: list[str] = []
+    for line in message.strip().splitlines():
+        if not line.strip() or line.startswith(("Traceback", "--- last ")):
+            break
+        kept.append(line.strip())
+    return " ".join(kept) or "a rank failed"
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoFailedError, check_settings, run_demo
     from .errors import ConfigError, DialectNotFoundError
@@ -95,9 +110,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         run_demo(settings)
     except DemoFailedError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "a rank failed"
         print(
-            f"pipedialect demo failed: {first}; every rank's log is kept in {exc.log_dir}",
+            f"pipedialect demo failed: {_failure_summary(str(exc))}; every rank's log is kept in "
+            f"{exc.log_dir}",
             file=sys.stderr,
         )
         return 1

@@ -210,6 +210,32 @@ def test_a_rank_that_dies_leaves_one_clear_line_and_its_logs(tmp_path: Path) -> 
 
 
 @pytest.mark.distributed
+def test_a_named_error_on_a_rank_reaches_the_demo_s_one_line(tmp_path: Path) -> None:
+    """A lock left by a killed op build (what failed a CI run) stops every rank at
+    ``init_distributed`` with an ``ExtensionBuildError``; the demo's one line must carry it and
+    the file to delete, not only "rank 0 of 2 failed (exit code 1):" as it did."""
+    extensions = tmp_path / "extensions"
+    lock = extensions / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    then = time.time() - 7200
+    os.utime(lock, (then, then))
+    proc = subprocess.run(
+        [*CLI, "demo", "--steps", "1", "--no-plot"],
+        cwd=tmp_path,
+        env={**ENV, "TORCH_EXTENSIONS_DIR": str(extensions)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("pipedialect demo")]
+    assert len(lines) == 1, proc.stderr
+    assert "ExtensionBuildError" in lines[0] and f"(rm {lock})" in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.distributed
 def test_sigterm_stops_every_process_the_demo_started(tmp_path: Path) -> None:
     """SIGTERM to the demo alone (as a job scheduler sends it), not to its process group."""
     proc, children = _start_training_demo(tmp_path)
