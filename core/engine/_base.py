@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
@@ -60,11 +60,26 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EngineBase",
+    "SharedEngineArgs",
     "nothing_to_train",
     "read_checkpoint_file",
     "shape_mismatch",
     "stage_param_name",
 ]
+
+
+class SharedEngineArgs(TypedDict, total=False):
+    """The shared ``runtime_engine`` arguments :class:`EngineBase` takes, as keywords: written
+    once here, so an engine or ``build_engine`` that forwards them names them all at once."""
+
+    #: Refuse a step whose loss or gradients are not finite.
+    check_finite: bool
+    #: A client scheduler, or a callable building one from the optimizer.
+    lr_scheduler: Any
+    #: Groups the optimizer's parameters (see :mod:`pipedialect.engine.param_groups`).
+    param_groups: ParamGroupsFn | None
+    #: A client optimizer, or a factory building one from the parameter groups.
+    optimizer: Any
 
 
 class EngineBase:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,8 @@ from pipedialect import (
 )
 from pipedialect.sdk import (
     EngineBase,
-    ParamGroupsFn,
     PipelinePlan,
+    SharedEngineArgs,
     TrainingConfig,
     agree_on_error,
     agreed,
@@ -448,20 +448,9 @@ class TorchEngine(EngineBase):
         self,
         module: TorchPipeline,
         config: TrainingConfig,
-        *,
-        check_finite: bool = False,
-        lr_scheduler: Any = None,
-        param_groups: ParamGroupsFn | None = None,
-        optimizer: Any = None,
+        **options: Unpack[SharedEngineArgs],
     ) -> None:
-        super().__init__(
-            module,
-            config,
-            check_finite=check_finite,
-            lr_scheduler=lr_scheduler,
-            param_groups=param_groups,
-            optimizer=optimizer,
-        )
+        super().__init__(module, config, **options)
         # bf16: each stage moves its gradients into the high-precision buffers after every
         # micro-batch's backward, as DeepSpeed's pipeline engine does per stage
         # (pipedialect.engine.precision [Note: bf16 as DeepSpeed does it]).
@@ -860,13 +849,7 @@ def _sharded_optimizer(saved: Mapping[str, Any], engine: TorchEngine) -> dict[st
 
 
 def build_engine(
-    module: nn.Module,
-    config: Mapping[str, Any] | None,
-    *,
-    check_finite: bool = False,
-    lr_scheduler: Any = None,
-    param_groups: ParamGroupsFn | None = None,
-    optimizer: Any = None,
+    module: nn.Module, config: Mapping[str, Any] | None, **options: Unpack[SharedEngineArgs]
 ) -> TorchEngine:
     """Return the :class:`TorchEngine` training ``module`` (``config`` defaults to its own)."""
     if not isinstance(module, TorchPipeline):
@@ -885,11 +868,4 @@ def build_engine(
             f"{module.spec.torch_name} {problem}. Raise gradient_accumulation_steps, or choose "
             "schedule='gpipe'"
         )
-    return TorchEngine(
-        module,
-        parsed,
-        check_finite=check_finite,
-        lr_scheduler=lr_scheduler,
-        param_groups=param_groups,
-        optimizer=optimizer,
-    )
+    return TorchEngine(module, parsed, **options)
