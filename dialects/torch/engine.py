@@ -25,6 +25,7 @@ every dialect.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Unpack
@@ -551,8 +552,9 @@ class TorchEngine(EngineBase):
         last = module.replicas.position_of(module.last_rank)
         return module.replicas.mean_loss(loss, last, module.device)
 
-    def _agreed(self, what: str) -> Any:
-        """A phase every rank runs together: an error on one rank is raised on every rank
+    def _agreed(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """A phase every rank runs together (a step, an evaluation, a checkpoint's save or
+        load): an error on one rank is raised on every rank
         (``pipedialect.runtime.agreement`` [Note: one error, every rank])."""
         stages = ", ".join(str(k) for k in self.stage_ids)
         return agreed(what, where=f"[Stage {stages}] ")
@@ -644,29 +646,6 @@ class TorchEngine(EngineBase):
         self.module.reset_shapes()
 
     # -- checkpoints ---------------------------------------------------------------------------
-
-    def save_checkpoint(
-        self,
-        save_dir: str | Path,
-        tag: str | None = None,
-        client_state: Mapping[str, Any] | None = None,
-        save_latest: bool = True,
-    ) -> bool:
-        """Save this rank's part of the checkpoint; every rank calls it, and an error on one
-        rank is raised on every rank."""
-        with self._agreed("save_checkpoint"):
-            return super().save_checkpoint(save_dir, tag, client_state, save_latest)
-
-    def load_checkpoint(
-        self,
-        load_dir: str | Path,
-        tag: str | None = None,
-        load_optimizer_states: bool = True,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """Load this rank's part of the checkpoint; every rank calls it, and an error on one
-        rank is raised on every rank."""
-        with self._agreed("load_checkpoint"):
-            return super().load_checkpoint(load_dir, tag, load_optimizer_states)
 
     def _write_checkpoint(self, staged: Path, client_state: dict[str, Any]) -> None:
         """This rank's stages, optimizer state and step count (see [Note: torch checkpoints])."""
