@@ -37,7 +37,8 @@ stages its split points make, every stage gets:
   part divided by ``t``), times the micro-batches in flight that the simulation counts.
 
 What is left out: overlap of communication with computation beyond what the program's order
-allows, contention between messages on one link, and memory that is neither state nor saved
+allows, contention between a rank's messages and its collectives (its own messages queue on
+its link: [Note: simulation]), and memory that is neither state nor saved
 activations (allocator fragmentation, workspace, the received boundary buffers).
 """
 
