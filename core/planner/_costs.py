@@ -359,6 +359,7 @@ def predict(
     *,
     split_first_stage: bool = True,
     without_communication: bool = False,
+    queue_messages: bool = True,
 ) -> Prediction:
     """Predict one layout: its stages' costs ([Note: cost model]) replayed by the simulator.
 
@@ -372,6 +373,7 @@ def predict(
             input] in the torch dialect).
         without_communication: predict as if every message and collective were free (what the
             planner compares against to tell communication from bubble).
+        queue_messages: as :func:`~pipedialect.planner.simulate` takes it.
     """
     if program.num_stages != layout.num_stages or program.micro_batches != layout.micro_batches:
         raise ConfigError(f"the program does not fit the layout {layout.describe()}")
@@ -406,6 +408,7 @@ def predict(
         optimizer=optimizer,
         memory=[i.memory for i in inputs],
         base_memory=base,
+        queue_messages=queue_messages,
     )
     peak = tuple(m + cluster.memory_overhead for m in (simulation.peak_memory or tuple(base)))
     return Prediction(

@@ -167,6 +167,7 @@ def simulate(
     base_memory: Sequence[float] | float = 0.0,
     steps: int = 1,
     barrier: bool = True,
+    queue_messages: bool = True,
 ) -> Simulation:
     """Replay ``program`` with the given costs ([Note: simulation]).
 
@@ -182,6 +183,8 @@ def simulate(
             value for all.
         steps: consecutive steps to run; above 1 the step time is the steady period.
         barrier: whether every step ends with a barrier over all ranks.
+        queue_messages: whether a rank's asynchronous messages leave one after another on its
+            link (False: each arrives ``boundary`` after its send, however many overlap).
 
     Raises:
         ConfigError: costs that do not fit the program, or a program that deadlocks.
@@ -311,7 +314,7 @@ def simulate(
             s_key = (k, a.stage, "F" if a.kind == _K.SEND_F else "I", a.micro_batch or 0)
             if s_key not in done:
                 return False
-            start = max(clock[r], outgoing[r])
+            start = max(clock[r], outgoing[r]) if queue_messages else clock[r]
             outgoing[r] = start + boundary_of(a)
             arrived[message_key(k, a)] = outgoing[r]
         elif a.kind in (_K.RECV_F, _K.RECV_B) and not program.blocking_p2p:

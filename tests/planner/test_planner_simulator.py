@@ -41,6 +41,15 @@ def test_a_ranks_messages_queue_on_its_link() -> None:
     forwards = sorted((s.start, s.end) for s in sim.spans if s.kind == "forward" and s.rank == 1)
     assert forwards == [(4.0, 5.0), (7.0, 8.0), (10.0, 11.0)]
     assert math.isclose(sim.step_time, 20.0)
+    # Messages that may overlap: they arrive at 4, 5, 6, rank 1 ends its forwards at 7 and the
+    # gradients all arrive at 10.
+    free = simulate(
+        torch_program("gpipe", 2, 3),
+        [StageTimes(1.0, 0.0, 0.0)] * 2,
+        boundaries=3.0,
+        queue_messages=False,
+    )
+    assert math.isclose(free.step_time, 10.0)
 
 
 def test_blocking_sends_and_receives_meet() -> None:
