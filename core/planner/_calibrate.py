@@ -156,9 +156,9 @@ def calibrate(
 ) -> Calibration:
     """Measure ``dialect``'s own costs on this machine ([Note: calibration]) on ``world_size``
     local ranks, store them (unless ``store`` is False) and return them."""
+    from ..cost import StageTimes, simulate
     from ..runtime.launch import launch
     from ._search import build_program
-    from ._simulate import StageTimes, simulate
 
     if world_size < 2:
         raise ConfigError(f"calibration needs at least 2 ranks, got {world_size}")
@@ -231,9 +231,9 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
     """One rank of :func:`calibrate`."""
     import torch.distributed as dist
 
+    from ..cost import Layout
     from ..plan.partition import partition
     from ..plugins import get_dialect
-    from ._costs import Layout
     from ._offer import offer_of
 
     dialect = get_dialect(dialect_name)

@@ -4,6 +4,7 @@ The core is a few rooms with one-way imports (CONTRIBUTING.md draws them). From 
 
 - ``errors`` and ``contracts``, the leaves: they import nothing of ours;
 - ``runtime/``: what runs a stage;
+- ``cost/``: what a partition costs (the measurement, the solver, the cost and memory model);
 - ``plan/``: what a plan says;
 - ``engine/``: what every engine shares;
 - the root's other modules (dialect, plugins, ...) and sub-packages (planner, testing, ...).
@@ -104,7 +105,7 @@ def _packages_above(name: str) -> list[str]:
 
 #: The core's layers, bottom first: a module imports only from its own layer and those below.
 LEAVES = ("pipedialect.errors", "pipedialect.contracts")
-ROOMS = ("pipedialect.runtime", "pipedialect.plan", "pipedialect.engine")
+ROOMS = ("pipedialect.runtime", "pipedialect.cost", "pipedialect.plan", "pipedialect.engine")
 
 
 def _layer(name: str) -> int:

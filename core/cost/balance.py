@@ -6,8 +6,8 @@ allows. The candidates are every module forward calls exactly once, at any depth
 something and is not inside a module that runs as one call (an fx leaf such as
 ``nn.TransformerEncoderLayer``, or a ``leaf_modules`` entry); by default the split points are
 chosen among the model's own blocks ([Note: blocks]); the model is measured once ([Note:
-balance trace] in ``_balance_profile``) and the contiguous-partition problem solved exactly
-([Note: balance solver] in ``_balance_solver``).
+balance trace] in ``_profile``) and the contiguous-partition problem solved exactly
+([Note: balance solver] in ``_solver``).
 
 [Note: blocks]
 A stage boundary inside a block (after a decoder layer's ``q_proj``) sends what the rest of the
@@ -46,7 +46,7 @@ another, and charged in full it would make a middle stage (two boundaries) look 
 end stage (one) by a constant that, on a model of small blocks, outweighs the compute and
 piles it onto the end stages. So ``"flops"`` balances FLOPs, and ``"time"`` seconds, with the
 boundary bytes moving a cut only where cuts differ in what they carry; among splits of equal
-cost, the one with the most even compute wins (:mod:`pipedialect.plan._balance_solver`). The
+cost, the one with the most even compute wins (:mod:`pipedialect.cost._solver`). The
 planner (:mod:`pipedialect.planner`) prices every message in full in its simulation.
 
 Every method but ``"time"`` depends on the model and the inputs' shapes alone, so every rank
@@ -65,9 +65,10 @@ from typing import Any, Literal, get_args
 from torch import nn
 
 from ..errors import ConfigError, PartitionError, SplitPointError
-from . import _balance_profile as _profile
-from ._balance_solver import solve
-from ._module_paths import check_execution_order, resolve_leaves
+from . import _profile
+from ._profile import timing_threads
+from ._solver import solve
+from .module_paths import check_execution_order, resolve_leaves
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
@@ -80,6 +81,7 @@ __all__ = [
     "plan_costs",
     "predicted_bubble",
     "profile_model",
+    "timing_threads",
 ]
 
 logger = logging.getLogger(__name__)
@@ -616,7 +618,7 @@ def profile_model(
             times (a rank that is alone in calling it is refused by name, [Note: measurements
             agree across ranks]); False: this rank's own times, no collective.
         threads: the intra-op threads to time with (default: this process's share of the
-            cores, ``_balance_profile.timing_threads``).
+            cores, :func:`timing_threads`).
     """
     leaf_ids, leaf_types, _ = resolve_leaves(model, leaf_modules or ())
     hidden = _profile._hidden_modules(model, leaf_ids, leaf_types)

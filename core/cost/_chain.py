@@ -2,7 +2,7 @@
 
 [Note: the chain]
 The planner cuts a model only where :func:`pipedialect.partition` can: after a candidate
-module (see :mod:`pipedialect.plan.balance`). Between two consecutive candidates lies an *atom*,
+module (see :mod:`pipedialect.cost.balance`). Between two consecutive candidates lies an *atom*,
 with its forward and backward seconds for one micro-batch of ``batch`` samples, the parameters and
 other state it reads (keyed by name, so a parameter two atoms share is counted once per stage),
 the tensors its forward saves for the backward (keyed by storage, likewise), and, for tensor
@@ -95,7 +95,7 @@ class Chain:
     #: Samples per micro-batch the costs are for.
     batch: int = 1
     #: ``nested_from[c]``: cut ``c`` ends a module whose call contains cuts
-    #: ``nested_from[c] .. c - 1``, which cannot come right before it (see ``_balance_solver``).
+    #: ``nested_from[c] .. c - 1``, which cannot come right before it (see ``cost._solver``).
     nested_from: tuple[int, ...] | None = None
     #: The last cut must be below this (the last stage must compute); default: any.
     last_cut_below: int | None = None
