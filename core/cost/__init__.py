@@ -17,6 +17,7 @@ through its module name.
 
 from __future__ import annotations
 
+from ._bubble import idle_fractions, predicted_bubble, step_window
 from ._chain import Atom, Chain, StageProfile
 from ._model import checkpoint_label, model_chains
 from ._predict import (
@@ -45,9 +46,9 @@ from .balance import (
     ModelProfile,
     PlanCosts,
     StageCosts,
+    balanced_split_points,
     choose_split_points,
     plan_costs,
-    predicted_bubble,
     profile_model,
     timing_threads,
 )
@@ -74,9 +75,11 @@ __all__ = [
     "StageProfile",
     "StageTimes",
     "TorchSchedule",
+    "balanced_split_points",
     "checkpoint_label",
     "choose_split_points",
     "deepspeed_program",
+    "idle_fractions",
     "lower_bounds",
     "model_chains",
     "place",
@@ -88,6 +91,7 @@ __all__ = [
     "ring_gather",
     "simulate",
     "stage_weights",
+    "step_window",
     "timing_threads",
     "torch_program",
     "zb_h2_program",

@@ -10,7 +10,7 @@ parallelism, the part of all that inside tensor-parallel modules. ``boundary[c]`
 cut after atom ``c`` carries. A stage is a run of atoms; its costs are their sums (their unions
 for keyed amounts).
 
-A chain is built from a model by :func:`pipedialect.planner.model_chain` (measured once, on
+A chain is built from a model by :func:`pipedialect.cost.model_chains` (measured once, on
 fake tensors or for real), or written by hand for a model described by its layers' costs.
 """
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..errors import ConfigError
+from ._solver import solve
 
 __all__ = ["Atom", "Chain", "StageProfile"]
 
@@ -159,6 +160,18 @@ class Chain:
                 )
             )
         return out
+
+    def balanced_cuts(self, weights: Sequence[float], num_stages: int) -> tuple[int, ...] | None:
+        """The cuts into ``num_stages`` stages that make the largest sum of ``weights`` (one per
+        atom) as small as the chain allows, by the exact solver ([Note: balance solver]); None
+        when it cannot make that many stages."""
+        solution = solve(
+            [list(weights)],
+            num_stages,
+            nested_from=self.nested_from,
+            last_cut_below=self.last_cut_below,
+        )
+        return None if solution is None else solution.cuts
 
     def split_points(self, cuts: Sequence[int]) -> tuple[str, ...]:
         """The module paths of ``cuts``: what :func:`pipedialect.partition` takes."""

@@ -199,7 +199,7 @@ def model_chains(
             raise ConfigError("the measurement has no times; pass measure_time=True")
         forward, backward = list(trace.forward_time), list(trace.backward_time)
     batch = batch_size if batch_size is not None else _batch_of(example_inputs)
-    # The model's blocks by default ([Note: blocks] in plan.balance): a cut a person would make,
+    # The model's blocks by default ([Note: blocks] in cost.balance): a cut a person would make,
     # never one inside attention between two projections.
     pool = list(profile.blocks) if len(profile.blocks) > 1 else list(profile.candidates)
     if candidates is not None:

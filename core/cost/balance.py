@@ -46,8 +46,9 @@ another, and charged in full it would make a middle stage (two boundaries) look 
 end stage (one) by a constant that, on a model of small blocks, outweighs the compute and
 piles it onto the end stages. So ``"flops"`` balances FLOPs, and ``"time"`` seconds, with the
 boundary bytes moving a cut only where cuts differ in what they carry; among splits of equal
-cost, the one with the most even compute wins (:mod:`pipedialect.cost._solver`). The
-planner (:mod:`pipedialect.planner`) prices every message in full in its simulation.
+cost, the one with the most even compute wins (:mod:`pipedialect.cost._solver`). The layout
+model the planner uses (:func:`pipedialect.cost.predict`) prices every message in full in its
+simulation.
 
 Every method but ``"time"`` depends on the model and the inputs' shapes alone, so every rank
 chooses the same split points; ``"time"`` is a collective when a process group is initialised.
@@ -66,7 +67,10 @@ from torch import nn
 
 from ..errors import ConfigError, PartitionError, SplitPointError
 from . import _profile
+from ._bubble import predicted_bubble
 from ._profile import timing_threads
+from ._schedules import deepspeed_program
+from ._simulate import Simulation, StageTimes, simulate
 from ._solver import solve
 from .module_paths import check_execution_order, resolve_leaves
 
@@ -77,9 +81,9 @@ __all__ = [
     "ModelProfile",
     "PlanCosts",
     "StageCosts",
+    "balanced_split_points",
     "choose_split_points",
     "plan_costs",
-    "predicted_bubble",
     "profile_model",
     "timing_threads",
 ]
@@ -95,19 +99,15 @@ DEFAULT_BANDWIDTH = 25e9
 DEFAULT_FLOPS_PER_SECOND = 1e14
 
 
-def predicted_bubble(num_stages: int, micro_batches: int) -> float:
-    """The idle fraction of a 1F1B (or GPipe) step with equal stages: ``(p - 1) / (m + p - 1)``."""
-    if num_stages < 1 or micro_batches < 1:
-        raise ConfigError(
-            f"the bubble needs at least one stage and one micro-batch, got p={num_stages}, "
-            f"m={micro_batches}"
-        )
-    return (num_stages - 1) / (micro_batches + num_stages - 1)
-
-
-def _in_flight(stage: int, num_stages: int, micro_batches: int | None) -> int:
-    held = num_stages - stage
-    return held if micro_batches is None else max(1, min(held, micro_batches))
+def _one_f_one_b(
+    num_stages: int, micro_batches: int | None, times: Sequence[tuple[float, float]] | None = None
+) -> Simulation:
+    """DeepSpeed's 1F1B of ``num_stages`` stages replayed by the simulator, with each stage's
+    ``(forward, backward)`` seconds (default: none) and free communication; ``micro_batches``
+    None stands for at least ``num_stages``."""
+    m = num_stages if micro_batches is None else micro_batches
+    stages = [StageTimes(f, b, 0.0, split=False) for f, b in times or [(0.0, 0.0)] * num_stages]
+    return simulate(deepspeed_program(num_stages, m), stages)
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,8 @@ class StageCosts:
     flops: float | None
     #: Bytes the stage's forward saves for backward.
     activation_bytes: int | None
-    #: Micro-batches 1F1B keeps in flight on this stage: ``min(p - k, m)``.
+    #: Micro-batches 1F1B keeps in flight on this stage (the simulator's count:
+    #: ``min(p - k, m)``).
     in_flight: int
     #: ``state_bytes + in_flight * activation_bytes``.
     memory_bytes: int | None
@@ -136,6 +137,8 @@ class StageCosts:
     boundary_bytes: int | None
     #: Measured forward + backward seconds.
     time: float | None
+    #: The forward's part of :attr:`time`.
+    forward_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -161,11 +164,16 @@ class PlanCosts:
 
     @property
     def step_time(self) -> float | None:
-        """``(m + p - 1) * slowest stage time``: a 1F1B step paced by its bottleneck stage."""
-        times = [s.time for s in self.stages]
-        if self.micro_batches is None or any(t is None for t in times):
+        """The makespan of DeepSpeed's 1F1B step with the stages' measured forward and backward
+        seconds, replayed by the simulator (:func:`~pipedialect.cost.simulate`; communication
+        free), or None without ``micro_batches`` or times."""
+        times = [(s.forward_time, s.time) for s in self.stages]
+        if self.micro_batches is None:
             return None
-        return (self.micro_batches + self.num_stages - 1) * max(t for t in times if t is not None)
+        known = [(f, t - f) for f, t in times if f is not None and t is not None]
+        if len(known) < len(times):
+            return None
+        return _one_f_one_b(self.num_stages, self.micro_batches, known).step_time
 
     def imbalance(self, metric: str) -> float:
         """``max / mean`` over stages of a :class:`StageCosts` field (1.0: perfectly even)."""
@@ -470,9 +478,8 @@ class ModelProfile:
                 [self._state_bytes(names, optimizer_states) for names in atoms.state], 0
             )
             activation, act_overlaps = _union_channel([self._saved_bytes(r) for r in atoms.gaps], 1)
-            scales = [
-                [1.0, float(_in_flight(k, num_stages, micro_batches))] for k in range(num_stages)
-            ]
+            held = _one_f_one_b(num_stages, micro_batches).in_flight
+            scales = [[1.0, float(held[k])] for k in range(num_stages)]
             return [state, activation], scales, state_overlaps + act_overlaps
         if balance == "flops":
             fwd, bwd = trace.forward_flops or [], trace.backward_flops or []
@@ -528,6 +535,7 @@ class ModelProfile:
                 f"split point {points[-1]!r} is the last computation in forward: the stage "
                 "after it would compute nothing"
             )
+        held = _one_f_one_b(p, micro_batches).in_flight
         stages = []
         for k in range(p):
             names = atoms.state[k]
@@ -536,14 +544,15 @@ class ModelProfile:
             flops = None
             if trace.forward_flops is not None and trace.backward_flops is not None:
                 flops = sum(trace.forward_flops[g] + trace.backward_flops[g] for g in gaps)
-            seconds = None
+            seconds = forward = None
             if trace.forward_time is not None and trace.backward_time is not None:
-                seconds = sum(trace.forward_time[g] + trace.backward_time[g] for g in gaps)
+                forward = sum(trace.forward_time[g] for g in gaps)
+                seconds = forward + sum(trace.backward_time[g] for g in gaps)
             activation = None
             if trace.saved is not None:
                 activation = int(sum(self._saved_bytes(gaps).values()))
             state = int(sum(self._state_bytes(names, optimizer_states).values()))
-            in_flight = _in_flight(k, p, micro_batches)
+            in_flight = held[k]
             boundary = None
             if trace.crossing is not None:
                 boundary = trace.crossing[xs[k]] if k < p - 1 else 0
@@ -560,6 +569,7 @@ class ModelProfile:
                     memory_bytes=None if activation is None else state + in_flight * activation,
                     boundary_bytes=boundary,
                     time=seconds,
+                    forward_time=forward,
                 )
             )
         return PlanCosts(
@@ -695,12 +705,50 @@ def choose_split_points(
     ``balance="parameters"`` works without ``example_inputs``; the others need them. See
     :func:`profile_model` and :meth:`ModelProfile.choose` for the arguments.
     """
+    points, _ = balanced_split_points(
+        model,
+        num_stages,
+        balance,
+        example_inputs=example_inputs,
+        split_points=split_points,
+        candidates=candidates,
+        micro_batches=micro_batches,
+        concrete_args=concrete_args,
+        leaf_modules=leaf_modules,
+        bandwidth=bandwidth,
+        flops_per_second=flops_per_second,
+        optimizer_states=optimizer_states,
+        repeats=repeats,
+    )
+    return points
+
+
+def balanced_split_points(
+    model: nn.Module,
+    num_stages: int,
+    balance: BalanceMethod,
+    *,
+    example_inputs: Mapping[str, Any] | None = None,
+    split_points: Sequence[str] = (),
+    candidates: Sequence[str] | None = None,
+    micro_batches: int | None = None,
+    concrete_args: Mapping[str, Any] | None = None,
+    leaf_modules: Sequence[str | type[nn.Module]] | None = None,
+    bandwidth: float | None = DEFAULT_BANDWIDTH,
+    flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
+    optimizer_states: int = 2,
+    repeats: int = 3,
+) -> tuple[list[str], PlanCosts]:
+    """:func:`choose_split_points`, and the predicted costs of the stages they make (for
+    ``micro_batches``, default ``num_stages``): what ``partition(num_stages=, balance=)`` runs,
+    measuring the model once."""
     if balance not in _METHODS:
         raise ConfigError(f"balance must be one of {list(_METHODS)}, got {balance!r}")
     if balance != "parameters" and example_inputs is None:
         raise ConfigError(
-            f"balance={balance!r} measures the model on example_inputs ({{parameter name: "
-            "tensor}}, one micro-batch); pass them, or use balance='parameters'"
+            f"balance={balance!r} measures the model on one micro-batch ({{parameter name: "
+            "tensor}}): pass it (partition's balance_inputs= or example_inputs=, "
+            "choose_split_points' example_inputs=), or use balance='parameters'"
         )
     profile = profile_model(
         model,
@@ -710,7 +758,7 @@ def choose_split_points(
         measure_time=balance == "time",
         repeats=repeats,
     )
-    return profile.choose(
+    points = profile.choose(
         num_stages,
         balance,
         split_points=split_points,
@@ -720,6 +768,12 @@ def choose_split_points(
         flops_per_second=flops_per_second,
         optimizer_states=optimizer_states,
     )
+    costs = profile.costs(
+        points,
+        micro_batches=num_stages if micro_batches is None else micro_batches,
+        optimizer_states=optimizer_states,
+    )
+    return points, costs
 
 
 def plan_costs(

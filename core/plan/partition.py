@@ -49,7 +49,7 @@ import torch
 from torch import fx, nn
 
 from ..contracts import StageSpec, TieGroup
-from ..cost.balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, profile_model
+from ..cost.balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, balanced_split_points
 from ..cost.module_paths import (
     check_execution_order,
     check_single_call,
@@ -1013,30 +1013,18 @@ def _balanced(
     bandwidth: float | None,
 ) -> tuple[list[str], PlanCosts]:
     """Split points chosen by the cost model around ``fixed``, and the plan's predicted costs."""
-    if balance != "parameters" and inputs is None:
-        raise ConfigError(
-            f"balance={balance!r} measures the model on one micro-batch: pass balance_inputs="
-            "{parameter name: tensor} (or example_inputs), or use balance='parameters'"
-        )
-    profile = profile_model(
+    return balanced_split_points(
         model,
-        example_inputs=inputs,
-        concrete_args=concrete_args,
-        leaf_modules=leaf_modules,
-        measure_time=balance == "time",
-    )
-    points = profile.choose(
         num_stages,
         balance,
+        example_inputs=inputs,
         split_points=fixed,
         candidates=candidates,
         micro_batches=micro_batches,
+        concrete_args=concrete_args,
+        leaf_modules=leaf_modules,
         bandwidth=bandwidth,
     )
-    costs = profile.costs(
-        points, micro_batches=num_stages if micro_batches is None else micro_batches
-    )
-    return points, costs
 
 
 def _resolve_recompute(model: nn.Module, recompute: Sequence[str] | str | None) -> list[str]:

@@ -54,7 +54,6 @@ from ..cost import (
     stage_weights,
     torch_program,
 )
-from ..cost._solver import solve
 from ..errors import ConfigError
 from ._offer import DEEPSPEED_SCHEDULE, Offer
 
@@ -278,13 +277,7 @@ def _cuts(
         elif stages > chain.max_stages:
             cache[key] = None
         else:
-            solution = solve(
-                [stage_weights(chain, layout, cluster)],
-                stages,
-                nested_from=chain.nested_from,
-                last_cut_below=chain.last_cut_below,
-            )
-            cache[key] = None if solution is None else solution.cuts
+            cache[key] = chain.balanced_cuts(stage_weights(chain, layout, cluster), stages)
     result: tuple[int, ...] | None = cache[key]
     return result
 

@@ -27,13 +27,9 @@ from torch import nn
 
 import pipedialect
 from pipedialect import ConfigError, PartitionError, SplitPointError, partition
+from pipedialect.cost import predicted_bubble
 from pipedialect.cost._solver import solve, spread_partition, uniform_partition
-from pipedialect.cost.balance import (
-    choose_split_points,
-    plan_costs,
-    predicted_bubble,
-    profile_model,
-)
+from pipedialect.cost.balance import choose_split_points, plan_costs, profile_model
 from pipedialect.models import MODELS, ModelSpec, TinyGPT
 from pipedialect.runtime.launch import launch
 
