@@ -61,7 +61,7 @@ import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypedDict, Unpack, get_args
 
 from torch import nn
 
@@ -78,6 +78,7 @@ __all__ = [
     "DEFAULT_BANDWIDTH",
     "DEFAULT_FLOPS_PER_SECOND",
     "BalanceMethod",
+    "BalanceOptions",
     "ModelProfile",
     "PlanCosts",
     "StageCosts",
@@ -684,64 +685,60 @@ def _blocks(model: nn.Module) -> list[str]:
     return blocks
 
 
+class BalanceOptions(TypedDict, total=False):
+    """What :func:`choose_split_points` and :func:`balanced_split_points` take besides the
+    model, the stage count and the method (see :func:`profile_model` and
+    :meth:`ModelProfile.choose`)."""
+
+    #: ``{parameter name: tensor}``, one micro-batch (all methods but ``"parameters"``).
+    example_inputs: Mapping[str, Any] | None
+    #: Split points the answer must contain.
+    split_points: Sequence[str]
+    #: The modules the other split points are chosen among (default: the model's blocks).
+    candidates: Sequence[str] | None
+    #: ``m``: micro-batches per step (default: at least ``num_stages``).
+    micro_batches: int | None
+    #: Values for forward's other parameters, as for ``partition``.
+    concrete_args: Mapping[str, Any] | None
+    #: Modules that run as one call, as for ``partition``.
+    leaf_modules: Sequence[str | type[nn.Module]] | None
+    #: Bytes per second between stages (default :data:`DEFAULT_BANDWIDTH`); None: free.
+    bandwidth: float | None
+    #: What ``"flops"`` turns boundary seconds into FLOPs at.
+    flops_per_second: float
+    #: Tensors of optimizer state per trainable parameter (Adam: 2).
+    optimizer_states: int
+    #: Timed runs for ``"time"``.
+    repeats: int
+
+
 def choose_split_points(
-    model: nn.Module,
-    num_stages: int,
-    balance: BalanceMethod,
-    *,
-    example_inputs: Mapping[str, Any] | None = None,
-    split_points: Sequence[str] = (),
-    candidates: Sequence[str] | None = None,
-    micro_batches: int | None = None,
-    concrete_args: Mapping[str, Any] | None = None,
-    leaf_modules: Sequence[str | type[nn.Module]] | None = None,
-    bandwidth: float | None = DEFAULT_BANDWIDTH,
-    flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
-    optimizer_states: int = 2,
-    repeats: int = 3,
+    model: nn.Module, num_stages: int, balance: BalanceMethod, **options: Unpack[BalanceOptions]
 ) -> list[str]:
     """Split points for :func:`pipedialect.partition` that balance ``num_stages`` stages.
 
     ``balance="parameters"`` works without ``example_inputs``; the others need them. See
-    :func:`profile_model` and :meth:`ModelProfile.choose` for the arguments.
+    :class:`BalanceOptions` for the options.
     """
-    points, _ = balanced_split_points(
-        model,
-        num_stages,
-        balance,
-        example_inputs=example_inputs,
-        split_points=split_points,
-        candidates=candidates,
-        micro_batches=micro_batches,
-        concrete_args=concrete_args,
-        leaf_modules=leaf_modules,
-        bandwidth=bandwidth,
-        flops_per_second=flops_per_second,
-        optimizer_states=optimizer_states,
-        repeats=repeats,
-    )
+    points, _ = balanced_split_points(model, num_stages, balance, **options)
     return points
 
 
 def balanced_split_points(
-    model: nn.Module,
-    num_stages: int,
-    balance: BalanceMethod,
-    *,
-    example_inputs: Mapping[str, Any] | None = None,
-    split_points: Sequence[str] = (),
-    candidates: Sequence[str] | None = None,
-    micro_batches: int | None = None,
-    concrete_args: Mapping[str, Any] | None = None,
-    leaf_modules: Sequence[str | type[nn.Module]] | None = None,
-    bandwidth: float | None = DEFAULT_BANDWIDTH,
-    flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
-    optimizer_states: int = 2,
-    repeats: int = 3,
+    model: nn.Module, num_stages: int, balance: BalanceMethod, **options: Unpack[BalanceOptions]
 ) -> tuple[list[str], PlanCosts]:
     """:func:`choose_split_points`, and the predicted costs of the stages they make (for
     ``micro_batches``, default ``num_stages``): what ``partition(num_stages=, balance=)`` runs,
     measuring the model once."""
+    unknown = sorted(set(options) - set(BalanceOptions.__annotations__))
+    if unknown:
+        raise ConfigError(
+            f"unknown balancing option(s) {unknown}; the options are "
+            f"{sorted(BalanceOptions.__annotations__)}"
+        )
+    example_inputs = options.get("example_inputs")
+    micro_batches = options.get("micro_batches")
+    optimizer_states = options.get("optimizer_states", 2)
     if balance not in _METHODS:
         raise ConfigError(f"balance must be one of {list(_METHODS)}, got {balance!r}")
     if balance != "parameters" and example_inputs is None:
@@ -753,19 +750,19 @@ def balanced_split_points(
     profile = profile_model(
         model,
         example_inputs=example_inputs,
-        concrete_args=concrete_args,
-        leaf_modules=leaf_modules,
+        concrete_args=options.get("concrete_args"),
+        leaf_modules=options.get("leaf_modules"),
         measure_time=balance == "time",
-        repeats=repeats,
+        repeats=options.get("repeats", 3),
     )
     points = profile.choose(
         num_stages,
         balance,
-        split_points=split_points,
-        candidates=candidates,
+        split_points=options.get("split_points", ()),
+        candidates=options.get("candidates"),
         micro_batches=micro_batches,
-        bandwidth=bandwidth,
-        flops_per_second=flops_per_second,
+        bandwidth=options.get("bandwidth", DEFAULT_BANDWIDTH),
+        flops_per_second=options.get("flops_per_second", DEFAULT_FLOPS_PER_SECOND),
         optimizer_states=optimizer_states,
     )
     costs = profile.costs(

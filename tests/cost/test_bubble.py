@@ -117,3 +117,16 @@ def test_partitions_step_time_is_the_simulated_1f1b_step() -> None:
     assert costs.step_time == pytest.approx(13.0)
     assert costs.bubble == pytest.approx(predicted_bubble(2, 4))
     assert "predicted step 13000.000 ms" in costs.describe()
+
+
+def test_an_unknown_balancing_option_is_refused_by_name() -> None:
+    """The balancing options are keyword arguments checked by name: a misspelt one is an error,
+    never silently ignored."""
+    from torch import nn
+
+    from pipedialect.cost import choose_split_points
+    from pipedialect.errors import ConfigError
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match=r"unknown balancing option\(s\) \['micro_batch'\]"):
+        choose_split_points(model, 2, "parameters", micro_batch=4)  # type: ignore[call-arg]
