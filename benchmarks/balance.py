@@ -8,7 +8,7 @@ FLOPs), transformer blocks whose MLPs have different widths, and a small output 
   bytes not priced: ``bandwidth=None``), ``balance="flops"`` restricted to the layer
   sequence a hand-written ``PipelineModule`` would use (embedding, each block, norm, head),
   DeepSpeed's ``partition_method="parameters"`` on that sequence (its ``partition_balanced``
-  rule over trainable parameter counts, rewritten in ``pipedialect.plan._balance_solver``), and an
+  rule over trainable parameter counts, rewritten in ``pipedialect.cost._solver``), and an
   equal count of layers per stage. The FLOPs are counted on the partitioned stages themselves
   with ``torch.utils.flop_counter.FlopCounterMode`` (real tensors, forward and backward), not
   taken from the balancer's own prediction.
@@ -40,9 +40,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipedialect import PipelinePlan, partition
+from pipedialect.cost._solver import spread_partition, uniform_partition
+from pipedialect.cost.balance import profile_model
 from pipedialect.models import CausalSelfAttention, cross_entropy_loss, seeded_init
-from pipedialect.plan._balance_solver import spread_partition, uniform_partition
-from pipedialect.plan.balance import profile_model
 from pipedialect.runtime.launch import launch
 
 

@@ -67,15 +67,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipedialect
+from pipedialect.cost import Layout, predict
 from pipedialect.models import MHGPT_TENSOR_PLAN, MultiHeadGPT, TinyGPT, cross_entropy_loss
-from pipedialect.planner import (
-    Layout,
-    LayoutPlan,
-    calibrate,
-    plan_layout,
-    predict,
-    write_chrome_trace,
-)
+from pipedialect.planner import LayoutPlan, calibrate, plan_layout, write_chrome_trace
 from pipedialect.runtime.launch import launch
 
 #: Emulated milliseconds per sample of each block's forward (its input and weight gradients

@@ -17,7 +17,8 @@ rank 0 writes a Chrome trace (``chrome://tracing``, https://ui.perfetto.dev: ``p
 ``1 - busy / window``: ``busy`` is the rank's forward and backward time, ``window`` runs from the
 first forward of a step to its last backward on any rank; beside it the theoretical bubble of
 GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` for ``p`` pipeline ranks holding ``v`` stages each and
-``m`` micro-batches.
+``m`` micro-batches. Both are :mod:`pipedialect.cost`'s ([Note: the bubble]), which the
+planner's predictions use too.
 
 [Note: how spans are taken]
 Forward and backward are the same on every dialect: a forward pre/post hook pair on the module
@@ -51,6 +52,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .contracts import Capability, HeldStage, Instrumented, RuntimeEngine
+from .cost import idle_fractions, predicted_bubble, step_window
 from .dialect import Dialect, require_capability
 from .errors import ConfigError
 
@@ -116,8 +118,8 @@ class StepBubble:
 
     @property
     def bubble(self) -> dict[int, float]:
-        """``1 - busy / window`` for each rank."""
-        return {r: 1.0 - busy / self.window_ns for r, busy in sorted(self.busy_ns.items())}
+        """``1 - busy / window`` for each rank ([Note: the bubble])."""
+        return idle_fractions(self.busy_ns, self.window_ns)
 
 
 @dataclass
@@ -154,13 +156,11 @@ class Timeline:
         for step, spans in sorted(by_step.items()):
             if not any(s.kind == "backward" for s in spans):
                 continue
-            start = min(s.start_ns for s in spans)
-            end = max(s.end_ns for s in spans)
-            busy: dict[int, int] = dict.fromkeys({s.rank for s in self.spans}, 0)
-            for s in spans:
-                busy[s.rank] += s.duration_ns
+            window, busy = step_window(
+                ((s.rank, s.start_ns, s.end_ns) for s in spans), {s.rank for s in self.spans}
+            )
             micro = {s.micro_batch for s in spans if s.kind == "forward"}
-            result.append(StepBubble(step, len(micro), max(end - start, 1), busy))
+            result.append(StepBubble(step, len(micro), max(window, 1), busy))
         return result
 
     def bubble(self) -> dict[int, float]:
@@ -169,18 +169,21 @@ class Timeline:
         window = sum(s.window_ns for s in steps)
         if not window:
             return {}
-        return {r: 1.0 - sum(s.busy_ns.get(r, 0) for s in steps) / window for r in self.ranks()}
+        return idle_fractions(
+            {r: sum(s.busy_ns.get(r, 0) for s in steps) for r in self.ranks()}, window
+        )
 
     def micro_batches(self) -> int:
         """Micro-batches per training step (the most any traced step ran)."""
         return max((s.micro_batches for s in self.steps()), default=0)
 
     def theoretical_bubble(self) -> float:
-        """``(p - 1) / (v m + p - 1)``: GPipe's and 1F1B's idle fraction with equal stages."""
-        p, v, m = self.pipeline_depth(), self.stages_per_rank(), self.micro_batches()
+        """``(p - 1) / (v m + p - 1)``: GPipe's and 1F1B's idle fraction with equal stages
+        (:func:`pipedialect.cost.predicted_bubble`); 0.0 before any training step."""
+        m = self.micro_batches()
         if m == 0:
             return 0.0
-        return (p - 1) / (v * m + p - 1)
+        return predicted_bubble(self.pipeline_depth(), m, self.stages_per_rank())
 
     def describe(self) -> str:
         """A few lines: the measured bubble of each rank beside the theoretical one."""

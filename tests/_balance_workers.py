@@ -10,8 +10,8 @@ def choose_everything() -> dict[str, list[str]]:
     import torch.distributed as dist
 
     from pipedialect import partition
+    from pipedialect.cost.balance import choose_split_points
     from pipedialect.models import TinyGPT
-    from pipedialect.plan.balance import choose_split_points
 
     torch.set_num_threads(1)
     model = TinyGPT()

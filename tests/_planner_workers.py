@@ -9,7 +9,7 @@ from torch import nn
 
 import pipedialect
 from pipedialect import PlanDisagreementError
-from pipedialect.plan import _balance_profile
+from pipedialect.cost import _profile
 from pipedialect.planner import plan_layout
 
 
@@ -46,7 +46,7 @@ def planning_ranks() -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {"every": _plan()}
     dist.barrier()
-    _balance_profile.ARRIVAL_TIMEOUT = 5.0
+    _profile.ARRIVAL_TIMEOUT = 5.0
     if rank == 0:
         try:
             _plan()

@@ -1,25 +1,14 @@
 """What a plan says: capture (torch.fx, torch.export), the cut into stages, liveness, ties,
-the plan's own checks, automatic balancing, the micro-batches a plan accepts and the
-weights that fill a meta-device plan.
+the plan's own checks, the micro-batches a plan accepts and the weights that fill a
+meta-device plan. Choosing split points by cost is :mod:`pipedialect.cost`'s.
 
-Imports :mod:`pipedialect.runtime` and the root leaves, never a room above it.
+Imports :mod:`pipedialect.cost`, :mod:`pipedialect.runtime` and the root leaves, never a room
+above them.
 :func:`~pipedialect.partition` itself is exported by the package root.
 """
 
 from __future__ import annotations
 
-from .balance import (
-    DEFAULT_BANDWIDTH,
-    DEFAULT_FLOPS_PER_SECOND,
-    BalanceMethod,
-    ModelProfile,
-    PlanCosts,
-    StageCosts,
-    choose_split_points,
-    plan_costs,
-    predicted_bubble,
-    profile_model,
-)
 from .batches import LABELS_KEY, InputSpec, check_loss_fn, input_spec
 from .liveness import compute_liveness
 from .partition import BoundaryValue, BufferInfo, PipelinePlan, check_capture_dtype
@@ -41,24 +30,17 @@ from .weights import (
 )
 
 __all__ = [
-    "DEFAULT_BANDWIDTH",
-    "DEFAULT_FLOPS_PER_SECOND",
     "LABELS_KEY",
-    "BalanceMethod",
     "BoundaryValue",
     "BufferInfo",
     "DefaultTieAnalyzer",
     "InitWeights",
     "InputSpec",
-    "ModelProfile",
     "PipelinePlan",
-    "PlanCosts",
-    "StageCosts",
     "analyze_tie_ranks",
     "check_capture_dtype",
     "check_loss_fn",
     "check_tie_objects",
-    "choose_split_points",
     "compute_liveness",
     "find_tie_groups",
     "from_pretrained",
@@ -66,10 +48,7 @@ __all__ = [
     "from_state_dict",
     "input_spec",
     "materialise_stages",
-    "plan_costs",
-    "predicted_bubble",
     "prepare_local_stages",
-    "profile_model",
     "retie_parameters",
     "tie_keys",
 ]

@@ -95,9 +95,9 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
+from ..cost.module_paths import check_execution_order, check_single_call
 from ..errors import CaptureError, RecomputeError, SplitPointError, StructureChangedError
 from . import _state
-from ._module_paths import check_execution_order, check_single_call
 from .capture._capture import Captured
 from .capture._tracer import remove_attrs
 

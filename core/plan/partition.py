@@ -49,6 +49,13 @@ import torch
 from torch import fx, nn
 
 from ..contracts import StageSpec, TieGroup
+from ..cost.balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, balanced_split_points
+from ..cost.module_paths import (
+    check_execution_order,
+    check_single_call,
+    close_matches,
+    resolve_leaves,
+)
 from ..errors import (
     CaptureError,
     ConfigError,
@@ -58,14 +65,7 @@ from ..errors import (
 )
 from ..runtime.module_state import apply_modes, mode_table
 from . import _export, _state, _verify
-from ._module_paths import (
-    check_execution_order,
-    check_single_call,
-    close_matches,
-    resolve_leaves,
-)
 from ._watch import ModelWatch, reading_attributes
-from .balance import DEFAULT_BANDWIDTH, BalanceMethod, PlanCosts, profile_model
 from .capture import _guards, _modal, _recompute, _regions, _split, _tracer
 from .capture._capture import Captured, capture, share_constants
 from .liveness import compute_liveness
@@ -427,7 +427,7 @@ def partition(
             them checks on every micro-batch ([Note: split-point outputs] in ``capture._guards``).
             With ``num_stages``, the split points every answer must contain (default: none).
         num_stages: how many stages; the split points not given are chosen by ``balance``
-            (:mod:`pipedialect.plan.balance`), the same on every rank.
+            (:mod:`pipedialect.cost.balance`), the same on every rank.
         balance: the cost model that chooses split points for ``num_stages``: ``"parameters"``
             (the default), ``"flops"``, ``"memory"`` or ``"time"``; all but ``"parameters"``
             measure the model on ``balance_inputs`` (or ``example_inputs``). The plan's
@@ -441,10 +441,10 @@ def partition(
             default: the model's own blocks (the children of its outermost ``ModuleList`` or
             ``Sequential``, e.g. the decoder layers), or every module that can end a stage
             when they cannot make ``num_stages`` stages ([Note: blocks] in
-            :mod:`pipedialect.plan.balance`).
+            :mod:`pipedialect.cost.balance`).
         bandwidth: with ``num_stages``, the bytes per second between stages that price the
             bytes each cut sends for ``"flops"`` and ``"time"`` (default
-            :data:`pipedialect.plan.balance.DEFAULT_BANDWIDTH`); None: boundaries are free.
+            :data:`pipedialect.cost.balance.DEFAULT_BANDWIDTH`); None: boundaries are free.
         recompute: module paths or glob patterns (``"blocks.*"``) whose activations are
             recomputed in backward (non-reentrant ``torch.utils.checkpoint``, dropout masks
             replayed) instead of kept: the stage graphs call them through the checkpoint, so
@@ -1013,30 +1013,18 @@ def _balanced(
     bandwidth: float | None,
 ) -> tuple[list[str], PlanCosts]:
     """Split points chosen by the cost model around ``fixed``, and the plan's predicted costs."""
-    if balance != "parameters" and inputs is None:
-        raise ConfigError(
-            f"balance={balance!r} measures the model on one micro-batch: pass balance_inputs="
-            "{parameter name: tensor} (or example_inputs), or use balance='parameters'"
-        )
-    profile = profile_model(
+    return balanced_split_points(
         model,
-        example_inputs=inputs,
-        concrete_args=concrete_args,
-        leaf_modules=leaf_modules,
-        measure_time=balance == "time",
-    )
-    points = profile.choose(
         num_stages,
         balance,
+        example_inputs=inputs,
         split_points=fixed,
         candidates=candidates,
         micro_batches=micro_batches,
+        concrete_args=concrete_args,
+        leaf_modules=leaf_modules,
         bandwidth=bandwidth,
     )
-    costs = profile.costs(
-        points, micro_batches=num_stages if micro_batches is None else micro_batches
-    )
-    return points, costs
 
 
 def _resolve_recompute(model: nn.Module, recompute: Sequence[str] | str | None) -> list[str]:

@@ -8,12 +8,9 @@ from typing import Any
 
 from torch import nn
 
+from ..cost import Cluster, checkpoint_label, model_chains, profile_model, timing_threads
 from ..errors import ConfigError
-from ..plan._balance_profile import timing_threads
-from ..plan.balance import profile_model
 from ._calibrate import load_calibration
-from ._costs import Cluster
-from ._model import checkpoint_label, model_chains
 from ._offer import offer_of
 from ._search import LayoutPlan, search
 

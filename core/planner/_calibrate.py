@@ -184,9 +184,9 @@ def calibrate(
 ) -> Calibration:
     """Measure ``dialect``'s own costs on this machine ([Note: calibration]) on ``world_size``
     local ranks, store them (unless ``store`` is False) and return them."""
+    from ..cost import StageTimes, simulate
     from ..runtime.launch import launch
     from ._search import build_program
-    from ._simulate import StageTimes, simulate
 
     if world_size < 2:
         raise ConfigError(f"calibration needs at least 2 ranks, got {world_size}")
@@ -230,8 +230,8 @@ def calibrate(
 def computations(schedule: str, micro_batches: int) -> float:
     """Computations (forward, backward and weight passes) one stage alone runs in a step of
     ``schedule``, as the simulator counts them."""
+    from ..cost import StageTimes, simulate
     from ._search import build_program
-    from ._simulate import StageTimes, simulate
 
     program = build_program(schedule, 1, micro_batches, 1)
     return simulate(program, [StageTimes(0.0, 0.0, 0.0, action_overhead=1.0)]).step_time
@@ -329,9 +329,9 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
     """One rank of :func:`calibrate`."""
     import torch.distributed as dist
 
+    from ..cost import Layout
     from ..plan.partition import partition
     from ..plugins import get_dialect
-    from ._costs import Layout
     from ._offer import offer_of
 
     dialect = get_dialect(dialect_name)
@@ -430,8 +430,8 @@ def _measure_modes(
 ) -> dict[str, Any]:
     """The one-stage runs of each parallel mode the dialect offers ([Note: calibration]):
     ``{"schedule": ..., "steps": {mode: {micro-batches: median step seconds}}}``."""
+    from ..cost import Layout
     from ..plan.partition import partition
-    from ._costs import Layout
 
     one = schedule if offer.runs("fsdp", schedule) else None
     runs: list[tuple[str, int, str, int]] = [("ddp", world, "ddp", 1)]

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..contracts import Capability
+from ..cost import TORCH_SCHEDULES
 from ..errors import ConfigError
-from ._schedules import TORCH_SCHEDULES
 
 __all__ = ["DEEPSPEED_SCHEDULE", "Offer", "offer_of"]
 

@@ -9,7 +9,7 @@ stages, at most the split points the model has), each micro-batch count ``m`` th
 per-replica batch ``G / d`` (up to ``4 p v``, past which the bubble hardly shrinks and the
 per-micro-batch costs the model does not see take over; ``micro_batches=`` overrides), and each
 recomputation option. The split points of ``n`` stages are the exact balancing solver's
-(:mod:`pipedialect.plan.balance`): the cuts minimising the slowest stage's work under ``t``.
+(:mod:`pipedialect.cost.balance`): the cuts minimising the slowest stage's work under ``t``.
 
 Each candidate is predicted by the cost model and the simulator, in the order of a lower bound
 on its step time (its busiest rank's computation plus its blocking collectives); the search
@@ -40,13 +40,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..cost import (
+    TORCH_SCHEDULES,
+    Chain,
+    Cluster,
+    Layout,
+    Prediction,
+    Program,
+    deepspeed_program,
+    lower_bounds,
+    place,
+    predict,
+    stage_weights,
+    torch_program,
+)
 from ..errors import ConfigError
-from ..plan._balance_solver import solve
-from ._chain import Chain
-from ._costs import Cluster, Layout, Prediction, lower_bounds, predict, stage_weights
 from ._offer import DEEPSPEED_SCHEDULE, Offer
-from ._program import Program, place
-from ._schedules import TORCH_SCHEDULES, deepspeed_program, torch_program
 
 __all__ = ["LayoutPlan", "Row", "search"]
 
@@ -268,13 +277,7 @@ def _cuts(
         elif stages > chain.max_stages:
             cache[key] = None
         else:
-            solution = solve(
-                [stage_weights(chain, layout, cluster)],
-                stages,
-                nested_from=chain.nested_from,
-                last_cut_below=chain.last_cut_below,
-            )
-            cache[key] = None if solution is None else solution.cuts
+            cache[key] = chain.balanced_cuts(stage_weights(chain, layout, cluster), stages)
     result: tuple[int, ...] | None = cache[key]
     return result
 

@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..cost import Prediction
 from ..trace import Span, Timeline
-from ._costs import Prediction
 
 __all__ = ["chrome_trace", "predicted_timeline", "write_chrome_trace"]
 

@@ -517,8 +517,8 @@ def test_the_planners_default_cuts_fall_after_blocks_and_train_like_the_unsplit_
     """On seeded random models: every cut the planner considers by default ends a whole block
     (``blocks.<i>``, never ``blocks.<i>.lin``), and a pipeline cut at the planner's cuts
     trains like the unsplit model on the local dialect."""
-    from pipedialect.plan.balance import profile_model
-    from pipedialect.planner import model_chains
+    from pipedialect.cost import model_chains
+    from pipedialect.cost.balance import profile_model
 
     outcomes = []
     for seed in range(3000, 3012):

@@ -13,10 +13,11 @@ import torch
 
 import pipedialect
 from pipedialect import Capability, ConfigError
+from pipedialect.cost import TORCH_SCHEDULES
 from pipedialect.dialects.torch import TorchDialect
 from pipedialect.dialects.torch._plugin import TorchOptions
 from pipedialect.models import TinyGPT
-from pipedialect.planner import TORCH_SCHEDULES, LayoutPlan, plan_layout
+from pipedialect.planner import LayoutPlan, plan_layout
 
 IDS = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
 BASE: dict[str, Any] = {

@@ -7,8 +7,9 @@ import types
 import torch
 from torch import nn
 
-from pipedialect.plan.balance import profile_model
-from pipedialect.planner import model_chains, plan_layout
+from pipedialect.cost import model_chains
+from pipedialect.cost.balance import profile_model
+from pipedialect.planner import plan_layout
 
 
 class _Attention(nn.Module):

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
+from pipedialect.cost import Atom, Chain, Cluster, Layout, model_chains, predict
 from pipedialect.models import MHGPT_TENSOR_PLAN, MultiHeadGPT
-from pipedialect.planner import Atom, Chain, Cluster, Layout, build_program, predict
+from pipedialect.planner import build_program
 from pipedialect.planner._calibrate import Calibration, computations, mode_overheads
-from pipedialect.planner._model import model_chains
 
 
 def _layout(**kw: Any) -> Layout:

@@ -18,20 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipedialect import ConfigError
-from pipedialect.plan._balance_solver import solve
-from pipedialect.planner import (
-    DEEPSPEED_SCHEDULE,
-    TORCH_SCHEDULES,
-    Atom,
-    Chain,
-    Cluster,
-    Layout,
-    Offer,
-    build_program,
-    predict,
-    search,
-)
-from pipedialect.planner._costs import stage_weights
+from pipedialect.cost import TORCH_SCHEDULES, Atom, Chain, Cluster, Layout, predict
+from pipedialect.cost._predict import stage_weights
+from pipedialect.cost._solver import solve
+from pipedialect.planner import DEEPSPEED_SCHEDULE, Offer, build_program, search
 
 TORCH_LIKE = Offer(
     dialect="torch",

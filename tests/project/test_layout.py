@@ -4,6 +4,7 @@ The core is a few rooms with one-way imports (CONTRIBUTING.md draws them). From 
 
 - ``errors`` and ``contracts``, the leaves: they import nothing of ours;
 - ``runtime/``: what runs a stage;
+- ``cost/``: what a partition costs (the measurement, the solver, the cost and memory model);
 - ``plan/``: what a plan says;
 - ``engine/``: what every engine shares;
 - the root's other modules (dialect, plugins, ...) and sub-packages (planner, testing, ...).
@@ -25,6 +26,12 @@ imports the package ``a.b`` (its ``__init__``), as Python does. On that graph:
 - the package root is plain imports: ``partition`` and ``trace`` stay the functions whatever
   is imported first. (That pytest never loads the suite's plugin unasked is checked from a real
   install, in test_packaging.py.)
+
+Cost lives in one room: ``pipedialect.cost`` holds the one measurement of a model, the exact
+solver, the schedule programs, the simulator and the cost and memory model, and every bubble
+formula. ``partition(balance=)``, the planner and the trace import it; no module outside it
+imports its private modules, measures FLOPs, or computes a bubble itself (a function named for
+the bubble outside the room divides nothing: it calls the room's).
 
 And the core reads an engine only through what the contracts declare: no core module calls
 ``getattr``, ``hasattr``, ``setattr``, ``delattr`` or ``vars`` on an engine (a name or attribute
@@ -104,7 +111,7 @@ def _packages_above(name: str) -> list[str]:
 
 #: The core's layers, bottom first: a module imports only from its own layer and those below.
 LEAVES = ("pipedialect.errors", "pipedialect.contracts")
-ROOMS = ("pipedialect.runtime", "pipedialect.plan", "pipedialect.engine")
+ROOMS = ("pipedialect.runtime", "pipedialect.cost", "pipedialect.plan", "pipedialect.engine")
 
 
 def _layer(name: str) -> int:
@@ -420,3 +427,80 @@ def test_the_core_never_probes_an_engine_by_attribute_name() -> None:
         for probe in engine_probes(path.read_text())
     ]
     assert problems == []
+
+
+COST = "pipedialect.cost"
+
+
+def _in_cost_room(name: str) -> bool:
+    return name == COST or name.startswith(COST + ".")
+
+
+def bubble_arithmetic(source: str) -> list[str]:
+    """``"line: function"`` for every function named for the bubble that divides in its body
+    (a bubble computed in place rather than asked of the cost room)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if "bubble" not in node.name.lower():
+            continue
+        if any(
+            isinstance(inner, ast.BinOp | ast.AugAssign) and isinstance(inner.op, ast.Div)
+            for inner in ast.walk(node)
+        ):
+            found.append(f"{node.lineno}: {node.name}")
+    return found
+
+
+def test_the_cost_rule_sees_each_form() -> None:
+    """The bubble rule flags a division, in place or augmented, and nothing else; the graph
+    shows each user of the cost room importing it (so an empty graph cannot pass)."""
+    source = textwrap.dedent(
+        """
+        def bubble(busy, window):
+            return 1 - busy / window
+
+        def theoretical_bubble(p, m):
+            x = p - 1
+            x /= m + p - 1
+            return x
+
+        def bubble_of(spans):
+            return idle_fractions(spans)
+
+        def describe(p, m):
+            return (p - 1) / (m + p - 1)
+        """
+    )
+    assert [line.split(": ")[1] for line in bubble_arithmetic(source)] == [
+        "bubble",
+        "theoretical_bubble",
+    ]
+    for user in ("pipedialect.plan.partition", "pipedialect.trace", "pipedialect.planner._search"):
+        assert COST in _imports(user), user
+    assert _layer("pipedialect.cost._simulate") < _layer("pipedialect.plan.partition")
+
+
+def test_cost_lives_in_one_room() -> None:
+    private = [
+        f"{name} imports {target}"
+        for name in sorted(MODULES)
+        if _is_core(name) and not _in_cost_room(name)
+        for target in sorted(_imports(name))
+        if _in_cost_room(target) and target.split(".")[-1].startswith("_")
+    ]
+    assert private == []
+    measuring = [
+        name
+        for name, (path, _) in sorted(MODULES.items())
+        if not _in_cost_room(name) and "flop_counter" in path.read_text()
+    ]
+    assert measuring == []
+    formulas = [
+        f"{path.relative_to(ROOT)}:{where}"
+        for name, (path, _) in sorted(MODULES.items())
+        if _is_core(name) and not _in_cost_room(name)
+        for where in bubble_arithmetic(path.read_text())
+    ]
+    assert formulas == []

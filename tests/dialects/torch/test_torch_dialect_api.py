@@ -221,7 +221,7 @@ def test_wire_tensors_become_plain_tensors_torch_can_send_and_detach() -> None:
 def test_the_micro_batch_rule_each_schedule_declares_is_torchs() -> None:
     """The rule the engine checks when it is built (never at the first step) is the
     one torch's own schedule classes apply, over a grid of ranks and micro-batch counts."""
-    from pipedialect.planner._schedules import torch_program
+    from pipedialect.cost._schedules import torch_program
 
     for name in available_schedules():
         spec = resolve_schedule(name)

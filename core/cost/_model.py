@@ -1,7 +1,7 @@
 """From an ``nn.Module`` and one micro-batch to the planner's chains.
 
 [Note: measuring a model for the planner]
-One measurement of the model (:func:`pipedialect.plan.balance.profile_model`: a forward and backward
+One measurement of the model (:func:`pipedialect.cost.balance.profile_model`: a forward and backward
 on fake tensors of the example inputs, and with ``measure_time`` a timed run on the real ones;
 [Note: balance trace]) gives, per gap between module events, the forward and backward seconds
 (or FLOPs, turned into seconds at ``flops_per_second``), the parameters read, the tensors saved
@@ -37,9 +37,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import ConfigError, RecomputeError, SplitPointError
-from ..plan import _balance_profile as _profile
-from ..plan.balance import ModelProfile, profile_model
+from . import _profile
 from ._chain import Atom, Chain
+from .balance import ModelProfile, profile_model
 
 __all__ = ["checkpoint_label", "model_chains"]
 
@@ -154,14 +154,14 @@ def model_chains(
             FLOPs into seconds.
         batch_size: samples in ``example_inputs`` (default: their first dimension).
         candidates: the modules that may end a stage (default: the model's blocks, [Note:
-            blocks] in :mod:`pipedialect.plan.balance`, or every candidate when it has none;
+            blocks] in :mod:`pipedialect.cost.balance`, or every candidate when it has none;
             ``profile_model(...).candidates`` lists every module that can).
         concrete_args, leaf_modules: as for :func:`pipedialect.partition`.
         weight_fraction: the share of each backward in its weight pass.
-        profile: a measurement already taken (:func:`pipedialect.plan.balance.profile_model` with
+        profile: a measurement already taken (:func:`pipedialect.cost.balance.profile_model` with
             these inputs).
         every_rank: with ``measure_time`` under ``torch.distributed``: every rank calls this
-            and takes rank 0's times (see :func:`pipedialect.plan.balance.profile_model`).
+            and takes rank 0's times (see :func:`pipedialect.cost.balance.profile_model`).
 
     Raises:
         ConfigError: no way to turn work into seconds, or a bad ``tensor_parallel`` plan.
@@ -199,7 +199,7 @@ def model_chains(
             raise ConfigError("the measurement has no times; pass measure_time=True")
         forward, backward = list(trace.forward_time), list(trace.backward_time)
     batch = batch_size if batch_size is not None else _batch_of(example_inputs)
-    # The model's blocks by default ([Note: blocks] in plan.balance): a cut a person would make,
+    # The model's blocks by default ([Note: blocks] in cost.balance): a cut a person would make,
     # never one inside attention between two projections.
     pool = list(profile.blocks) if len(profile.blocks) > 1 else list(profile.candidates)
     if candidates is not None:

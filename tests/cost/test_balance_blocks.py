@@ -16,8 +16,8 @@ import transformers
 from torch import nn
 
 from pipedialect import ConfigError, partition
+from pipedialect.cost.balance import profile_model
 from pipedialect.models import TinyGPT
-from pipedialect.plan.balance import profile_model
 
 FIXED = {"return_dict": False, "use_cache": False}
 

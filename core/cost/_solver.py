@@ -1,4 +1,4 @@
-"""The exact contiguous-partition solver of :mod:`pipedialect.plan.balance`, and DeepSpeed's rule.
+"""The exact contiguous-partition solver of :mod:`pipedialect.cost.balance`, and DeepSpeed's rule.
 
 [Note: balance solver]
 The model is a sequence of ``n + 1`` atoms separated by ``n`` candidate cuts (cut ``c`` falls

@@ -12,15 +12,8 @@ import re
 import pytest
 
 from pipedialect import ConfigError
-from pipedialect.planner import (
-    DEEPSPEED_SCHEDULE,
-    TORCH_SCHEDULES,
-    ActionKind,
-    Program,
-    deepspeed_program,
-    offer_of,
-    torch_program,
-)
+from pipedialect.cost import TORCH_SCHEDULES, ActionKind, Program, deepspeed_program, torch_program
+from pipedialect.planner import DEEPSPEED_SCHEDULE, offer_of
 
 GRID = [(p, m) for p in (2, 3, 4) for m in (p, 2 * p, 3 * p)]
 
@@ -100,7 +93,7 @@ def test_looped_programs_with_one_stage_per_rank_follow_torchs_pipeline_order(
     the program's computations are the class's own ``pipeline_order``."""
     from torch.distributed import pipelining
 
-    from pipedialect.planner._schedules import _StandInStage
+    from pipedialect.cost._schedules import _StandInStage
 
     cls = getattr(pipelining, TORCH_SCHEDULES[schedule].torch_name)
     try:
@@ -119,7 +112,7 @@ def test_looped_programs_with_one_stage_per_rank_follow_torchs_pipeline_order(
 def _torch_ir(schedule: str, p: int, m: int) -> dict[int, list[str]]:
     from torch.distributed import pipelining
 
-    from pipedialect.planner._schedules import _StandInStage
+    from pipedialect.cost._schedules import _StandInStage
 
     cls = getattr(pipelining, TORCH_SCHEDULES[schedule].torch_name)
     built = cls(_StandInStage(0, p, p, 0), n_microbatches=m)

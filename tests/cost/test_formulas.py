@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pipedialect.planner import (
+from pipedialect.cost import (
     Program,
     Simulation,
     StageTimes,

@@ -6,8 +6,8 @@ allows. The candidates are every module forward calls exactly once, at any depth
 something and is not inside a module that runs as one call (an fx leaf such as
 ``nn.TransformerEncoderLayer``, or a ``leaf_modules`` entry); by default the split points are
 chosen among the model's own blocks ([Note: blocks]); the model is measured once ([Note:
-balance trace] in ``_balance_profile``) and the contiguous-partition problem solved exactly
-([Note: balance solver] in ``_balance_solver``).
+balance trace] in ``_profile``) and the contiguous-partition problem solved exactly
+([Note: balance solver] in ``_solver``).
 
 [Note: blocks]
 A stage boundary inside a block (after a decoder layer's ``q_proj``) sends what the rest of the
@@ -46,8 +46,9 @@ another, and charged in full it would make a middle stage (two boundaries) look 
 end stage (one) by a constant that, on a model of small blocks, outweighs the compute and
 piles it onto the end stages. So ``"flops"`` balances FLOPs, and ``"time"`` seconds, with the
 boundary bytes moving a cut only where cuts differ in what they carry; among splits of equal
-cost, the one with the most even compute wins (:mod:`pipedialect.plan._balance_solver`). The
-planner (:mod:`pipedialect.planner`) prices every message in full in its simulation.
+cost, the one with the most even compute wins (:mod:`pipedialect.cost._solver`). The layout
+model the planner uses (:func:`pipedialect.cost.predict`) prices every message in full in its
+simulation.
 
 Every method but ``"time"`` depends on the model and the inputs' shapes alone, so every rank
 chooses the same split points; ``"time"`` is a collective when a process group is initialised.
@@ -60,26 +61,32 @@ import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypedDict, Unpack, get_args
 
 from torch import nn
 
 from ..errors import ConfigError, PartitionError, SplitPointError
-from . import _balance_profile as _profile
-from ._balance_solver import solve
-from ._module_paths import check_execution_order, resolve_leaves
+from . import _profile
+from ._bubble import predicted_bubble
+from ._profile import timing_threads
+from ._schedules import deepspeed_program
+from ._simulate import Simulation, StageTimes, simulate
+from ._solver import solve
+from .module_paths import check_execution_order, resolve_leaves
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
     "DEFAULT_FLOPS_PER_SECOND",
     "BalanceMethod",
+    "BalanceOptions",
     "ModelProfile",
     "PlanCosts",
     "StageCosts",
+    "balanced_split_points",
     "choose_split_points",
     "plan_costs",
-    "predicted_bubble",
     "profile_model",
+    "timing_threads",
 ]
 
 logger = logging.getLogger(__name__)
@@ -93,19 +100,15 @@ DEFAULT_BANDWIDTH = 25e9
 DEFAULT_FLOPS_PER_SECOND = 1e14
 
 
-def predicted_bubble(num_stages: int, micro_batches: int) -> float:
-    """The idle fraction of a 1F1B (or GPipe) step with equal stages: ``(p - 1) / (m + p - 1)``."""
-    if num_stages < 1 or micro_batches < 1:
-        raise ConfigError(
-            f"the bubble needs at least one stage and one micro-batch, got p={num_stages}, "
-            f"m={micro_batches}"
-        )
-    return (num_stages - 1) / (micro_batches + num_stages - 1)
-
-
-def _in_flight(stage: int, num_stages: int, micro_batches: int | None) -> int:
-    held = num_stages - stage
-    return held if micro_batches is None else max(1, min(held, micro_batches))
+def _one_f_one_b(
+    num_stages: int, micro_batches: int | None, times: Sequence[tuple[float, float]] | None = None
+) -> Simulation:
+    """DeepSpeed's 1F1B of ``num_stages`` stages replayed by the simulator, with each stage's
+    ``(forward, backward)`` seconds (default: none) and free communication; ``micro_batches``
+    None stands for at least ``num_stages``."""
+    m = num_stages if micro_batches is None else micro_batches
+    stages = [StageTimes(f, b, 0.0, split=False) for f, b in times or [(0.0, 0.0)] * num_stages]
+    return simulate(deepspeed_program(num_stages, m), stages)
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,8 @@ class StageCosts:
     flops: float | None
     #: Bytes the stage's forward saves for backward.
     activation_bytes: int | None
-    #: Micro-batches 1F1B keeps in flight on this stage: ``min(p - k, m)``.
+    #: Micro-batches 1F1B keeps in flight on this stage (the simulator's count:
+    #: ``min(p - k, m)``).
     in_flight: int
     #: ``state_bytes + in_flight * activation_bytes``.
     memory_bytes: int | None
@@ -134,6 +138,8 @@ class StageCosts:
     boundary_bytes: int | None
     #: Measured forward + backward seconds.
     time: float | None
+    #: The forward's part of :attr:`time`.
+    forward_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -159,11 +165,16 @@ class PlanCosts:
 
     @property
     def step_time(self) -> float | None:
-        """``(m + p - 1) * slowest stage time``: a 1F1B step paced by its bottleneck stage."""
-        times = [s.time for s in self.stages]
-        if self.micro_batches is None or any(t is None for t in times):
+        """The makespan of DeepSpeed's 1F1B step with the stages' measured forward and backward
+        seconds, replayed by the simulator (:func:`~pipedialect.cost.simulate`; communication
+        free), or None without ``micro_batches`` or times."""
+        times = [(s.forward_time, s.time) for s in self.stages]
+        if self.micro_batches is None:
             return None
-        return (self.micro_batches + self.num_stages - 1) * max(t for t in times if t is not None)
+        known = [(f, t - f) for f, t in times if f is not None and t is not None]
+        if len(known) < len(times):
+            return None
+        return _one_f_one_b(self.num_stages, self.micro_batches, known).step_time
 
     def imbalance(self, metric: str) -> float:
         """``max / mean`` over stages of a :class:`StageCosts` field (1.0: perfectly even)."""
@@ -468,9 +479,8 @@ class ModelProfile:
                 [self._state_bytes(names, optimizer_states) for names in atoms.state], 0
             )
             activation, act_overlaps = _union_channel([self._saved_bytes(r) for r in atoms.gaps], 1)
-            scales = [
-                [1.0, float(_in_flight(k, num_stages, micro_batches))] for k in range(num_stages)
-            ]
+            held = _one_f_one_b(num_stages, micro_batches).in_flight
+            scales = [[1.0, float(held[k])] for k in range(num_stages)]
             return [state, activation], scales, state_overlaps + act_overlaps
         if balance == "flops":
             fwd, bwd = trace.forward_flops or [], trace.backward_flops or []
@@ -526,6 +536,7 @@ class ModelProfile:
                 f"split point {points[-1]!r} is the last computation in forward: the stage "
                 "after it would compute nothing"
             )
+        held = _one_f_one_b(p, micro_batches).in_flight
         stages = []
         for k in range(p):
             names = atoms.state[k]
@@ -534,14 +545,15 @@ class ModelProfile:
             flops = None
             if trace.forward_flops is not None and trace.backward_flops is not None:
                 flops = sum(trace.forward_flops[g] + trace.backward_flops[g] for g in gaps)
-            seconds = None
+            seconds = forward = None
             if trace.forward_time is not None and trace.backward_time is not None:
-                seconds = sum(trace.forward_time[g] + trace.backward_time[g] for g in gaps)
+                forward = sum(trace.forward_time[g] for g in gaps)
+                seconds = forward + sum(trace.backward_time[g] for g in gaps)
             activation = None
             if trace.saved is not None:
                 activation = int(sum(self._saved_bytes(gaps).values()))
             state = int(sum(self._state_bytes(names, optimizer_states).values()))
-            in_flight = _in_flight(k, p, micro_batches)
+            in_flight = held[k]
             boundary = None
             if trace.crossing is not None:
                 boundary = trace.crossing[xs[k]] if k < p - 1 else 0
@@ -558,6 +570,7 @@ class ModelProfile:
                     memory_bytes=None if activation is None else state + in_flight * activation,
                     boundary_bytes=boundary,
                     time=seconds,
+                    forward_time=forward,
                 )
             )
         return PlanCosts(
@@ -616,7 +629,7 @@ def profile_model(
             times (a rank that is alone in calling it is refused by name, [Note: measurements
             agree across ranks]); False: this rank's own times, no collective.
         threads: the intra-op threads to time with (default: this process's share of the
-            cores, ``_balance_profile.timing_threads``).
+            cores, :func:`timing_threads`).
     """
     leaf_ids, leaf_types, _ = resolve_leaves(model, leaf_modules or ())
     hidden = _profile._hidden_modules(model, leaf_ids, leaf_types)
@@ -672,52 +685,92 @@ def _blocks(model: nn.Module) -> list[str]:
     return blocks
 
 
+class BalanceOptions(TypedDict, total=False):
+    """What :func:`choose_split_points` and :func:`balanced_split_points` take besides the
+    model, the stage count and the method (see :func:`profile_model` and
+    :meth:`ModelProfile.choose`)."""
+
+    #: ``{parameter name: tensor}``, one micro-batch (all methods but ``"parameters"``).
+    example_inputs: Mapping[str, Any] | None
+    #: Split points the answer must contain.
+    split_points: Sequence[str]
+    #: The modules the other split points are chosen among (default: the model's blocks).
+    candidates: Sequence[str] | None
+    #: ``m``: micro-batches per step (default: at least ``num_stages``).
+    micro_batches: int | None
+    #: Values for forward's other parameters, as for ``partition``.
+    concrete_args: Mapping[str, Any] | None
+    #: Modules that run as one call, as for ``partition``.
+    leaf_modules: Sequence[str | type[nn.Module]] | None
+    #: Bytes per second between stages (default :data:`DEFAULT_BANDWIDTH`); None: free.
+    bandwidth: float | None
+    #: What ``"flops"`` turns boundary seconds into FLOPs at.
+    flops_per_second: float
+    #: Tensors of optimizer state per trainable parameter (Adam: 2).
+    optimizer_states: int
+    #: Timed runs for ``"time"``.
+    repeats: int
+
+
 def choose_split_points(
-    model: nn.Module,
-    num_stages: int,
-    balance: BalanceMethod,
-    *,
-    example_inputs: Mapping[str, Any] | None = None,
-    split_points: Sequence[str] = (),
-    candidates: Sequence[str] | None = None,
-    micro_batches: int | None = None,
-    concrete_args: Mapping[str, Any] | None = None,
-    leaf_modules: Sequence[str | type[nn.Module]] | None = None,
-    bandwidth: float | None = DEFAULT_BANDWIDTH,
-    flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
-    optimizer_states: int = 2,
-    repeats: int = 3,
+    model: nn.Module, num_stages: int, balance: BalanceMethod, **options: Unpack[BalanceOptions]
 ) -> list[str]:
     """Split points for :func:`pipedialect.partition` that balance ``num_stages`` stages.
 
     ``balance="parameters"`` works without ``example_inputs``; the others need them. See
-    :func:`profile_model` and :meth:`ModelProfile.choose` for the arguments.
+    :class:`BalanceOptions` for the options.
     """
+    points, _ = balanced_split_points(model, num_stages, balance, **options)
+    return points
+
+
+def balanced_split_points(
+    model: nn.Module, num_stages: int, balance: BalanceMethod, **options: Unpack[BalanceOptions]
+) -> tuple[list[str], PlanCosts]:
+    """:func:`choose_split_points`, and the predicted costs of the stages they make (for
+    ``micro_batches``, default ``num_stages``): what ``partition(num_stages=, balance=)`` runs,
+    measuring the model once."""
+    unknown = sorted(set(options) - set(BalanceOptions.__annotations__))
+    if unknown:
+        raise ConfigError(
+            f"unknown balancing option(s) {unknown}; the options are "
+            f"{sorted(BalanceOptions.__annotations__)}"
+        )
+    example_inputs = options.get("example_inputs")
+    micro_batches = options.get("micro_batches")
+    optimizer_states = options.get("optimizer_states", 2)
     if balance not in _METHODS:
         raise ConfigError(f"balance must be one of {list(_METHODS)}, got {balance!r}")
     if balance != "parameters" and example_inputs is None:
         raise ConfigError(
-            f"balance={balance!r} measures the model on example_inputs ({{parameter name: "
-            "tensor}}, one micro-batch); pass them, or use balance='parameters'"
+            f"balance={balance!r} measures the model on one micro-batch ({{parameter name: "
+            "tensor}}): pass it (partition's balance_inputs= or example_inputs=, "
+            "choose_split_points' example_inputs=), or use balance='parameters'"
         )
     profile = profile_model(
         model,
         example_inputs=example_inputs,
-        concrete_args=concrete_args,
-        leaf_modules=leaf_modules,
+        concrete_args=options.get("concrete_args"),
+        leaf_modules=options.get("leaf_modules"),
         measure_time=balance == "time",
-        repeats=repeats,
+        repeats=options.get("repeats", 3),
     )
-    return profile.choose(
+    points = profile.choose(
         num_stages,
         balance,
-        split_points=split_points,
-        candidates=candidates,
+        split_points=options.get("split_points", ()),
+        candidates=options.get("candidates"),
         micro_batches=micro_batches,
-        bandwidth=bandwidth,
-        flops_per_second=flops_per_second,
+        bandwidth=options.get("bandwidth", DEFAULT_BANDWIDTH),
+        flops_per_second=options.get("flops_per_second", DEFAULT_FLOPS_PER_SECOND),
         optimizer_states=optimizer_states,
     )
+    costs = profile.costs(
+        points,
+        micro_batches=num_stages if micro_batches is None else micro_batches,
+        optimizer_states=optimizer_states,
+    )
+    return points, costs
 
 
 def plan_costs(

@@ -16,7 +16,7 @@
   computation, receives are waited for right before it. The constructor still runs, for its
   checks. (Torch 2.13's ``Schedule1F1B.pipeline_order``, used only for drawing, starts the last
   rank at micro-batch 1 and ends it at micro-batch ``m``; the loop that runs does 0 to ``m - 1``,
-  and this encoding follows the loop. ``tests/planner/test_planner_schedules.py`` compares both.)
+  and this encoding follows the loop. ``tests/cost/test_schedules.py`` compares both.)
 - DeepSpeed's ``TrainSchedule`` (``deepspeed_1f1b``), encoded here because the core never
   imports deepspeed: ``2 (m + p - 1)`` lock-step steps; at step ``t`` stage ``s`` computes a
   forward when ``t`` and ``s`` have the same parity, of micro-batch ``t // 2 - s // 2``, otherwise

@@ -25,7 +25,9 @@ the rank has finished the one before and its inputs are there:
 
 The step time is the makespan of one step (from the first action to the last, every rank
 starting at 0), or, over several steps, the steady period: the time between the ends of the last
-two steps. A rank's bubble is ``1 - busy / step time``, ``busy`` being its computation.
+two steps. A rank's bubble is the one the trace measures ([Note: the bubble] in ``_bubble``):
+``1 - busy / window``, ``busy`` being its computation and ``window`` the step's from its first
+computation to its last (over several steps, the steady period).
 
 A micro-batch is *in flight* on a stage from the start of its forward until its last backward
 piece ends (``B``; ``W`` when the backward is split; ``I`` on a stage whose backward the dialect
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from ._bubble import idle_fractions, step_window
 from ._program import COMPUTE, Action, ActionKind, Program
 
 __all__ = ["SimulatedSpan", "Simulation", "StageMemory", "StageTimes", "simulate"]
@@ -128,8 +131,14 @@ class Simulation:
 
     @property
     def bubble(self) -> tuple[float, ...]:
-        """Each rank's idle fraction: ``1 - busy / step_time``."""
-        return tuple(1.0 - b / self.step_time if self.step_time else 0.0 for b in self.busy)
+        """Each rank's idle fraction, ``1 - busy / window`` ([Note: simulation])."""
+        window = self.step_time
+        if not any(s.step for s in self.spans):
+            computations = (
+                (s.rank, s.start, s.end) for s in self.spans if s.kind in _COMPUTE_SPANS
+            )
+            window, _ = step_window(computations)
+        return tuple(idle_fractions(dict(enumerate(self.busy)), window).values())
 
     @property
     def bubble_fraction(self) -> float:
@@ -172,7 +181,7 @@ def simulate(
     """Replay ``program`` with the given costs ([Note: simulation]).
 
     Args:
-        program: what every rank runs (see :mod:`pipedialect.planner`'s program builders).
+        program: what every rank runs (see :mod:`pipedialect.cost`'s program builders).
         stages: one :class:`StageTimes` per stage.
         boundaries: seconds of one message across each boundary (``num_stages - 1`` values;
             the activation and its gradient alike), or one value for all.

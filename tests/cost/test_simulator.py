@@ -7,7 +7,7 @@ import math
 import pytest
 
 from pipedialect import ConfigError
-from pipedialect.planner import (
+from pipedialect.cost import (
     Action,
     ActionKind,
     Program,

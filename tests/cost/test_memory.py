@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipedialect.planner import Cluster, Layout, build_program, model_chains, predict
+from pipedialect.cost import Cluster, Layout, model_chains, predict
+from pipedialect.planner import build_program
 
 DIM, HIDDEN, BATCH = 16, 64, 4
 

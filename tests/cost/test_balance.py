@@ -27,14 +27,10 @@ from torch import nn
 
 import pipedialect
 from pipedialect import ConfigError, PartitionError, SplitPointError, partition
+from pipedialect.cost import predicted_bubble
+from pipedialect.cost._solver import solve, spread_partition, uniform_partition
+from pipedialect.cost.balance import choose_split_points, plan_costs, profile_model
 from pipedialect.models import MODELS, ModelSpec, TinyGPT
-from pipedialect.plan._balance_solver import solve, spread_partition, uniform_partition
-from pipedialect.plan.balance import (
-    choose_split_points,
-    plan_costs,
-    predicted_bubble,
-    profile_model,
-)
 from pipedialect.runtime.launch import launch
 
 # -- the solver against brute force ------------------------------------------------------------
@@ -610,7 +606,7 @@ def test_measure_time_pins_its_threads_and_reports_runs_and_spread() -> None:
     after; at least ``repeats`` runs; the report says how many threads, runs and what spread."""
     import os
 
-    from pipedialect.plan._balance_profile import timing_threads
+    from pipedialect.cost._profile import timing_threads
 
     model = _CountsThreads()
     previous = torch.get_num_threads()

@@ -2,7 +2,7 @@
 
 [Note: the chain]
 The planner cuts a model only where :func:`pipedialect.partition` can: after a candidate
-module (see :mod:`pipedialect.plan.balance`). Between two consecutive candidates lies an *atom*,
+module (see :mod:`pipedialect.cost.balance`). Between two consecutive candidates lies an *atom*,
 with its forward and backward seconds for one micro-batch of ``batch`` samples, the parameters and
 other state it reads (keyed by name, so a parameter two atoms share is counted once per stage),
 the tensors its forward saves for the backward (keyed by storage, likewise), and, for tensor
@@ -10,7 +10,7 @@ parallelism, the part of all that inside tensor-parallel modules. ``boundary[c]`
 cut after atom ``c`` carries. A stage is a run of atoms; its costs are their sums (their unions
 for keyed amounts).
 
-A chain is built from a model by :func:`pipedialect.planner.model_chain` (measured once, on
+A chain is built from a model by :func:`pipedialect.cost.model_chains` (measured once, on
 fake tensors or for real), or written by hand for a model described by its layers' costs.
 """
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..errors import ConfigError
+from ._solver import solve
 
 __all__ = ["Atom", "Chain", "StageProfile"]
 
@@ -103,7 +104,7 @@ class Chain:
     #: Samples per micro-batch the costs are for.
     batch: int = 1
     #: ``nested_from[c]``: cut ``c`` ends a module whose call contains cuts
-    #: ``nested_from[c] .. c - 1``, which cannot come right before it (see ``_balance_solver``).
+    #: ``nested_from[c] .. c - 1``, which cannot come right before it (see ``cost._solver``).
     nested_from: tuple[int, ...] | None = None
     #: The last cut must be below this (the last stage must compute); default: any.
     last_cut_below: int | None = None
@@ -169,6 +170,18 @@ class Chain:
                 )
             )
         return out
+
+    def balanced_cuts(self, weights: Sequence[float], num_stages: int) -> tuple[int, ...] | None:
+        """The cuts into ``num_stages`` stages that make the largest sum of ``weights`` (one per
+        atom) as small as the chain allows, by the exact solver ([Note: balance solver]); None
+        when it cannot make that many stages."""
+        solution = solve(
+            [list(weights)],
+            num_stages,
+            nested_from=self.nested_from,
+            last_cut_below=self.last_cut_below,
+        )
+        return None if solution is None else solution.cuts
 
     def split_points(self, cuts: Sequence[int]) -> tuple[str, ...]:
         """The module paths of ``cuts``: what :func:`pipedialect.partition` takes."""

@@ -1,4 +1,4 @@
-"""Measuring a model for :mod:`pipedialect.plan.balance`: module calls, and what runs between them.
+"""Measuring a model for :mod:`pipedialect.cost.balance`: module calls, and what runs between them.
 
 [Note: balance trace]
 A *trace* is one forward (and, where costs need it, one backward) of the model with a hook on
