@@ -68,7 +68,14 @@ from torch import nn
 
 import pipedialect
 from pipedialect.models import MHGPT_TENSOR_PLAN, MultiHeadGPT, TinyGPT, cross_entropy_loss
-from pipedialect.planner import Layout, LayoutPlan, calibrate, plan_layout, write_chrome_trace
+from pipedialect.planner import (
+    Layout,
+    LayoutPlan,
+    calibrate,
+    plan_layout,
+    predict,
+    write_chrome_trace,
+)
 from pipedialect.runtime.launch import launch
 
 #: Emulated milliseconds per sample of each block's forward (its input and weight gradients
@@ -596,6 +603,7 @@ def main() -> None:
                 memory[r[i]["pipe_rank"]] = max(memory.get(r[i]["pipe_rank"], 0), r[i]["memory"])
             rows.append(
                 {
+                    "before": _before(plan, lay),
                     "workload": workload,
                     "dialect": dialect,
                     "world": world,
@@ -614,6 +622,25 @@ def main() -> None:
     _report(rows)
 
 
+def _before(plan: LayoutPlan, lay: Layout) -> float:
+    """The step ``lay`` is predicted without the calibrated costs of FSDP's units and tensor
+    parallelism's modules and without a rank's messages queueing on its link (the model before
+    it had them), for the before/after figure of each summary line."""
+    import dataclasses
+
+    cluster = dataclasses.replace(plan.cluster, fsdp_unit_overhead=0.0, tensor_module_overhead=0.0)
+    program = plan.programs[(lay.schedule, lay.pipeline, lay.micro_batches, lay.stages_per_rank)]
+    chain = plan.chains[lay.recompute or ""]
+    return predict(
+        chain,
+        lay,
+        cluster,
+        program,
+        split_first_stage=plan.offer.split_first_stage,
+        queue_messages=False,
+    ).step_time
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "not met"
 
@@ -630,11 +657,22 @@ def _summary(group: Sequence[dict[str, Any]]) -> str:
         if m > 0
     ]
     mem = max(mem_errors) if mem_errors else float("nan")
-    return (
+    line = (
         f"{len(group)} layouts; median step error {median:.1%} (<= 10%: "
         f"{_verdict(median <= 0.10)}); Spearman {rho:.3f} (>= 0.8: {_verdict(rho >= 0.8)}); "
         f"largest peak-memory error per rank {mem:.1%} (<= 15%: {_verdict(mem <= 0.15)})"
     )
+    before = [r["before"] for r in group]
+    if before != [r["predicted"] for r in group]:
+        old = statistics.median(
+            abs(b / r["measured"] - 1) for b, r in zip(before, group, strict=True)
+        )
+        rho_old = _spearman(before, [r["measured"] for r in group])
+        line += (
+            f"; without the FSDP/TP runtime costs and message queueing: median step error "
+            f"{old:.1%}, Spearman {rho_old:.3f}"
+        )
+    return line
 
 
 def _report(rows: list[dict[str, Any]]) -> None:

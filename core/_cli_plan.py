@@ -53,8 +53,9 @@ def add_plan_parser(sub: Any) -> None:
         "--calibrate",
         action="store_true",
         help="first measure what the dialect's runtime costs on this machine (per computation, "
-        "per step, messages with every link busy, all-reduce) on --calibrate-ranks local ranks "
-        "and store it; plans use the stored calibration",
+        "per step, messages with every link busy, all-reduce, and what sharded data parallelism "
+        "adds per FSDP unit and tensor parallelism per sharded module) on --calibrate-ranks "
+        "local ranks and store it; plans use the stored calibration",
     )
     parser.add_argument("--calibrate-ranks", type=int, default=2, help="ranks to calibrate on")
     parser.add_argument("--dialect", default="torch", help="the dialect to plan for")

@@ -51,6 +51,7 @@ from .contracts import (
     TieRanks,
     Topology,
 )
+from .engine import SharedEngineArgs
 from .engine.config import check_config_keys
 from .engine.param_groups import ParamGroupsFn
 from .errors import ConfigError, MissingCapabilityError, TopologyError
@@ -179,6 +180,15 @@ class EngineRequest(Generic[OptionsT]):
     #: A client optimizer: a factory ``optimizer(param_groups) -> torch.optim.Optimizer`` or an
     #: optimizer object; it replaces the config's ``optimizer`` section (which must be absent).
     optimizer: Any = None
+
+    def shared_args(self) -> SharedEngineArgs:
+        """The shared arguments as :class:`~pipedialect.engine.EngineBase` takes them."""
+        return SharedEngineArgs(
+            check_finite=self.check_finite,
+            lr_scheduler=self.lr_scheduler,
+            param_groups=self.param_groups,
+            optimizer=self.optimizer,
+        )
 
 
 class Dialect(abc.ABC):

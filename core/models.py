@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,13 +112,13 @@ class CausalSelfAttention(nn.Module):
         return out
 
 
-class GPTBlock(nn.Module):
-    """Pre-norm transformer block (a custom module: fx traces through it unless it is a leaf)."""
+class _PreNormBlock(nn.Module):
+    """The pre-norm transformer block of both GPT models, around the attention it is given."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, attn: nn.Module) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim)
+        self.attn = attn
         self.ln2 = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, 2 * dim)
         self.fc2 = nn.Linear(2 * dim, dim)
@@ -129,21 +129,24 @@ class GPTBlock(nn.Module):
         return out
 
 
-class TinyGPT(nn.Module):
-    """A GPT-like decoder with its token embedding tied to the LM head."""
+class GPTBlock(_PreNormBlock):
+    """Pre-norm transformer block (a custom module: fx traces through it unless it is a leaf)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim, CausalSelfAttention(dim))
+
+
+class _TiedDecoder(nn.Module):
+    """The decoder of both GPT models: embeddings, the given blocks, a final norm and an LM head
+    tied to the token embedding; every parameter seeded by :func:`seeded_init`."""
 
     def __init__(
-        self,
-        vocab: int = 32,
-        dim: int = 16,
-        max_len: int = 8,
-        num_blocks: int = 4,
-        seed: int = 0,
+        self, vocab: int, dim: int, max_len: int, blocks: Iterable[nn.Module], seed: int
     ) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Parameter(torch.zeros(max_len, dim))
-        self.blocks = nn.ModuleList(GPTBlock(dim) for _ in range(num_blocks))
+        self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         seeded_init(self, seed)
@@ -155,6 +158,20 @@ class TinyGPT(nn.Module):
             h = block(h)
         out: torch.Tensor = self.lm_head(self.ln_f(h))
         return out
+
+
+class TinyGPT(_TiedDecoder):
+    """A GPT-like decoder with its token embedding tied to the LM head."""
+
+    def __init__(
+        self,
+        vocab: int = 32,
+        dim: int = 16,
+        max_len: int = 8,
+        num_blocks: int = 4,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(vocab, dim, max_len, (GPTBlock(dim) for _ in range(num_blocks)), seed)
 
 
 class MultiHeadAttention(nn.Module):
@@ -183,24 +200,14 @@ class MultiHeadAttention(nn.Module):
         return result
 
 
-class MultiHeadBlock(nn.Module):
+class MultiHeadBlock(_PreNormBlock):
     """Pre-norm transformer block with :class:`MultiHeadAttention`."""
 
     def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = MultiHeadAttention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 2 * dim)
-        self.fc2 = nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-        return out
+        super().__init__(dim, MultiHeadAttention(dim, heads))
 
 
-class MultiHeadGPT(nn.Module):
+class MultiHeadGPT(_TiedDecoder):
     """A GPT-like decoder with multi-head attention and its token embedding tied to the LM
     head; :data:`MHGPT_TENSOR_PLAN` shards it over a tensor axis."""
 
@@ -213,21 +220,8 @@ class MultiHeadGPT(nn.Module):
         num_blocks: int = 4,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, dim)
-        self.wpe = nn.Parameter(torch.zeros(max_len, dim))
-        self.blocks = nn.ModuleList(MultiHeadBlock(dim, heads) for _ in range(num_blocks))
-        self.ln_f = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        seeded_init(self, seed)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.wte(input_ids) + self.wpe[: input_ids.size(1)]
-        for block in self.blocks:
-            h = block(h)
-        out: torch.Tensor = self.lm_head(self.ln_f(h))
-        return out
+        blocks = (MultiHeadBlock(dim, heads) for _ in range(num_blocks))
+        super().__init__(vocab, dim, max_len, blocks, seed)
 
 
 #: :class:`MultiHeadGPT`'s tensor-parallel plan: the heads and the MLP's hidden features split

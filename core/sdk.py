@@ -56,7 +56,8 @@ Ranks that agree
     :func:`~pipedialect.runtime.sharded.counted_square_norm`).
 
 DeepSpeed's training semantics, for engines that do not run DeepSpeed
-    :class:`~pipedialect.engine.EngineBase`; the config
+    :class:`~pipedialect.engine.EngineBase` and the shared arguments it takes
+    (:class:`~pipedialect.engine.SharedEngineArgs`); the config
     (:class:`~pipedialect.engine.config.TrainingConfig`,
     :func:`~pipedialect.engine.config.parse_config`,
     :func:`~pipedialect.engine.config.batch_triple`,
@@ -96,6 +97,7 @@ from .engine import (
     EngineBase,
     ParamGroupsFn,
     Precision,
+    SharedEngineArgs,
     TrainingConfig,
     batch_triple,
     build_optimizer,
@@ -168,6 +170,7 @@ __all__ = [
     "PipelinePlan",
     "PipelineRequest",
     "Precision",
+    "SharedEngineArgs",
     "StageWrapper",
     "TrainingConfig",
     "agree_on_error",

@@ -25,6 +25,7 @@ from _model_registry import (
     float_batches,
     gpt16,
     local_params,
+    reference_optimizer,
     spec_for,
     token_batches,
 )
@@ -502,13 +503,7 @@ def unsplit_reference(
     this process; return losses, parameters and an eval loss."""
     spec = spec_for(name)
     model = spec.build(0)
-    params = list(model.parameters())
-    if optimizer == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1)
-    elif optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=1e-2)
-    else:  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
-        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    opt = reference_optimizer(optimizer, list(model.parameters()))
     streams = [data_stream(spec, steps * gas, micro, r) for r in range(dp)]
     losses = train_unsplit(model, opt, steps_from(streams, steps, gas), spec.loss_fn, clip=clip)[0]
     with torch.no_grad():

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _error_records import error_record
 from _reliability_workers import config, step_batches
 
 import pipedialect
@@ -42,13 +43,7 @@ _ATTRS = ("rank", "what", "error", "field", "address", "port")
 def _record(exc: BaseException | None) -> dict[str, Any]:
     if exc is None:
         return {"error": None, "at": time.time()}
-    return {
-        "error": type(exc).__name__,
-        "bases": [c.__name__ for c in type(exc).__mro__],
-        "message": str(exc),
-        "attrs": {a: getattr(exc, a) for a in _ATTRS if hasattr(exc, a)},
-        "at": time.time(),
-    }
+    return {**error_record(exc, _ATTRS), "at": time.time()}
 
 
 def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -58,21 +59,14 @@ def _padding_mask(gen: torch.Generator, batch: int, seq: int) -> torch.Tensor:
     return mask
 
 
+#: What the in-process cases change in a family's config (:func:`family_config`): the eager
+#: attention, no cache, and for GPT-2 and BERT four layers over 16 positions.
+_EAGER = {"attn_implementation": "eager"}
+_NO_CACHE = {"use_cache": False}
+
+
 def _gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=4,
-        n_embd=32,
-        n_head=2,
-        vocab_size=VOCAB,
-        n_positions=16,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-        attn_implementation="eager",
-    )
+    config = family_config("gpt2", n_layer=4, n_positions=16, **_NO_CACHE, **_EAGER)
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -84,18 +78,8 @@ def _gpt2_batch(gen: torch.Generator, batch: int) -> Batch:
 
 
 def _bert() -> nn.Module:
-    config = transformers.BertConfig(
-        num_hidden_layers=4,
-        hidden_size=32,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=16,
-        type_vocab_size=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=0,
-        attn_implementation="eager",
+    config = family_config(
+        "bert", num_hidden_layers=4, max_position_embeddings=16, type_vocab_size=2, **_EAGER
     )
     return transformers.BertForMaskedLM(config)
 
@@ -112,22 +96,7 @@ def _bert_batch(gen: torch.Generator, batch: int) -> Batch:
 
 
 def _t5() -> nn.Module:
-    config = transformers.T5Config(
-        num_layers=2,
-        num_decoder_layers=2,
-        d_model=32,
-        d_kv=16,
-        num_heads=2,
-        d_ff=64,
-        vocab_size=VOCAB,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-        use_cache=False,
-        attn_implementation="eager",
-    )
-    return transformers.T5ForConditionalGeneration(config)
+    return transformers.T5ForConditionalGeneration(family_config("t5", **_NO_CACHE, **_EAGER))
 
 
 def _t5_batch(gen: torch.Generator, batch: int) -> Batch:
@@ -138,8 +107,41 @@ def _t5_batch(gen: torch.Generator, batch: int) -> Batch:
     return (ids, mask, decoder_ids), labels
 
 
+class _Fed:
+    """What a case and a family share: a model whose weights depend only on a seed, the example
+    micro-batch the capture sees, and the unsplit model called as transformers users call it.
+    A subclass has ``input_names``, ``fixed``, ``micro_batches`` and ``_construct``."""
+
+    input_names: tuple[str, ...]
+    #: forward arguments fixed for the capture and for the reference call alike
+    fixed: dict[str, Any]
+
+    def _construct(self) -> nn.Module:
+        raise NotImplementedError
+
+    def micro_batches(
+        self, count: int, *, batch_size: int = 2, seed: int = DATA_SEED
+    ) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def build(self, seed: int = 0) -> nn.Module:
+        """The model with weights drawn from ``seed``; the caller's RNG is left alone."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = self._construct()
+        return model.train()
+
+    def example_inputs(self, batch_size: int = 2) -> dict[str, torch.Tensor]:
+        inputs, _ = next(self.micro_batches(1, batch_size=batch_size, seed=EXAMPLE_SEED))
+        return dict(zip(self.input_names, inputs, strict=True))
+
+    def forward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
+        """The unsplit model, called as transformers users call it (keyword inputs)."""
+        return model(**dict(zip(self.input_names, inputs, strict=True)), **self.fixed)
+
+
 @dataclass(frozen=True)
-class HFCase:
+class HFCase(_Fed):
     """One transformers model, how to partition it and what to feed it."""
 
     name: str
@@ -151,12 +153,8 @@ class HFCase:
     fixed: dict[str, Any] = field(default_factory=dict)
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = token_loss
 
-    def build(self, seed: int = 0) -> nn.Module:
-        """The model with weights drawn from ``seed``; the caller's RNG is left alone."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = self.factory()
-        return model.train()
+    def _construct(self) -> nn.Module:
+        return self.factory()
 
     def micro_batches(
         self, count: int, *, batch_size: int = 2, seed: int = DATA_SEED
@@ -164,10 +162,6 @@ class HFCase:
         gen = torch.Generator().manual_seed(seed)
         for _ in range(count):
             yield self.make_batch(gen, batch_size)
-
-    def example_inputs(self, batch_size: int = 2) -> dict[str, torch.Tensor]:
-        inputs, _ = next(self.micro_batches(1, batch_size=batch_size, seed=EXAMPLE_SEED))
-        return dict(zip(self.input_names, inputs, strict=True))
 
     def partition(self, model: nn.Module, num_stages: int, batch_size: int = 2) -> PipelinePlan:
         """What a user writes: split points, one example micro-batch, the fixed flags."""
@@ -177,10 +171,6 @@ class HFCase:
             example_inputs=self.example_inputs(batch_size),
             concrete_args=self.fixed,
         )
-
-    def reference_forward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
-        """The unsplit model, called as transformers users call it."""
-        return model(**dict(zip(self.input_names, inputs, strict=True)), **self.fixed)
 
 
 CASES = {
@@ -227,9 +217,14 @@ def _decoder_kwargs() -> dict[str, Any]:
     return {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 1}
 
 
-def _family_configs() -> dict[str, Any]:
-    """Tiny configs (2 layers, hidden 32) with every dropout off and the attention each model
-    picks by default (sdpa wherever transformers has it)."""
+def family_config(name: str, **overrides: Any) -> Any:
+    """Family ``name``'s tiny config (2 layers, hidden 32) with every dropout off and the
+    attention each model picks by default (sdpa wherever transformers has it), ``overrides``
+    changed."""
+    return _family_settings()[name](**overrides)
+
+
+def _family_settings() -> dict[str, Callable[..., Any]]:
     t = transformers
     rotary = {
         "num_hidden_layers": 2,
@@ -241,10 +236,11 @@ def _family_configs() -> dict[str, Any]:
         **_decoder_kwargs(),
     }
     return {
-        "llama": t.LlamaConfig(**rotary, tie_word_embeddings=True),
-        "qwen2": t.Qwen2Config(**rotary, tie_word_embeddings=True),
-        "mistral": t.MistralConfig(**rotary, head_dim=8),
-        "gpt_neox": t.GPTNeoXConfig(
+        "llama": partial(t.LlamaConfig, **rotary, tie_word_embeddings=True),
+        "qwen2": partial(t.Qwen2Config, **rotary, tie_word_embeddings=True),
+        "mistral": partial(t.MistralConfig, **rotary, head_dim=8),
+        "gpt_neox": partial(
+            t.GPTNeoXConfig,
             num_hidden_layers=2,
             hidden_size=32,
             num_attention_heads=4,
@@ -255,7 +251,8 @@ def _family_configs() -> dict[str, Any]:
             attention_dropout=0.0,
             **_decoder_kwargs(),
         ),
-        "gpt2": t.GPT2Config(
+        "gpt2": partial(
+            t.GPT2Config,
             n_layer=2,
             n_embd=32,
             n_head=2,
@@ -267,7 +264,8 @@ def _family_configs() -> dict[str, Any]:
             bos_token_id=0,
             eos_token_id=0,
         ),
-        "opt": t.OPTConfig(
+        "opt": partial(
+            t.OPTConfig,
             num_hidden_layers=2,
             hidden_size=32,
             num_attention_heads=4,
@@ -278,7 +276,8 @@ def _family_configs() -> dict[str, Any]:
             attention_dropout=0.0,
             **_decoder_kwargs(),
         ),
-        "bert": t.BertConfig(
+        "bert": partial(
+            t.BertConfig,
             num_hidden_layers=2,
             hidden_size=32,
             num_attention_heads=2,
@@ -289,7 +288,8 @@ def _family_configs() -> dict[str, Any]:
             attention_probs_dropout_prob=0.0,
             pad_token_id=0,
         ),
-        "t5": t.T5Config(
+        "t5": partial(
+            t.T5Config,
             num_layers=2,
             num_decoder_layers=2,
             d_model=32,
@@ -302,7 +302,8 @@ def _family_configs() -> dict[str, Any]:
             pad_token_id=0,
             eos_token_id=1,
         ),
-        "bart": t.BartConfig(
+        "bart": partial(
+            t.BartConfig,
             encoder_layers=2,
             decoder_layers=2,
             d_model=32,
@@ -321,7 +322,7 @@ def _family_configs() -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Family:
+class Family(_Fed):
     """One transformers family as a user brings it: a class, a config, where to cut it."""
 
     name: str
@@ -342,14 +343,11 @@ class Family:
         return (*names, "decoder_input_ids") if self.encoder_decoder else names
 
     def config(self) -> Any:
-        return _family_configs()[self.name]
+        return family_config(self.name)
 
-    def build(self, seed: int = 0) -> nn.Module:
-        """The model with random weights drawn from ``seed``, the caller's RNG left alone."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model: nn.Module = self.model_cls(self.config())
-        return model.train()
+    def _construct(self) -> nn.Module:
+        model: nn.Module = self.model_cls(self.config())
+        return model
 
     def micro_batches(
         self, count: int, *, batch_size: int = 2, seed: int = DATA_SEED
@@ -364,14 +362,6 @@ class Family:
                 length = SEQ - 2
                 inputs += (torch.randint(2, VOCAB, (batch_size, length), generator=gen),)
             yield inputs, torch.randint(2, VOCAB, (batch_size, length), generator=gen)
-
-    def example_inputs(self, batch_size: int = 2) -> dict[str, torch.Tensor]:
-        inputs, _ = next(self.micro_batches(1, batch_size=batch_size, seed=EXAMPLE_SEED))
-        return dict(zip(self.input_names, inputs, strict=True))
-
-    def forward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
-        """The unsplit model called as transformers users call it (keyword inputs)."""
-        return model(**dict(zip(self.input_names, inputs, strict=True)), **self.fixed)
 
 
 #: Every family the HF tests partition; the rotary ones (Llama, Qwen2, Mistral, GPT-NeoX) hold
@@ -435,6 +425,33 @@ def ds_config(gas: int, micro: int, optimizer: str) -> dict[str, Any]:
     }
 
 
+def _train(
+    dialect: Any,
+    plan: PipelinePlan,
+    fed: _Fed,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    config: dict[str, Any],
+    steps: int,
+    micro: int,
+    **pipe_kwargs: Any,
+) -> tuple[Any, list[float]]:
+    """This rank's engine for ``plan`` (``pipe_kwargs`` for ``pipe_engine``) after ``steps``
+    steps on ``fed``'s micro-batches, and their losses."""
+    module = dialect.pipe_engine(plan, config=config, loss_fn=loss_fn, **pipe_kwargs)
+    engine = dialect.runtime_engine(module, config=config)
+    data = fed.micro_batches(steps * config["gradient_accumulation_steps"], batch_size=micro)
+    return engine, [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+
+
+def _stage_params(plan: PipelinePlan, stages: list[int]) -> dict[str, torch.Tensor]:
+    """Copies of the parameters of ``stages``, every tied name included."""
+    return {
+        n: p.detach().cpu().clone()
+        for k in stages
+        for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
+    }
+
+
 def train_deepspeed(
     names: list[str], num_stages: int, optimizer: str, steps: int, gas: int, micro: int
 ) -> dict[str, Any]:
@@ -447,20 +464,16 @@ def train_deepspeed(
         case = CASES[name]
         plan = case.partition(case.build(0), num_stages, batch_size=micro)
         topology = dialect.make_topology(num_stages, 1)
-        module = dialect.pipe_engine(plan, config=config, loss_fn=case.loss_fn, topology=topology)
-        engine = dialect.runtime_engine(module, config=config)
-        data = case.micro_batches(steps * gas, batch_size=micro)
-        losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+        engine, losses = _train(
+            dialect, plan, case, case.loss_fn, config, steps, micro, topology=topology
+        )
         eval_loss = float(engine.eval_batch(case.micro_batches(gas, batch_size=micro)))
         (stage,) = dialect.local_stages(engine)
         results[name] = {
             "losses": losses,
             "eval_loss": eval_loss,
             "stage": stage,
-            "params": {
-                n: p.detach().cpu().clone()
-                for n, p in plan.stages[stage].named_parameters(remove_duplicate=False)
-            },
+            "params": _stage_params(plan, [stage]),
             "replicated": sorted(
                 n
                 for n, p in plan.stages[stage].named_parameters(remove_duplicate=False)
@@ -493,23 +506,16 @@ def train_torch(
         for name in names:
             case = CASES[name]
             plan = case.partition(case.build(0), num_stages, batch_size=micro)
-            module = dialect.pipe_engine(
-                plan, config=config, loss_fn=case.loss_fn, schedule=schedule
+            engine, losses = _train(
+                dialect, plan, case, case.loss_fn, config, steps, micro, schedule=schedule
             )
-            engine = dialect.runtime_engine(module, config=config)
-            data = case.micro_batches(steps * gas, batch_size=micro)
-            losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
             eval_loss = float(engine.eval_batch(case.micro_batches(gas, batch_size=micro)))
             stages = list(dialect.local_stages(engine))
             results[f"{num_stages}-{schedule}/{name}"] = {
                 "losses": losses,
                 "eval_loss": eval_loss,
                 "stages": stages,
-                "params": {
-                    n: p.detach().cpu().clone()
-                    for k in stages
-                    for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
-                },
+                "params": _stage_params(plan, stages),
             }
             dist.barrier()
     return results
@@ -550,24 +556,13 @@ def pretrained_roundtrip(
             kwargs["topology"] = dialect.make_topology(2, 1)
         else:
             kwargs["schedule"] = "1F1B"
-        module = dialect.pipe_engine(plan, config=config, loss_fn=token_loss, **kwargs)
-        engine = dialect.runtime_engine(module, config=config)
-        data = family.micro_batches(steps * gas, batch_size=micro)
-        losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+        engine, losses = _train(dialect, plan, family, token_loss, config, steps, micro, **kwargs)
         stages = list(dialect.local_stages(engine))
         checkpoint.save(engine, f"{out}/{name}/ckpt")
         if dist.get_rank() == 0:
             checkpoint.export_hf(f"{out}/{name}/ckpt", f"{out}/{name}/export", config=saved)
         dist.barrier()
-        results[name] = {
-            "losses": losses,
-            "stages": stages,
-            "params": {
-                n: p.detach().cpu().clone()
-                for k in stages
-                for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
-            },
-        }
+        results[name] = {"losses": losses, "stages": stages, "params": _stage_params(plan, stages)}
     return results
 
 

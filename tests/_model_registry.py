@@ -194,6 +194,16 @@ def ds_config(
     }
 
 
+def reference_optimizer(optimizer: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The torch optimizer the unsplit reference steps for :func:`ds_config`'s ``optimizer``."""
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=1e-2)
+    # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
 def data_stream(spec: ModelSpec, count: int, micro: int, dp_rank: int) -> Iterator[Any]:
     return iter(list(spec.micro_batches(count, batch_size=micro, seed=DATA_SEED + dp_rank)))
 

@@ -10,13 +10,13 @@ process to compare with the unsplit model.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _error_records import timed_attempt
 from _reference import train_unsplit
 
 import pipedialect
@@ -59,20 +59,10 @@ def with_nan(batches: list[Any], index: int) -> list[Any]:
 
 
 def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Run ``fn``; return the error it raised (type, bases, attributes, message, seconds)."""
+    """Run ``fn`` on every rank at once; return the error it raised (type, bases, attributes,
+    message, seconds)."""
     dist.barrier()
-    start = time.monotonic()
-    record: dict[str, Any] = {"error": None}
-    try:
-        fn()
-    except Exception as exc:
-        record = {
-            "error": type(exc).__name__,
-            "bases": [c.__name__ for c in type(exc).__mro__],
-            "message": str(exc),
-            "attrs": {a: getattr(exc, a) for a in _ATTRS if hasattr(exc, a)},
-        }
-    record["seconds"] = time.monotonic() - start
+    record = timed_attempt(fn, _ATTRS)
     dist.barrier()
     return record
 

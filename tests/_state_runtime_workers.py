@@ -13,12 +13,12 @@ rank raised, and how fast.
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from _error_records import timed_attempt
 from torch import nn
 
 import pipedialect
@@ -51,13 +51,14 @@ class BNBlock(nn.Module):
         return out
 
 
-class BNNet(nn.Module):
-    """Four BatchNorm blocks between an input and an output projection."""
+class StackNet(nn.Module):
+    """Four blocks, each ``block(dim)``, between an input and an output projection: the nets
+    here differ only in their block."""
 
-    def __init__(self, dim: int = 8, affine: bool = True, seed: int = 0) -> None:
+    def __init__(self, block: Callable[[int], nn.Module], dim: int = 8, seed: int = 0) -> None:
         super().__init__()
         self.inp = nn.Linear(4, dim)
-        self.blocks = nn.ModuleList(BNBlock(dim, affine) for _ in range(4))
+        self.blocks = nn.ModuleList(block(dim) for _ in range(4))
         self.head = nn.Linear(dim, 3)
         seeded_init(self, seed)
 
@@ -67,6 +68,13 @@ class BNNet(nn.Module):
             h = block(h)
         out: torch.Tensor = self.head(h)
         return out
+
+
+class BNNet(StackNet):
+    """Four BatchNorm blocks between an input and an output projection."""
+
+    def __init__(self, dim: int = 8, affine: bool = True, seed: int = 0) -> None:
+        super().__init__(lambda d: BNBlock(d, affine), dim, seed)
 
 
 class Scale(nn.Module):
@@ -92,20 +100,9 @@ class ScaleBlock(nn.Module):
         return out
 
 
-class ScaleNet(nn.Module):
+class ScaleNet(StackNet):
     def __init__(self, dim: int = 8, seed: int = 0) -> None:
-        super().__init__()
-        self.inp = nn.Linear(4, dim)
-        self.blocks = nn.ModuleList(ScaleBlock(dim) for _ in range(4))
-        self.head = nn.Linear(dim, 3)
-        seeded_init(self, seed)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        out: torch.Tensor = self.head(h)
-        return out
+        super().__init__(ScaleBlock, dim, seed)
 
 
 class InplaceBlock(nn.Module):
@@ -287,20 +284,9 @@ class ReversalBlock(nn.Module):
         return out
 
 
-class ReversalNet(nn.Module):
+class ReversalNet(StackNet):
     def __init__(self, dim: int = 8, seed: int = 0) -> None:
-        super().__init__()
-        self.inp = nn.Linear(4, dim)
-        self.blocks = nn.ModuleList(ReversalBlock(dim) for _ in range(4))
-        self.head = nn.Linear(dim, 3)
-        seeded_init(self, seed)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        out: torch.Tensor = self.head(h)
-        return out
+        super().__init__(ReversalBlock, dim, seed)
 
 
 # The gradient hooks shift as well as scale: Adam's steps do not change when every gradient of
@@ -361,15 +347,13 @@ class PlainBlock(nn.Module):
         return out
 
 
-class PlainNet(ReversalNet):
+class PlainNet(StackNet):
     """:class:`ReversalNet` without the Function: ``h + tanh(W h)`` blocks."""
 
     block: Callable[[int], nn.Module] = PlainBlock
 
     def __init__(self, dim: int = 8, seed: int = 0) -> None:
-        super().__init__(dim, seed)
-        self.blocks = nn.ModuleList(type(self).block(dim) for _ in range(4))
-        seeded_init(self, seed)
+        super().__init__(type(self).block, dim, seed)
 
 
 class AnnealedNet(PlainNet):
@@ -665,19 +649,7 @@ class _Injected(Exception):
 
 def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     """Run ``fn``; return the error it raised (type, bases, attributes, message, seconds)."""
-    start = time.monotonic()
-    record: dict[str, Any] = {"error": None}
-    try:
-        fn()
-    except Exception as exc:
-        record = {
-            "error": type(exc).__name__,
-            "bases": [c.__name__ for c in type(exc).__mro__],
-            "message": str(exc),
-            "attrs": {a: getattr(exc, a) for a in _ATTRS if hasattr(exc, a)},
-        }
-    record["seconds"] = time.monotonic() - start
-    return record
+    return timed_attempt(fn, _ATTRS)
 
 
 def _fresh_group(base: Any, name: str, rank: int, world: int) -> bool:

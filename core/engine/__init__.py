@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ._base import (
     EngineBase,
+    SharedEngineArgs,
     nothing_to_train,
     read_checkpoint_file,
     shape_mismatch,
@@ -50,6 +51,7 @@ __all__ = [
     "ParamGroupsFn",
     "Precision",
     "Schedule",
+    "SharedEngineArgs",
     "TrainingConfig",
     "WarmupCosineLR",
     "WarmupDecayLR",

@@ -32,9 +32,10 @@ step, and reads gradients through :meth:`grad_of` (the high-precision buffer und
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
@@ -60,11 +61,26 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EngineBase",
+    "SharedEngineArgs",
     "nothing_to_train",
     "read_checkpoint_file",
     "shape_mismatch",
     "stage_param_name",
 ]
+
+
+class SharedEngineArgs(TypedDict, total=False):
+    """The shared ``runtime_engine`` arguments :class:`EngineBase` takes, as keywords: written
+    once here, so an engine or ``build_engine`` that forwards them names them all at once."""
+
+    #: Refuse a step whose loss or gradients are not finite.
+    check_finite: bool
+    #: A client scheduler, or a callable building one from the optimizer.
+    lr_scheduler: Any
+    #: Groups the optimizer's parameters (see :mod:`pipedialect.engine.param_groups`).
+    param_groups: ParamGroupsFn | None
+    #: A client optimizer, or a factory building one from the parameter groups.
+    optimizer: Any
 
 
 class EngineBase:
@@ -370,12 +386,28 @@ class EngineBase:
         client_state: Mapping[str, Any] | None = None,
         save_latest: bool = True,
     ) -> bool:
-        """Save the engine's state under ``save_dir/tag``; every rank calls it.
+        """Save the engine's state under ``save_dir/tag``; every rank calls it, inside
+        :meth:`_agreed`.
 
         The files go to a staging directory, with each rank's random number generators, and are
         published as ``tag`` only once every rank wrote its own (:mod:`pipedialect.
         checkpoint_files` [Note: crash-safe checkpoints]). Returns True, as DeepSpeed does.
         """
+        with self._agreed("save_checkpoint"):
+            return self._save_checkpoint(save_dir, tag, client_state, save_latest)
+
+    def _agreed(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """The context of a phase every rank runs together (``what``: its name): nothing here;
+        an engine over several ranks raises an error of one rank on every rank."""
+        return contextlib.nullcontext()
+
+    def _save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None,
+        client_state: Mapping[str, Any] | None,
+        save_latest: bool,
+    ) -> bool:
         tag = tag or f"global_step{self.global_steps}"
         staged = checkpoint_files.stage(save_dir, tag)
         error: PipeDialectError | None = None
@@ -412,19 +444,20 @@ class EngineBase:
         """Load what :meth:`save_checkpoint` saved; return ``(path, client_state)``.
 
         Without ``tag``, the one recorded in ``load_dir/latest``; ``(None, None)`` when there is
-        none, as DeepSpeed returns. Every rank calls it.
+        none, as DeepSpeed returns. Every rank calls it, inside :meth:`_agreed`.
         """
-        found = checkpoint_files.latest_tag(load_dir, tag)
-        if found is None:
-            return None, None
-        tag, from_latest = found
-        path, state = self._read_checkpoint(
-            Path(load_dir),
-            tag,
-            load_optimizer_states=load_optimizer_states,
-            from_latest=from_latest,
-        )
-        return str(path), state
+        with self._agreed("load_checkpoint"):
+            found = checkpoint_files.latest_tag(load_dir, tag)
+            if found is None:
+                return None, None
+            tag, from_latest = found
+            path, state = self._read_checkpoint(
+                Path(load_dir),
+                tag,
+                load_optimizer_states=load_optimizer_states,
+                from_latest=from_latest,
+            )
+            return str(path), state
 
     def _write_checkpoint(self, staged: Path, client_state: dict[str, Any]) -> None:
         """Write this engine's files into the staging directory ``staged``."""

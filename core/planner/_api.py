@@ -192,6 +192,10 @@ def plan_layout(
             if calibration is not None and bandwidth is None
             else None
         ),
+        fsdp_unit_overhead=calibration.fsdp_unit_overhead if calibration is not None else 0.0,
+        tensor_module_overhead=(
+            calibration.tensor_module_overhead if calibration is not None else 0.0
+        ),
     )
     calibration_note = None
     if calibration is not None:

@@ -22,7 +22,21 @@ this machine by running it:
   a ring moves: its all-gather is no faster than its all-reduce of the same tensor);
 - *the runtime's memory*: the resident set each rank grows by while it builds and trains the
   near-free model (the engine's buffers, caches, the process group's), added to every rank's
-  predicted peak.
+  predicted peak;
+- *what each parallel mode adds per computation*: a one-stage model of ``_BLOCKS`` near-free
+  blocks (each a column-wise and a row-wise linear layer) trains on every rank as plain data
+  parallelism, as sharded data parallelism (one FSDP unit per block plus the root, when the
+  dialect offers it) and with its linear layers sharded over a tensor axis of 2 (when it offers
+  that), at two micro-batch counts each. The slope of each mode's step time over the
+  computations the simulator counts is its cost per computation; what sharding adds over plain
+  data parallelism, divided by the units, is ``fsdp_unit_overhead`` (FSDP's hooks gather, free
+  and reduce per unit and per computation: on gloo CPUs they cost a step 2-3x plain data
+  parallelism's on small models), and what tensor parallelism adds, divided by the sharded
+  modules, is ``tensor_module_overhead`` (DTensor's dispatch and redistribution per module and
+  per computation, not proportional to the work: on CPUs tens of milliseconds per micro-batch).
+  The planner charges every computation of a stage ``action_overhead``, plus
+  ``fsdp_unit_overhead`` per unit (its blocks plus one) under ``fsdp``, plus
+  ``tensor_module_overhead`` per tensor-parallel module at ``t > 1``.
 
 The result is stored as JSON in the user's cache (``$PIPEDIALECT_CACHE``, default
 ``~/.cache/pipedialect``, file ``planner-calibration.json``; ``$PIPEDIALECT_CALIBRATION`` names
@@ -56,6 +70,12 @@ __all__ = ["Calibration", "calibrate", "calibration_path", "load_calibration"]
 _COUNTS = (1, 2, 4)
 #: Bytes of the small and the large message.
 _SMALL, _LARGE = 1 << 10, 8 << 20
+#: Blocks of the one-stage model the parallel modes are measured on, and its micro-batch counts.
+_BLOCKS = 4
+_MODE_COUNTS = (2, 6)
+#: The tensor plan of that model, and its tensor degree.
+_TENSOR_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+_TENSOR = 2
 
 
 @dataclass(frozen=True)
@@ -88,6 +108,12 @@ class Calibration:
     #: backend: gloo's take about as long as its all-reduce of the same bytes, or longer.
     #: 0: not measured (the all-reduce's bandwidth is used).
     shard_bandwidth: float = 0.0
+    #: Seconds each FSDP unit adds to every computation of a sharded stage, beyond
+    #: ``action_overhead`` (0: not measured, or the dialect has no sharded data parallelism).
+    fsdp_unit_overhead: float = 0.0
+    #: Seconds each tensor-parallel module adds to every computation (0: not measured, or the
+    #: dialect has no tensor parallelism).
+    tensor_module_overhead: float = 0.0
 
     def describe(self) -> str:
         """One line for tables."""
@@ -98,7 +124,9 @@ class Calibration:
             f"+ {self.bandwidth / 1e9:.2f} GB/s, all-reduce "
             f"{self.collective_bandwidth / 1e9:.2f} GB/s, all-gather/reduce-scatter "
             f"{self.shard_bandwidth / 1e9:.2f} GB/s, {self.memory_overhead / 2**20:.0f} MiB "
-            "per rank"
+            f"per rank, FSDP {self.fsdp_unit_overhead * 1e3:.3f} ms per unit and computation, "
+            f"tensor parallelism {self.tensor_module_overhead * 1e3:.3f} ms per module and "
+            "computation"
         )
 
 
@@ -192,10 +220,53 @@ def calibrate(
         shard_bandwidth=first["shard_bandwidth"],
         measured_at=time.time(),
         memory_overhead=float(max(r["memory"] for r in results)),
+        **_mode_overheads(first["modes"]),
     )
     if store:
         _store(result)
     return result
+
+
+def computations(schedule: str, micro_batches: int) -> float:
+    """Computations (forward, backward and weight passes) one stage alone runs in a step of
+    ``schedule``, as the simulator counts them."""
+    from ._search import build_program
+    from ._simulate import StageTimes, simulate
+
+    program = build_program(schedule, 1, micro_batches, 1)
+    return simulate(program, [StageTimes(0.0, 0.0, 0.0, action_overhead=1.0)]).step_time
+
+
+def mode_overheads(
+    schedule: str, modes: dict[str, dict[int, float]], *, blocks: int = _BLOCKS
+) -> dict[str, float]:
+    """``fsdp_unit_overhead`` and ``tensor_module_overhead`` from the one-stage runs:
+    ``{mode: {micro-batches: measured step seconds}}`` with mode ``ddp``, ``fsdp``, ``tensor``
+    ([Note: calibration]). A mode not measured, or one no dearer than ``ddp``, gives 0."""
+
+    def slope(mode: str) -> float | None:
+        steps = modes.get(mode)
+        if not steps or len(steps) < 2:
+            return None
+        xs = [computations(schedule, m) for m in steps]
+        return statistics.linear_regression(xs, list(steps.values())).slope
+
+    base = slope("ddp")
+    out = {"fsdp_unit_overhead": 0.0, "tensor_module_overhead": 0.0}
+    if base is None:
+        return out
+    fsdp, tensor = slope("fsdp"), slope("tensor")
+    if fsdp is not None:
+        # One unit per block plus the stage's root ([Note: FSDP on torch] in the torch dialect).
+        out["fsdp_unit_overhead"] = max(0.0, fsdp - base) / (blocks + 1)
+    if tensor is not None:
+        # Two sharded modules per block: its column-wise and its row-wise layer.
+        out["tensor_module_overhead"] = max(0.0, tensor - base) / (2 * blocks)
+    return out
+
+
+def _mode_overheads(modes: dict[str, Any]) -> dict[str, float]:
+    return mode_overheads(modes["schedule"], modes["steps"])
 
 
 class _Free(nn.Module):
@@ -204,6 +275,33 @@ class _Free(nn.Module):
     def __init__(self, stages: int) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(stages))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Pair(nn.Module):
+    """A near-free block of two linear layers that tensor parallelism can shard (Megatron's
+    column-wise then row-wise pair)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down(self.up(x))
+        return out
+
+
+class _Pairs(nn.Module):
+    """``_BLOCKS`` near-free blocks: the one-stage model each parallel mode is measured on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Pair() for _ in range(_BLOCKS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -313,6 +411,7 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
         measured[m] = _median_seconds(functools.partial(engine.train_batch, batches), steps)
         peak.append(_rss())
         del engine, module
+    modes = _measure_modes(dialect, offer, schedule, rank, world, steps)
     return {
         "latency": latency,
         "bandwidth": bandwidth,
@@ -322,7 +421,70 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
         "boundary": 2 * 4 * 4,
         "steps": measured,
         "memory": max(peak) - baseline,
+        "modes": modes,
     }
+
+
+def _measure_modes(
+    dialect: Any, offer: Any, schedule: str, rank: int, world: int, steps: int
+) -> dict[str, Any]:
+    """The one-stage runs of each parallel mode the dialect offers ([Note: calibration]):
+    ``{"schedule": ..., "steps": {mode: {micro-batches: median step seconds}}}``."""
+    from ..plan.partition import partition
+    from ._costs import Layout
+
+    one = schedule if offer.runs("fsdp", schedule) else None
+    runs: list[tuple[str, int, str, int]] = [("ddp", world, "ddp", 1)]
+    if offer.fsdp and one is not None:
+        runs.append(("fsdp", world, "fsdp", 1))
+    if offer.tensor_parallel and world % _TENSOR == 0:
+        runs.append(("tensor", world // _TENSOR, "ddp", _TENSOR))
+    measured: dict[str, dict[int, float]] = {}
+    for name, data, mode, tensor in runs:
+        measured[name] = {}
+        for m in _MODE_COUNTS:
+            layout = Layout(
+                dialect=dialect.name,
+                schedule=schedule,
+                pipeline=1,
+                stages_per_rank=1,
+                data_parallel=data,
+                data_parallel_mode=mode,
+                tensor_parallel=tensor,
+                micro_batches=m,
+                micro_batch_size=2,
+                recompute=None,
+                engine_options=offer.engine_options(schedule, 1, mode, tensor, _TENSOR_PLAN),
+            )
+            torch.manual_seed(0)
+            plan = partition(_Pairs(), **layout.partition_kwargs())
+            config = {
+                **layout.config(),
+                "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+                "steps_per_print": 10**9,
+            }
+            module = dialect.pipe_engine(
+                plan,
+                config=config,
+                loss_fn=_loss,
+                topology=layout.topology(dialect),
+                **layout.pipe_engine_kwargs(),
+            )
+            engine = dialect.runtime_engine(module, config=config)
+            # The ranks of one data replica (tensor innermost) read the same micro-batches.
+            gen = torch.Generator().manual_seed(1 + rank // tensor)
+            batches = iter(
+                [
+                    (torch.randn(2, 4, generator=gen), torch.randn(2, 4, generator=gen))
+                    for _ in range(m * (steps + 1))
+                ]
+            )
+            engine.train_batch(batches)
+            measured[name][m] = _median_seconds(
+                functools.partial(engine.train_batch, batches), steps
+            )
+            del engine, module
+    return {"schedule": schedule, "steps": measured}
 
 
 def _rss() -> int:

@@ -59,6 +59,11 @@ class Atom:
     #: forward saves, re-materialised by the recomputation and freed by its own backward
     #: (one recomputed module at a time).
     rematerialized: int = 0
+    #: The model's blocks that end in the atom (a sharded stage makes one FSDP unit of each,
+    #: plus its root: their hooks cost per computation, [Note: cost model]).
+    blocks: int = 0
+    #: The tensor-parallel modules the atom calls (each costs the runtime per computation).
+    tensor_modules: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,9 @@ class StageProfile:
     tensor_backward_bytes: int
     #: The most bytes a recomputation re-materialises at once during the stage's backward.
     rematerialized_bytes: int = 0
+    #: The model's blocks in the stage, and its tensor-parallel modules.
+    blocks: int = 0
+    tensor_modules: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,8 @@ class Chain:
                     tensor_forward_bytes=sum(a.tensor_forward_bytes for a in atoms),
                     tensor_backward_bytes=sum(a.tensor_backward_bytes for a in atoms),
                     rematerialized_bytes=max(a.rematerialized for a in atoms),
+                    blocks=sum(a.blocks for a in atoms),
+                    tensor_modules=sum(a.tensor_modules for a in atoms),
                 )
             )
         return out

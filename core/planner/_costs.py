@@ -10,7 +10,10 @@ stages its split points make, every stage gets:
   row-wise outputs (forward) and the column-wise input gradients (backward); recomputation runs
   the recomputed forward again at the start of the backward; the backward splits into an input
   pass and a weight pass in the chain's ``weight_fraction``; every computation also costs
-  ``action_overhead`` seconds;
+  ``action_overhead`` seconds, plus ``fsdp_unit_overhead`` per FSDP unit (the stage's blocks
+  plus its root) under ``fsdp`` and ``tensor_module_overhead`` per tensor-parallel module at
+  ``t > 1`` (the runtime's hooks and dispatch, which do not shrink with the work:
+  [Note: calibration] measures each);
 - communication: a message across a boundary takes ``latency + bytes / bandwidth`` (activations
   forward, their gradients back, the same size); a ring all-reduce of ``x`` bytes over ``n``
   ranks takes ``2 (n - 1) / n * x / bandwidth + 2 (n - 1) * latency``, an all-gather or a
@@ -34,7 +37,8 @@ stages its split points make, every stage gets:
   part divided by ``t``), times the micro-batches in flight that the simulation counts.
 
 What is left out: overlap of communication with computation beyond what the program's order
-allows, contention between messages on one link, and memory that is neither state nor saved
+allows, contention between a rank's messages and its collectives (its own messages queue on
+its link: [Note: simulation]), and memory that is neither state nor saved
 activations (allocator fragmentation, workspace, the received boundary buffers).
 """
 
@@ -81,6 +85,11 @@ class Cluster:
     #: reductions), as a ring's ``(n - 1) / n`` of the whole tensor; None: ``ring_bandwidth``
     #: ([Note: calibration] measures it: on gloo they are no faster than an all-reduce).
     shard_bandwidth: float | None = None
+    #: Seconds each FSDP unit of a sharded stage (its blocks plus its root) adds to every
+    #: computation, beyond ``action_overhead`` ([Note: calibration] measures it).
+    fsdp_unit_overhead: float = 0.0
+    #: Seconds each tensor-parallel module adds to every computation at ``t > 1``.
+    tensor_module_overhead: float = 0.0
 
     @property
     def ring_bandwidth(self) -> float:
@@ -316,12 +325,19 @@ def stage_inputs(
     # FSDP2 gathers into a whole-size buffer beside the shard it keeps, and accumulates whole
     # gradients beside the gradient's shard ([Note: cost model]): both whole, not (d - 1) / d.
     gathered = trainable
+    # What the runtime adds per computation: its own cost, FSDP's hooks per unit (one per block
+    # plus the root), DTensor's dispatch per sharded module ([Note: calibration]).
+    overhead = cluster.action_overhead
+    if fsdp:
+        overhead += cluster.fsdp_unit_overhead * (stage.blocks + 1)
+    if t > 1:
+        overhead += cluster.tensor_module_overhead * stage.tensor_modules
     times = StageTimes(
         forward=forward,
         backward_input=backward - weight + recompute,
         backward_weight=weight,
         split=split,
-        action_overhead=cluster.action_overhead,
+        action_overhead=overhead,
         all_gather=ring_gather(trainable, d, cluster) if fsdp else 0.0,
         reduce_grad=ring_gather(trainable, d, cluster) if fsdp else 0.0,
     )
@@ -343,6 +359,7 @@ def predict(
     *,
     split_first_stage: bool = True,
     without_communication: bool = False,
+    queue_messages: bool = True,
 ) -> Prediction:
     """Predict one layout: its stages' costs ([Note: cost model]) replayed by the simulator.
 
@@ -356,6 +373,7 @@ def predict(
             input] in the torch dialect).
         without_communication: predict as if every message and collective were free (what the
             planner compares against to tell communication from bubble).
+        queue_messages: as :func:`~pipedialect.planner.simulate` takes it.
     """
     if program.num_stages != layout.num_stages or program.micro_batches != layout.micro_batches:
         raise ConfigError(f"the program does not fit the layout {layout.describe()}")
@@ -390,6 +408,7 @@ def predict(
         optimizer=optimizer,
         memory=[i.memory for i in inputs],
         base_memory=base,
+        queue_messages=queue_messages,
     )
     peak = tuple(m + cluster.memory_overhead for m in (simulation.peak_memory or tuple(base)))
     return Prediction(

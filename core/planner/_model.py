@@ -224,7 +224,16 @@ def model_chains(
                 )
         label = checkpoint_label(patterns)
         chains[label] = _chain(
-            trace, pool, ckpt, tensor, forward, backward, batch, weight_fraction, label
+            trace,
+            pool,
+            ckpt,
+            tensor,
+            forward,
+            backward,
+            batch,
+            weight_fraction,
+            label,
+            [b for b in profile.blocks if b in trace.modules],
         )
     return chains
 
@@ -268,6 +277,7 @@ def _chain(
     batch: int,
     weight_fraction: float,
     label: str,
+    blocks: Sequence[str] = (),
 ) -> Chain:
     modules = trace.modules
     ordered = sorted(
@@ -333,6 +343,8 @@ def _chain(
             for p, (style, inp, _) in tensor.items()
             if style == "colwise" and modules[p].enter + 1 in gaps
         )
+        tensor_count = sum(1 for p in tensor if modules[p].enter + 1 in gaps)
+        block_count = sum(1 for b in blocks if modules[b].exit in gaps)
         atoms.append(
             Atom(
                 forward=sum(forward[g] for g in gaps),
@@ -348,6 +360,8 @@ def _chain(
                 tensor_forward_bytes=fwd_bytes,
                 tensor_backward_bytes=bwd_bytes,
                 rematerialized=rematerialized,
+                blocks=block_count,
+                tensor_modules=tensor_count,
             )
         )
     return Chain(

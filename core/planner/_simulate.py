@@ -7,9 +7,13 @@ the rank has finished the one before and its inputs are there:
 - a forward needs the previous stage's output: at once if that stage is on the same rank, else
   when its message arrives; a backward (``B``, or the input pass ``I``) needs its own forward
   and the next stage's input gradient, alike; a weight pass ``W`` needs its ``I``;
-- a send without ``blocking_p2p`` costs the sender nothing and arrives ``boundary`` seconds
-  later (latency plus bytes over the link); with ``blocking_p2p`` a send and its receive wait for
-  each other and both ranks are busy for the transfer;
+- a send without ``blocking_p2p`` costs the sender's computation nothing, but a rank's messages
+  share its link and the cores that move them: they leave one after another, each taking
+  ``boundary`` seconds (latency plus bytes over the link) from when the previous one has gone,
+  so transfers that would overlap queue instead of all arriving ``boundary`` after their send
+  (what the calibration's bandwidth, measured with every link busy at once, holds for: one
+  message per link at a time); with ``blocking_p2p`` a send and its receive wait for each other
+  and both ranks are busy for the transfer;
 - ``ALL_GATHER`` and ``REDUCE_GRAD`` run on the rank's communication channel, one after another
   and beside its computation; a stage computes only once its gather is done, and the step ends
   only once its reductions are; ``ALL_REDUCE`` blocks the rank; ``OPTIMIZER`` takes its time;
@@ -163,6 +167,7 @@ def simulate(
     base_memory: Sequence[float] | float = 0.0,
     steps: int = 1,
     barrier: bool = True,
+    queue_messages: bool = True,
 ) -> Simulation:
     """Replay ``program`` with the given costs ([Note: simulation]).
 
@@ -178,6 +183,8 @@ def simulate(
             value for all.
         steps: consecutive steps to run; above 1 the step time is the steady period.
         barrier: whether every step ends with a barrier over all ranks.
+        queue_messages: whether a rank's asynchronous messages leave one after another on its
+            link (False: each arrives ``boundary`` after its send, however many overlap).
 
     Raises:
         ConfigError: costs that do not fit the program, or a program that deadlocks.
@@ -203,6 +210,8 @@ def simulate(
     clock = [0.0] * p
     channel = [0.0] * p
     pending = [0.0] * p
+    # When each rank's link is free again for its next outgoing message.
+    outgoing = [0.0] * p
     waited = [0.0] * p
     done: dict[tuple[int, int, str, int], float] = {}
     arrived: dict[tuple[int, str, int, int], float] = {}
@@ -305,7 +314,9 @@ def simulate(
             s_key = (k, a.stage, "F" if a.kind == _K.SEND_F else "I", a.micro_batch or 0)
             if s_key not in done:
                 return False
-            arrived[message_key(k, a)] = clock[r] + boundary_of(a)
+            start = max(clock[r], outgoing[r]) if queue_messages else clock[r]
+            outgoing[r] = start + boundary_of(a)
+            arrived[message_key(k, a)] = outgoing[r]
         elif a.kind in (_K.RECV_F, _K.RECV_B) and not program.blocking_p2p:
             pass
         elif a.kind in (_K.SEND_F, _K.SEND_B, _K.RECV_F, _K.RECV_B):

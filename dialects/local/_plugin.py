@@ -69,14 +69,7 @@ class LocalDialect(Dialect):
         config = request.config
         if config is None and isinstance(request.module, LocalPipeline):
             config = request.module.config
-        return build_engine(
-            request.module,
-            config,
-            check_finite=request.check_finite,
-            lr_scheduler=request.lr_scheduler,
-            param_groups=request.param_groups,
-            optimizer=request.optimizer,
-        )
+        return build_engine(request.module, config, **request.shared_args())
 
     def init_distributed(self, backend: str | None = None) -> None:
         """Do nothing: every stage runs in this process, with no launcher and no process group.

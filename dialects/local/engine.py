@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
@@ -25,8 +25,8 @@ from torch import nn
 from pipedialect import CheckpointError, ConfigError, StageWrapper
 from pipedialect.sdk import (
     EngineBase,
-    ParamGroupsFn,
     PipelinePlan,
+    SharedEngineArgs,
     begin_streams,
     check_inputs,
     check_trainable,
@@ -248,26 +248,13 @@ def _mean(losses: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def build_engine(
-    module: nn.Module,
-    config: Mapping[str, Any] | None,
-    *,
-    check_finite: bool = False,
-    lr_scheduler: Any = None,
-    param_groups: ParamGroupsFn | None = None,
-    optimizer: Any = None,
+    module: nn.Module, config: Mapping[str, Any] | None, **options: Unpack[SharedEngineArgs]
 ) -> LocalEngine:
-    """Return the :class:`LocalEngine` training ``module`` (see ``check_finite``,
-    ``lr_scheduler``, ``param_groups`` and ``optimizer`` above)."""
+    """Return the :class:`LocalEngine` training ``module`` (``options``: see
+    :class:`~pipedialect.engine.SharedEngineArgs`)."""
     if not isinstance(module, LocalPipeline):
         raise ConfigError(
             f"the local runtime engine trains what LocalDialect.pipe_engine built, got "
             f"{type(module).__name__}"
         )
-    return LocalEngine(
-        module,
-        parse_config(config),
-        check_finite=check_finite,
-        lr_scheduler=lr_scheduler,
-        param_groups=param_groups,
-        optimizer=optimizer,
-    )
+    return LocalEngine(module, parse_config(config), **options)

@@ -148,14 +148,7 @@ class TorchDialect(Dialect):
         from ._setup import leave_group_at_exit
         from .engine import build_engine
 
-        engine = build_engine(
-            request.module,
-            request.config,
-            check_finite=request.check_finite,
-            lr_scheduler=request.lr_scheduler,
-            param_groups=request.param_groups,
-            optimizer=request.optimizer,
-        )
+        engine = build_engine(request.module, request.config, **request.shared_args())
         leave_group_at_exit()  # _setup [Note: leaving the process group]
         return engine
 

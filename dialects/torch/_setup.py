@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from pipedialect.sdk import not_counted, preserved_state
 
-from ._stage import StageRunner, normalize_wire, to_device
+from ._stage import StageRunner, map_tensors, normalize_wire, to_device
 
 __all__: list[str] = []
 
@@ -136,15 +136,7 @@ def infer_examples(
 
 def _copied(value: Any) -> Any:
     """``value`` with every tensor in it (tuples, lists, dicts) copied."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_copied(v) for v in value)
-    if isinstance(value, list):
-        return [_copied(v) for v in value]
-    if type(value) is dict:
-        return {k: _copied(v) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t.detach().clone())
 
 
 def _send(wire: Sequence[torch.Tensor], dst: int) -> None:

@@ -282,17 +282,23 @@ class LossAdapter:
         return loss.reshape(()) / ctx.scale
 
 
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it, through tuples (not named ones),
+    lists and plain dicts; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [map_tensors(v, fn) for v in value]
+    if type(value) is dict:
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
 def to_device(value: Any, device: torch.device) -> Any:
     """Move every tensor in ``value`` (tuples, lists, dicts) to ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(to_device(v, device) for v in value)
-    if isinstance(value, list):
-        return [to_device(v, device) for v in value]
-    if type(value) is dict:
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t.to(device))
 
 
 def pipeline_stage_class() -> type[Any]:

@@ -25,9 +25,10 @@ every dialect.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,8 @@ from pipedialect import (
 )
 from pipedialect.sdk import (
     EngineBase,
-    ParamGroupsFn,
     PipelinePlan,
+    SharedEngineArgs,
     TrainingConfig,
     agree_on_error,
     agreed,
@@ -448,20 +449,9 @@ class TorchEngine(EngineBase):
         self,
         module: TorchPipeline,
         config: TrainingConfig,
-        *,
-        check_finite: bool = False,
-        lr_scheduler: Any = None,
-        param_groups: ParamGroupsFn | None = None,
-        optimizer: Any = None,
+        **options: Unpack[SharedEngineArgs],
     ) -> None:
-        super().__init__(
-            module,
-            config,
-            check_finite=check_finite,
-            lr_scheduler=lr_scheduler,
-            param_groups=param_groups,
-            optimizer=optimizer,
-        )
+        super().__init__(module, config, **options)
         # bf16: each stage moves its gradients into the high-precision buffers after every
         # micro-batch's backward, as DeepSpeed's pipeline engine does per stage
         # (pipedialect.engine.precision [Note: bf16 as DeepSpeed does it]).
@@ -562,8 +552,9 @@ class TorchEngine(EngineBase):
         last = module.replicas.position_of(module.last_rank)
         return module.replicas.mean_loss(loss, last, module.device)
 
-    def _agreed(self, what: str) -> Any:
-        """A phase every rank runs together: an error on one rank is raised on every rank
+    def _agreed(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """A phase every rank runs together (a step, an evaluation, a checkpoint's save or
+        load): an error on one rank is raised on every rank
         (``pipedialect.runtime.agreement`` [Note: one error, every rank])."""
         stages = ", ".join(str(k) for k in self.stage_ids)
         return agreed(what, where=f"[Stage {stages}] ")
@@ -653,29 +644,6 @@ class TorchEngine(EngineBase):
         self.module.reset_shapes()
 
     # -- checkpoints ---------------------------------------------------------------------------
-
-    def save_checkpoint(
-        self,
-        save_dir: str | Path,
-        tag: str | None = None,
-        client_state: Mapping[str, Any] | None = None,
-        save_latest: bool = True,
-    ) -> bool:
-        """Save this rank's part of the checkpoint; every rank calls it, and an error on one
-        rank is raised on every rank."""
-        with self._agreed("save_checkpoint"):
-            return super().save_checkpoint(save_dir, tag, client_state, save_latest)
-
-    def load_checkpoint(
-        self,
-        load_dir: str | Path,
-        tag: str | None = None,
-        load_optimizer_states: bool = True,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """Load this rank's part of the checkpoint; every rank calls it, and an error on one
-        rank is raised on every rank."""
-        with self._agreed("load_checkpoint"):
-            return super().load_checkpoint(load_dir, tag, load_optimizer_states)
 
     def _write_checkpoint(self, staged: Path, client_state: dict[str, Any]) -> None:
         """This rank's stages, optimizer state and step count (see [Note: torch checkpoints])."""
@@ -858,13 +826,7 @@ def _sharded_optimizer(saved: Mapping[str, Any], engine: TorchEngine) -> dict[st
 
 
 def build_engine(
-    module: nn.Module,
-    config: Mapping[str, Any] | None,
-    *,
-    check_finite: bool = False,
-    lr_scheduler: Any = None,
-    param_groups: ParamGroupsFn | None = None,
-    optimizer: Any = None,
+    module: nn.Module, config: Mapping[str, Any] | None, **options: Unpack[SharedEngineArgs]
 ) -> TorchEngine:
     """Return the :class:`TorchEngine` training ``module`` (``config`` defaults to its own)."""
     if not isinstance(module, TorchPipeline):
@@ -883,11 +845,4 @@ def build_engine(
             f"{module.spec.torch_name} {problem}. Raise gradient_accumulation_steps, or choose "
             "schedule='gpipe'"
         )
-    return TorchEngine(
-        module,
-        parsed,
-        check_finite=check_finite,
-        lr_scheduler=lr_scheduler,
-        param_groups=param_groups,
-        optimizer=optimizer,
-    )
+    return TorchEngine(module, parsed, **options)

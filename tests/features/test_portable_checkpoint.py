@@ -330,7 +330,7 @@ def test_hf_gpt2_trained_through_a_pipeline_exports_and_reloads_with_the_same_lo
         engine.train_batch(iter(batches[2 * step : 2 * step + 2]))
         optimizer.zero_grad()
         for inputs, labels in batches[2 * step : 2 * step + 2]:
-            (case.loss_fn(case.reference_forward(unsplit, inputs), labels) / 2).backward()
+            (case.loss_fn(case.forward(unsplit, inputs), labels) / 2).backward()
         torch.nn.utils.clip_grad_norm_(unsplit.parameters(), workers.CLIP)
         optimizer.step()
     ckpt.save(engine, tmp_path / "ckpt")
@@ -352,15 +352,15 @@ def test_hf_gpt2_trained_through_a_pipeline_exports_and_reloads_with_the_same_lo
     unsplit.eval()
     inputs, _ = next(case.micro_batches(1, batch_size=2, seed=77))
     with torch.no_grad():
-        logits = case.reference_forward(reloaded, inputs)[0]
-        expected = case.reference_forward(unsplit, inputs)[0]
+        logits = case.forward(reloaded, inputs)[0]
+        expected = case.forward(unsplit, inputs)[0]
         through_pipeline = engine.eval_batch(
             iter([(inputs, torch.zeros(2, hf.SEQ, dtype=torch.long))]),
             return_logits=True,
             num_micro_batches=1,
         )[1][0]
         # The partitioned model shares its parameters with the pipeline's stages.
-        trained = case.reference_forward(model.eval(), inputs)[0]
+        trained = case.forward(model.eval(), inputs)[0]
     assert_tensor_close(logits, expected, "logits of the reloaded model vs the unsplit one")
     assert torch.equal(logits, trained)  # the same weights, bit for bit
     assert_tensor_close(through_pipeline, logits, "the pipeline's logits")

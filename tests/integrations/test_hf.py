@@ -38,12 +38,10 @@ def reference_run(
     optimizer = hf.OPTIMIZERS[optimizer_name][1](model.parameters())
     data = case.micro_batches(steps * gas, batch_size=micro)
     steps_ = steps_from([data], steps, gas)
-    losses = train_unsplit(
-        model, optimizer, steps_, case.loss_fn, forward=case.reference_forward
-    ).losses
+    losses = train_unsplit(model, optimizer, steps_, case.loss_fn, forward=case.forward).losses
     with torch.no_grad():
         evals = [
-            case.loss_fn(case.reference_forward(model, inputs), labels).item()
+            case.loss_fn(case.forward(model, inputs), labels).item()
             for inputs, labels in case.micro_batches(gas, batch_size=micro)
         ]
     return losses, sum(evals) / len(evals)

@@ -66,7 +66,7 @@ def test_stages_compute_the_model_on_new_inputs(name: str) -> None:
     inputs, labels = next(case.micro_batches(1, seed=12345))
     assert not torch.equal(inputs[0], case.example_inputs()["input_ids"])
     ours = plan.graph(*inputs)
-    theirs = case.reference_forward(reference, inputs)
+    theirs = case.forward(reference, inputs)
     assert isinstance(ours, tuple) and len(ours) == len(theirs)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -146,7 +146,7 @@ def test_a_plan_captured_on_the_cpu_runs_on_another_device(name: str) -> None:
         if isinstance(out, tuple):
             env.update({f"{plan.stage_names[k]}.{i}": item for i, item in enumerate(out)})
     assert out[0].device.type == "meta"
-    assert out[0].shape == case.reference_forward(case.build(0), inputs)[0].shape
+    assert out[0].shape == case.forward(case.build(0), inputs)[0].shape
 
 
 def test_export_stages_follow_train_and_eval_mode() -> None:
@@ -221,7 +221,7 @@ def test_one_tensor_given_for_two_inputs_still_makes_two_inputs() -> None:
     plan = partition(model, ["decoder.block.0"], example_inputs=example, concrete_args=case.fixed)
     inputs, _ = next(case.micro_batches(1, seed=3))
     inputs = (inputs[0], inputs[1], torch.randint(2, hf.VOCAB, (2, hf.SEQ)))
-    torch.testing.assert_close(plan.graph(*inputs)[0], case.reference_forward(reference, inputs)[0])
+    torch.testing.assert_close(plan.graph(*inputs)[0], case.forward(reference, inputs)[0])
 
 
 def test_micro_batch_of_another_shape_is_refused_at_stage_zero() -> None:
@@ -260,46 +260,18 @@ def test_flags_reach_a_forward_through_its_kwargs() -> None:
 def test_other_families_outputs_and_gradients(family: str) -> None:
     """Llama (rotary embeddings, grouped-query attention, the default sdpa attention) and BART
     (encoder-decoder, learned positions) partition at their block boundaries too."""
-    if family == "llama":
-        config = transformers.LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            vocab_size=hf.VOCAB,
-            pad_token_id=0,
-            bos_token_id=0,
-            eos_token_id=1,
-            use_cache=False,
-        )
-        build: Any = lambda: transformers.LlamaForCausalLM(config)  # noqa: E731
+    if family == "llama":  # untied, over LlamaConfig's default positions
+        overrides: dict[str, Any] = {"tie_word_embeddings": False, "max_position_embeddings": 2048}
         points = ["model.layers.0"]
-        names = ["input_ids", "attention_mask"]
     else:
-        config = transformers.BartConfig(
-            encoder_layers=2,
-            decoder_layers=2,
-            d_model=32,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            vocab_size=hf.VOCAB,
-            max_position_embeddings=32,
-            dropout=0.0,
-            pad_token_id=0,
-            bos_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-            use_cache=False,
-        )
-        build = lambda: transformers.BartForConditionalGeneration(config)  # noqa: E731
+        overrides = {}
         points = ["model.encoder.layers.1", "model.decoder.layers.0"]
-        names = ["input_ids", "attention_mask", "decoder_input_ids"]
+    config = hf.family_config(family, use_cache=False, **overrides)
+    model_cls = hf.FAMILIES[family].model_cls
+    names = list(hf.FAMILIES[family].input_names)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = build().train()
+        model = model_cls(config).train()
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(5)
 

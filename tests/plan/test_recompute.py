@@ -70,6 +70,24 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_same_step(
+    plan: Any, model: nn.Module, reference: nn.Module, x: torch.Tensor, target: torch.Tensor
+) -> None:
+    """The plan's output and ``model``'s gradients equal the unsplit ``reference``'s, exactly,
+    from the same RNG state (every dropout mask the same)."""
+    torch.manual_seed(7)
+    expected = reference(x)
+    torch.nn.functional.mse_loss(expected, target).backward()
+    torch.manual_seed(7)
+    ours = plan.graph(x)
+    torch.nn.functional.mse_loss(ours, target).backward()
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+    theirs = _grads(reference)
+    assert _grads(model).keys() == theirs.keys()
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, theirs[name], rtol=0, atol=0, msg=name)
+
+
 def test_checkpointed_plan_equals_the_unsplit_model_with_dropout_and_recomputes() -> None:
     """Outputs and gradients equal the unsplit model's from the same RNG state (the dropout
     masks replayed in recomputation); each recomputed block ran twice, the rest once."""
@@ -85,17 +103,7 @@ def test_checkpointed_plan_equals_the_unsplit_model_with_dropout_and_recomputes(
     counts = _counters(plan.stages[1], ["blocks.2", "blocks.3", "out"])
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
     target = torch.randn(5, 3, generator=torch.Generator().manual_seed(2))
-    torch.manual_seed(7)
-    expected = reference(x)
-    torch.nn.functional.mse_loss(expected, target).backward()
-    torch.manual_seed(7)
-    ours = plan.graph(x)
-    torch.nn.functional.mse_loss(ours, target).backward()
-    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
-    theirs = _grads(reference)
-    assert _grads(model).keys() == theirs.keys()
-    for name, grad in _grads(model).items():
-        torch.testing.assert_close(grad, theirs[name], rtol=0, atol=0, msg=name)
+    _assert_same_step(plan, model, reference, x, target)
     assert {p: c[0] for p, c in counts.items()} == {"blocks.2": 2, "blocks.3": 2, "out": 1}
     with torch.no_grad():
         plan.graph(x)
@@ -173,13 +181,7 @@ def test_checkpoint_composes_with_balance() -> None:
         (torch.randint(0, 32, (2, 8), generator=gen), torch.randint(0, 32, (2, 8), generator=gen))
         for _ in range(12)
     ]
-    config = {
-        "train_batch_size": 8,
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_clipping": 0.0,
-        "steps_per_print": 1000,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-    }
+    config = _model_registry.ds_config("sgd", gas=4, micro=2, dp=1)
     dialect = pipedialect.get_dialect("local")
     engine = dialect.runtime_engine(
         dialect.pipe_engine(plan, config=config, loss_fn=cross_entropy_loss), config=config
@@ -212,17 +214,7 @@ def test_export_capture_recomputes_regions_with_the_unsplit_models_numbers() -> 
     target = torch.randn(5, 3, generator=torch.Generator().manual_seed(2))
     model.train()
     reference.train()
-    torch.manual_seed(7)
-    expected = reference(x)
-    torch.nn.functional.mse_loss(expected, target).backward()
-    torch.manual_seed(7)
-    ours = plan.graph(x)
-    torch.nn.functional.mse_loss(ours, target).backward()
-    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
-    theirs = _grads(reference)
-    assert _grads(model).keys() == theirs.keys()
-    for name, grad in _grads(model).items():
-        torch.testing.assert_close(grad, theirs[name], rtol=0, atol=0, msg=name)
+    _assert_same_step(plan, model, reference, x, target)
     assert counts[0] == 2 * 4
     with torch.no_grad():
         plan.graph(x)

@@ -17,6 +17,7 @@ import safetensors
 import safetensors.torch
 import torch
 from _compare import assert_tensor_close
+from _model_registry import ds_config
 from _reference import steps_from, train_unsplit
 from torch import nn
 
@@ -201,13 +202,7 @@ def test_a_pretrained_checkpoint_loaded_per_stage_trains_like_from_pretrained(
     loader = from_pretrained(tmp_path, plan=plan, buffers=buffers)
     for k in range(plan.num_stages):  # each rank would do only its own
         materialise_stages(plan, [k], "cpu", loader)
-    config = {
-        "train_batch_size": 8,
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_clipping": 0.0,
-        "steps_per_print": 1000,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-    }
+    config = ds_config("sgd", gas=4, micro=2, dp=1)
     dialect = pipedialect.get_dialect("local")
     engine = dialect.runtime_engine(
         dialect.pipe_engine(plan, config=config, loss_fn=hf.token_loss), config=config

@@ -71,6 +71,12 @@ def test_calibrate_stores_what_the_planner_then_uses(
     assert plan.cluster.action_overhead == calibration.action_overhead
     assert plan.cluster.bandwidth == calibration.bandwidth
     assert plan.cluster.gather_bandwidth == calibration.shard_bandwidth
+    # What FSDP adds per unit and tensor parallelism per module, measured on the torch dialect
+    # (which offers both; the fit clamps at 0 when load hides them) and carried into the plan.
+    assert calibration.fsdp_unit_overhead >= 0 and calibration.tensor_module_overhead >= 0
+    assert "per unit and computation" in done.stdout
+    assert plan.cluster.fsdp_unit_overhead == calibration.fsdp_unit_overhead
+    assert plan.cluster.tensor_module_overhead == calibration.tensor_module_overhead
     best = plan.prediction(plan.layout)
     assert min(best.peak_memory) > calibration.memory_overhead
     assert load_calibration("deepspeed") is None

@@ -32,6 +32,26 @@ def test_an_asynchronous_message_delays_only_its_consumer() -> None:
     assert spans[(0, "B0")] == (4.5, 6.5)
 
 
+def test_a_ranks_messages_queue_on_its_link() -> None:
+    """GPipe on 2 ranks, 3 micro-batches, F = 1, no backward work, a message 3: rank 0 ends
+    its forwards at 1, 2, 3, but its link carries one message at a time, so they arrive at 4, 7
+    and 10 (not 4, 5, 6); rank 1 computes F0 [4, 5], F1 [7, 8], F2 [10, 11], then its three
+    gradients leave one after another and arrive at 14, 17 and 20: the step ends at 20."""
+    sim = simulate(torch_program("gpipe", 2, 3), [StageTimes(1.0, 0.0, 0.0)] * 2, boundaries=3.0)
+    forwards = sorted((s.start, s.end) for s in sim.spans if s.kind == "forward" and s.rank == 1)
+    assert forwards == [(4.0, 5.0), (7.0, 8.0), (10.0, 11.0)]
+    assert math.isclose(sim.step_time, 20.0)
+    # Messages that may overlap: they arrive at 4, 5, 6, rank 1 ends its forwards at 7 and the
+    # gradients all arrive at 10.
+    free = simulate(
+        torch_program("gpipe", 2, 3),
+        [StageTimes(1.0, 0.0, 0.0)] * 2,
+        boundaries=3.0,
+        queue_messages=False,
+    )
+    assert math.isclose(free.step_time, 10.0)
+
+
 def test_blocking_sends_and_receives_meet() -> None:
     """DeepSpeed's 1F1B, 2 stages, 2 micro-batches, F = 1, B = 2, a message 0.5 (worked out from
     its instruction order: stage 0 runs F0, SEND_F0, F1, RECV_B0, SEND_F1, B0, RECV_B1, B1;

@@ -15,6 +15,7 @@ import _torch_workers as workers
 import pytest
 import torch
 from _compare import ATOL, RTOL, assert_tensor_close
+from _model_registry import reference_optimizer
 from _reference import call_model, steps_from, train_unsplit
 
 from pipedialect import LaunchError
@@ -35,13 +36,7 @@ def reference(
     """
     spec = workers.spec_for(name)
     model = spec.build(0)
-    params = list(model.parameters())
-    if optimizer == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1)
-    elif optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=1e-2)
-    else:  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
-        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    opt = reference_optimizer(optimizer, list(model.parameters()))
     stream = workers.data_stream(spec, steps * gas, micro)
     trained = train_unsplit(model, opt, steps_from([stream], steps, gas), spec.loss_fn, clip=clip)
     with torch.no_grad():
