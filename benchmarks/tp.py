@@ -35,19 +35,10 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+import _pipes
 import _smoke
 import torch
 import torch.distributed as dist
-from _pipes import (
-    SMALL_GPT,
-    HandPipeline,
-    alternate,
-    batches,
-    gpt_parser,
-    loss_difference,
-    peak_above,
-    print_peaks,
-)
 from torch import nn
 
 from pipedialect.models import MHGPT_TENSOR_PLAN, MultiHeadGPT, cross_entropy_loss
@@ -111,7 +102,7 @@ def _sharded_bytes(engine: Any) -> int:
     )
 
 
-def _hand_written(args: argparse.Namespace) -> HandPipeline:
+def _hand_written(args: argparse.Namespace) -> _pipes.HandPipeline:
     """torchtitan's recipe by hand on a (pp, dp, tp) mesh (:class:`_pipes.HandPipeline`):
     ``parallelize_module`` on ``tp`` (heads and MLP features, the embedding and the LM head,
     untied, by vocabulary), then ``fully_shard`` on ``dp``."""
@@ -138,7 +129,7 @@ def _hand_written(args: argparse.Namespace) -> HandPipeline:
             plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
         parallelize_module(piece, mesh["tp"], plan)
 
-    return HandPipeline(args, _model(args), mesh, untie=True, before_sharding=parallelize)
+    return _pipes.HandPipeline(args, _model(args), mesh, untie=True, before_sharding=parallelize)
 
 
 def timing(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,12 +142,12 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
     tp2, _ = _dialect_engine(args, "ddp", TP)
     tp1, _ = _dialect_engine(args, "ddp", 1)
     hand = _hand_written(args)
-    data = batches(args, replica)
+    data = _pipes.batches(args, replica)
     steps: dict[str, Callable[[], Any]] = {
         "torch dialect (3D)": lambda: ours.train_batch(iter(data)),
         "hand-written (torchtitan style)": lambda: hand.train_batch(data),
     }
-    times, losses = alternate(steps, args.warmup, args.steps)
+    times, losses = _pipes.alternate(steps, args.warmup, args.steps)
     return {
         "rank": dist.get_rank(),
         "times": times,
@@ -172,17 +163,17 @@ def memory(args: argparse.Namespace, which: str) -> dict[str, Any]:
 
     pipedialect.get_dialect("torch").init_distributed()
 
-    return peak_above(
+    return _pipes.peak_above(
         args, which, lambda: _hand_written(args), lambda: _dialect_engine(args, "fsdp", TP)
     )
 
 
 def main() -> None:
-    parser = gpt_parser(
+    parser = _pipes.gpt_parser(
         __doc__, steps=5, warmup=2, dim=256, blocks=4, seq=32, vocab=512, micro=4, gas=4
     )
     parser.add_argument("--heads", type=int, default=8)
-    args = _smoke.parse_args(parser, {**SMALL_GPT, "heads": 4, "warmup": 0})
+    args = _smoke.parse_args(parser, {**_pipes.SMALL_GPT, "heads": 4, "warmup": 0})
     world = PP * DP * TP
     results = launch(timing, world, args, timeout=3600)
     mem_ours = launch(memory, world, args, "ours", timeout=3600)
@@ -207,8 +198,8 @@ def main() -> None:
     print("|---|---:|---:|")
     for name, value in med.items():
         print(f"| {name} | {value:.1f} ms | {med[ours] / value:.3f} |")
-    print_peaks("fresh processes", "torch dialect (3D)", mem_ours, mem_hand)
-    diff = loss_difference(first["losses"], ours, hand)
+    _pipes.print_peaks("fresh processes", "torch dialect (3D)", mem_ours, mem_hand)
+    diff = _pipes.loss_difference(first["losses"], ours, hand)
     print(f"\nlargest relative loss difference, torch dialect vs hand-written: {diff:.2e}")
 
 
