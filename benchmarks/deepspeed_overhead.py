@@ -33,6 +33,7 @@ from typing import Any
 import _smoke
 import torch
 import torch.nn.functional as F
+from _pipes import SMALL_GPT, gpt_parser
 from torch import nn
 
 from pipedialect.models import GPTBlock, TinyGPT, cross_entropy_loss
@@ -186,30 +187,11 @@ def _load() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--gas", type=int, default=8)
-    args = _smoke.parse_args(
-        parser,
-        {
-            "rounds": 1,
-            "steps": 1,
-            "warmup": 1,
-            "dim": 16,
-            "blocks": 2,
-            "seq": 8,
-            "vocab": 32,
-            "micro": 2,
-            "gas": 2,
-        },
+    parser = gpt_parser(
+        __doc__, steps=20, warmup=3, dim=128, blocks=8, seq=64, vocab=512, micro=4, gas=8
     )
+    parser.add_argument("--rounds", type=int, default=5)
+    args = _smoke.parse_args(parser, {**SMALL_GPT, "rounds": 1})
     load_before = _load()
     results = launch(worker, 2, args, timeout=3600)
     load_after = _load()

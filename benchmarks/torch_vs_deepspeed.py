@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import _smoke
 import torch
+from _pipes import SMALL_GPT, Head, Tail, alternate, batches, gpt_parser
 from torch import nn
 
 from pipedialect.models import TinyGPT, cross_entropy_loss
@@ -42,15 +42,6 @@ from pipedialect.runtime.launch import launch
 
 def _model(args: argparse.Namespace) -> TinyGPT:
     return TinyGPT(vocab=args.vocab, dim=args.dim, max_len=args.seq, num_blocks=args.blocks, seed=0)
-
-
-def _batches(args: argparse.Namespace, replica: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1 + replica)
-    out = []
-    for _ in range(args.gas):
-        ids = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=gen)
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    return out
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,38 +61,6 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 # -- hand-written torch.distributed.pipelining -------------------------------------------------
 
 
-class _Head(nn.Module):
-    """Stage 0 by hand: embeddings and the first blocks."""
-
-    def __init__(self, model: TinyGPT, cut: int) -> None:
-        super().__init__()
-        self.wte = model.wte
-        self.wpe = model.wpe
-        self.blocks = nn.ModuleList(model.blocks[:cut])
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.wte(ids) + self.wpe[: ids.size(1)]
-        for block in self.blocks:
-            h = block(h)
-        return h
-
-
-class _Tail(nn.Module):
-    """Stage 1 by hand: the other blocks, the final norm and the (tied) LM head."""
-
-    def __init__(self, model: TinyGPT, cut: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(model.blocks[cut:])
-        self.ln_f = model.ln_f
-        self.lm_head = model.lm_head
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            h = block(h)
-        out: torch.Tensor = self.lm_head(self.ln_f(h))
-        return out
-
-
 class _HandWritten:
     """``PipelineStage`` + ``Schedule1F1B`` on hand-cut pieces, tied gradient synced by hand."""
 
@@ -111,15 +70,15 @@ class _HandWritten:
 
         self.rank = dist.get_rank()
         model = _model(args)
-        ids, _ = _batches(args)[0]
+        ids, _ = batches(args)[0]
         # Static metadata: the boundary activation carries a gradient, so say so.
         hidden = torch.zeros(args.micro, args.seq, args.dim, requires_grad=True)
         if self.rank == 0:
-            self.piece: nn.Module = _Head(model, cut)
+            self.piece: nn.Module = Head(model, cut)
             inputs, outputs = (ids,), (hidden,)
             self.tied = model.wte.weight
         else:
-            self.piece = _Tail(model, cut)
+            self.piece = Tail(model, cut)
             inputs, outputs = (hidden,), (torch.zeros(args.micro, args.seq, args.vocab),)
             self.tied = model.lm_head.weight
         stage = PipelineStage(
@@ -186,7 +145,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     )
     ds_engine = deepspeed_dialect.runtime_engine(ds_module, config=config)
 
-    data = _batches(args, int(torch_topology.get_coord(dist.get_rank()).data))
+    data = batches(args, int(torch_topology.get_coord(dist.get_rank()).data))
     steps: dict[str, Callable[[], torch.Tensor]] = {
         "torch dialect": lambda: torch_engine.train_batch(iter(data)),
         "deepspeed dialect": lambda: ds_engine.train_batch(iter(data)),
@@ -194,46 +153,17 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if dp == 1:
         hand = _HandWritten(args, cut)
         steps["hand-written torch"] = lambda: hand.train_batch(data)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    losses: dict[str, list[float]] = {name: [] for name in steps}
-    for step in range(args.warmup + args.steps):
-        for name, run in steps.items():
-            dist.barrier()
-            start = time.perf_counter()
-            loss = run()
-            dist.barrier()
-            elapsed = time.perf_counter() - start
-            losses[name].append(float(loss))
-            if step >= args.warmup:
-                times[name].append(elapsed)
+    times, losses = alternate(steps, args.warmup, args.steps)
     return {"rank": dist.get_rank(), "times": times, "losses": losses}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--gas", type=int, default=8)
+    parser = gpt_parser(
+        __doc__, steps=20, warmup=3, dim=128, blocks=8, seq=64, vocab=512, micro=4, gas=8
+    )
     parser.add_argument("--schedule", default="1f1b", help="the torch dialect's schedule")
     parser.add_argument("--data-parallel", type=int, default=1, help="pipeline replicas")
-    args = _smoke.parse_args(
-        parser,
-        {
-            "steps": 1,
-            "warmup": 1,
-            "dim": 16,
-            "blocks": 2,
-            "seq": 8,
-            "vocab": 32,
-            "micro": 2,
-            "gas": 2,
-        },
-    )
+    args = _smoke.parse_args(parser, SMALL_GPT)
     ranks = 2 * args.data_parallel
     results = launch(worker, ranks, args, timeout=1800)
     first = next(r for r in results if r["rank"] == 0)

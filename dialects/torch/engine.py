@@ -569,9 +569,7 @@ class TorchEngine(EngineBase):
             return self._train_batch(data_iter)
 
     def _train_batch(self, data_iter: Iterator[Any] | None) -> torch.Tensor:
-        check_trainable(
-            [r.stage for r in self.module._runners()], self.global_steps + 1, self.module.device
-        )
+        check_trainable([r.stage for r in self.module._runners()], self.global_steps + 1)
         gas = self.config.gradient_accumulation_steps
         batches = self._pull(data_iter, gas, "train_batch", "gradient_accumulation_steps")
         self.module.train()
