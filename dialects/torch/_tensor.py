@@ -78,7 +78,11 @@ nn.Embedding, checked as above), and the stage is sharded at the graph level:
   reshapes to ``[B, heads, S, D]``), which are the DTensor's global shapes, not the shard's;
 - attention (``scaled_dot_product_attention`` with queries, keys and values sharded by heads
   and no dropout) runs on each rank's heads, the mask cut alike when it has a head dimension;
-  otherwise they are gathered and attention runs whole.
+  otherwise they are gathered and attention runs whole;
+- an operation that draws random numbers (dropout, ``randn_like``) gets its sharded arguments
+  gathered whole, so every rank draws what the unsharded stage draws from the stage's stream;
+- a recomputed region (an outlined graph a checkpoint runs again in backward) enters the same
+  mode when it runs outside the stage's forward.
 
 The first batch's layout check compares such a stage with its unsharded copy as any other.
 An operation DTensor has no rule for raises there, and is refused by name
@@ -673,7 +677,39 @@ def _shard_graph_stage(stage_id: int, root: nn.Module, layout: TensorLayout, mes
         return pytree.tree_map(_whole, out)
 
     root.forward = forward
+    # A recomputed region (an outlined graph run through a checkpoint) runs its forward again
+    # in backward, outside the stage's forward: it enters the region itself there.
+    for child in root.children():
+        if isinstance(child, fx.GraphModule):
+            child.forward = _in_region(child.forward, mesh)
     logger.debug("[Stage %d] tensor parallel in the graph: %s", stage_id, layout.styles[stage_id])
+
+
+def _draws_op(func: Any) -> bool:
+    """Whether the operation ``func`` (an ATen overload of an exported graph) draws random
+    numbers."""
+    packet = getattr(func, "overloadpacket", func)
+    name = str(getattr(packet, "__name__", "")).rstrip("_")
+    return name in _RANDOM_FUNCTIONS or name in _RANDOM_OPS
+
+
+#: Random ATen operations beyond :data:`_RANDOM_FUNCTIONS` (in-place ones without their ``_``).
+_RANDOM_OPS = frozenset(
+    {"native_dropout", "uniform", "exponential", "geometric", "cauchy", "log_normal", "random"}
+)
+
+
+def _in_region(run: Any, mesh: Any) -> Any:
+    """``run`` under :class:`_ShardedRegion` unless one is active already."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+        if any(isinstance(mode, _ShardedRegion) for mode in stack):
+            return run(*args, **kwargs)
+        with _ShardedRegion(mesh):
+            return run(*args, **kwargs)
+
+    return forward
 
 
 def _whole(value: Any) -> Any:
@@ -692,7 +728,8 @@ class _ShardedRegion(TorchFunctionMode):
     partial), the operation runs on global shapes (so a reshape that names the model's head
     count is right), and a result that is not sharded leaves as a plain tensor, summed over
     the axis first if it is partial. Attention runs on each rank's heads
-    (:func:`_attention`)."""
+    (:func:`_attention`); an operation that draws random numbers runs on whole values (so it
+    draws what the unsharded stage draws)."""
 
     def __init__(self, mesh: Any) -> None:
         super().__init__()
@@ -712,6 +749,9 @@ class _ShardedRegion(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is torch.ops.aten.scaled_dot_product_attention.default:
             return _attention(self.mesh, *args, **kwargs)
+        if _draws_op(func):  # on whole values: a shard's draw is not the whole draw's slice
+            args, kwargs = pytree.tree_map(_whole, (tuple(args), kwargs))
+            return func(*args, **kwargs)
 
         def join(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):

@@ -355,9 +355,9 @@ def test_auto_reads_a_hugging_face_plan_and_shards_the_exported_graph() -> None:
 @pytest.mark.distributed
 def test_a_hugging_face_llama_with_auto_trains_like_the_unsplit_model(tmp_path: Path) -> None:
     """PP2 x TP2 on the exported Llama (grouped-query attention whose captured reshapes name
-    the global head counts, padding masks, a cross-stage tie): every step's loss on every rank
-    and the consolidated parameters equal the unsplit transformers model's, trained by a plain
-    loop."""
+    the global head counts, padding masks, a cross-stage tie): every step's loss on every rank,
+    the consolidated parameters and what ``export_hf`` writes from the checkpoint equal the
+    unsplit transformers model's, trained by a plain loop."""
     import _hf_workers
 
     per_rank = launch(workers.run_llama, 4, str(tmp_path), timeout=TIMEOUT)
@@ -382,3 +382,10 @@ def test_a_hugging_face_llama_with_auto_trains_like_the_unsplit_model(tmp_path: 
         if name in state:
             assert_tensor_close(state[name], value, f"llama {name}", rtol=PARAM_RTOL)
     assert {n for n, _ in model.named_parameters()} <= set(state)
+    # export_hf turns the tensor-parallel checkpoint into a directory plain transformers loads.
+    out = portable.export_hf(
+        tmp_path, tmp_path / "hf", config=model.config, model_cls=type(model), tag="llama"
+    )
+    reloaded = type(model).from_pretrained(out).state_dict()
+    for name, value in model.state_dict().items():
+        assert_tensor_close(reloaded[name], value, f"llama export_hf {name}", rtol=PARAM_RTOL)
