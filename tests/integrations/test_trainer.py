@@ -550,6 +550,21 @@ def test_two_replicas_of_two_stages_equal_plain_trainer_with_twice_the_accumulat
     assert_same_run(run, ref)
     assert_same_eval(run, ref)
     assert_same_weights(pipe / "final", tmp_path / "ref" / "final", "llama")
+    if mode:  # export_hf from the 3D layout's checkpoint: what plain Trainer saved at that step
+        from pipedialect.checkpoint import export_hf
+
+        exported = export_hf(
+            pipe / "out" / "checkpoint-4" / "pipeline",
+            tmp_path / "hf",
+            config=example.build_model("llama").config,
+            model_cls=transformers.LlamaForCausalLM,
+        )
+        assert_same_weights(exported, tmp_path / "ref" / "out" / "checkpoint-4")
+        reloaded = transformers.LlamaForCausalLM.from_pretrained(exported)
+        assert (
+            reloaded.config.num_hidden_layers
+            == example.build_model("llama").config.num_hidden_layers
+        )
 
 
 @pytest.mark.distributed
