@@ -18,7 +18,9 @@ unsplit model:
   must be exact: a view over them would otherwise be wrong), a parameter several modules of a
   stage hold that they would shard differently (sharded alike, it is tied again after
   sharding), a weight tied across stages whose copies are sharded differently, and a glob that
-  matches a module no stage graph calls (a torch.export capture inlines modules).
+  matches a module no stage graph calls or reads the parameters of (a torch.export capture
+  inlines its modules and is sharded in the graph: [Note: tensor parallel in an exported
+  graph]).
 - *Activations.* Every module's output is a plain tensor. A colwise module's output stays
   sharded (the local shard, as torchtitan's plans do: the attention and MLP in between run on
   the local heads and features) when the code it flows through, together with the colwise
