@@ -21,7 +21,7 @@ from typing import Any
 import _ds_workers
 import torch
 import torch.distributed as dist
-from _torch_fsdp_workers import default_dtype
+from _torch_fsdp_workers import default_dtype, train_and_save
 from torch import nn
 
 import pipedialect
@@ -145,21 +145,8 @@ def _train_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
     spec = _ds_workers.spec_for(MODEL)
     with default_dtype(case.get("dtype", "float32")):
         plan, engine, replica = build(case)
-        data = _ds_workers.data_stream(spec, case["steps"] * case["gas"], case["micro"], replica)
-        losses = [float(engine.train_batch(data_iter=data)) for _ in range(case["steps"])]
-        eval_data = _ds_workers.data_stream(spec, case["gas"], case["micro"], DP + replica)
-        eval_loss = float(engine.eval_batch(eval_data))
-        if not case.get("bf16"):
-            portable.save(engine, ckpt_dir, tag=case["name"])
-    return {
-        "name": case["name"],
-        "rank": dist.get_rank(),
-        "replica": replica,
-        "stages": list(engine.stage_ids),
-        "losses": losses,
-        "eval_loss": eval_loss,
-        **_held(plan, engine),
-    }
+        done = train_and_save(engine, spec, case, replica, ckpt_dir)
+    return {**done, **_held(plan, engine)}
 
 
 def _trap_case(case: dict[str, Any]) -> dict[str, Any]:
