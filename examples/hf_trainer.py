@@ -182,6 +182,9 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast)")
     parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     parser.add_argument("--fsdp", action="store_true", help="shard the stages over the replicas")
+    parser.add_argument(
+        "--tp", type=int, default=None, help="tensor-parallel ranks per stage (the model's plan)"
+    )
     options = parser.parse_args()
 
     transformers.logging.set_verbosity_error()
@@ -213,6 +216,7 @@ def main() -> None:
             dialect=options.dialect,
             num_stages=stages,
             data_parallel_mode="fsdp" if options.fsdp else None,
+            tensor_parallel=options.tp,
             **arguments,
         )
         trainer = PipelineTrainer(args=args, **common)

@@ -165,26 +165,28 @@ def _error(call: Any) -> str:
     raise AssertionError("no error")
 
 
-def _train_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
-    spec = _model_registry.spec_for(case.get("model", MODEL))
-    with default_dtype(case.get("dtype", "float32")):
-        plan, _, engine, replica = build(case)
-        counter = CollectiveCounter()
-        try:
-            data = _model_registry.data_stream(
-                spec, case["steps"] * case["gas"], case["micro"], replica
-            )
-            losses, counts = [], []
-            for _ in range(case["steps"]):
-                losses.append(float(engine.train_batch(data_iter=data)))
-                counts.append(counter.take())
-            eval_data = _model_registry.data_stream(spec, case["gas"], case["micro"], DP + replica)
-            eval_loss = float(engine.eval_batch(eval_data))
-            counter.take()
-        finally:
-            counter.close()
-        if not case.get("bf16"):  # portable checkpoints hold fp32 optimizers only
-            portable.save(engine, ckpt_dir, tag=case["name"])
+def train_and_save(
+    engine: Any,
+    spec: Any,
+    case: dict[str, Any],
+    replica: int,
+    ckpt_dir: str,
+    after_step: Any = None,
+) -> dict[str, Any]:
+    """Train ``case["steps"]`` batches of replica ``replica``'s stream, evaluate one batch of
+    stream ``DP + replica``, save a portable checkpoint tagged ``case["name"]`` (not under
+    bf16: portable checkpoints hold fp32 optimizers only); what every rank reports of it.
+    ``after_step()`` runs after each training batch."""
+    stream = _model_registry.data_stream
+    data = stream(spec, case["steps"] * case["gas"], case["micro"], replica)
+    losses = []
+    for _ in range(case["steps"]):
+        losses.append(float(engine.train_batch(data_iter=data)))
+        if after_step is not None:
+            after_step()
+    eval_loss = float(engine.eval_batch(stream(spec, case["gas"], case["micro"], DP + replica)))
+    if not case.get("bf16"):
+        portable.save(engine, ckpt_dir, tag=case["name"])
     return {
         "name": case["name"],
         "rank": dist.get_rank(),
@@ -192,6 +194,24 @@ def _train_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
         "stages": list(engine.stage_ids),
         "losses": losses,
         "eval_loss": eval_loss,
+    }
+
+
+def _train_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
+    spec = _model_registry.spec_for(case.get("model", MODEL))
+    with default_dtype(case.get("dtype", "float32")):
+        plan, _, engine, replica = build(case)
+        counter = CollectiveCounter()
+        counts: list[Any] = []
+        try:
+            done = train_and_save(
+                engine, spec, case, replica, ckpt_dir, lambda: counts.append(counter.take())
+            )
+            counter.take()  # the evaluation's
+        finally:
+            counter.close()
+    return {
+        **done,
         "counts": counts,
         "units": engine.module.fsdp.num_units,
         "lr": engine.get_lr(),

@@ -21,7 +21,7 @@ from typing import Any
 import _ds_workers
 import torch
 import torch.distributed as dist
-from _torch_fsdp_workers import default_dtype
+from _torch_fsdp_workers import default_dtype, train_and_save
 from torch import nn
 
 import pipedialect
@@ -145,21 +145,8 @@ def _train_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
     spec = _ds_workers.spec_for(MODEL)
     with default_dtype(case.get("dtype", "float32")):
         plan, engine, replica = build(case)
-        data = _ds_workers.data_stream(spec, case["steps"] * case["gas"], case["micro"], replica)
-        losses = [float(engine.train_batch(data_iter=data)) for _ in range(case["steps"])]
-        eval_data = _ds_workers.data_stream(spec, case["gas"], case["micro"], DP + replica)
-        eval_loss = float(engine.eval_batch(eval_data))
-        if not case.get("bf16"):
-            portable.save(engine, ckpt_dir, tag=case["name"])
-    return {
-        "name": case["name"],
-        "rank": dist.get_rank(),
-        "replica": replica,
-        "stages": list(engine.stage_ids),
-        "losses": losses,
-        "eval_loss": eval_loss,
-        **_held(plan, engine),
-    }
+        done = train_and_save(engine, spec, case, replica, ckpt_dir)
+    return {**done, **_held(plan, engine)}
 
 
 def _trap_case(case: dict[str, Any]) -> dict[str, Any]:
@@ -239,3 +226,52 @@ def run_cases(cases: list[dict[str, Any]], ckpt_dir: str) -> list[dict[str, Any]
             out.append(_train_case(case, ckpt_dir))
         dist.barrier()
     return out
+
+
+#: The Hugging Face case: a tiny Llama (grouped-query attention, tied embeddings, right
+#: padding) under its own plan, captured with torch.export.
+LLAMA = {"gas": 2, "micro": 2, "steps": 3}
+
+
+def run_llama(ckpt_dir: str) -> dict[str, Any]:
+    """PP2 x TP2 (four ranks) trains the tiny Llama with ``tensor_parallel="auto"``: losses,
+    the held part of its sharded layers, and a portable checkpoint tagged ``llama``."""
+    import _hf_workers
+
+    dialect = pipedialect.get_dialect("torch")
+    dialect.init_distributed()
+    family = _hf_workers.FAMILIES["llama"]
+    gas, micro, steps = LLAMA["gas"], LLAMA["micro"], LLAMA["steps"]
+    cfg = _hf_workers.ds_config(gas, micro, "sgd")
+    plan = partition(
+        family.build(0),
+        [family.split_point],
+        example_inputs=family.example_inputs(micro),
+        concrete_args=family.fixed,
+    )
+    topology = dialect.make_topology(2, tensor_parallel=TP)
+    module = dialect.pipe_engine(
+        plan,
+        config=cfg,
+        loss_fn=_hf_workers.token_loss,
+        topology=topology,
+        tensor_parallel="auto",
+    )
+    engine = dialect.runtime_engine(module, config=cfg, check_finite=True)
+    data = family.micro_batches(steps * gas, batch_size=micro)
+    losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+    portable.save(engine, ckpt_dir, tag="llama")
+    named = [
+        (n, p)
+        for k in engine.stage_ids
+        for n, p in plan.stages[k].named_parameters()
+        if n.endswith(("_proj.weight",))
+    ]
+    return {
+        "rank": dist.get_rank(),
+        "stages": list(engine.stage_ids),
+        "losses": losses,
+        "held": sum(local_part(p).numel() for _, p in named),
+        "whole": sum(p.numel() for _, p in named),
+        "all_sharded": bool(named) and all(is_sharded(p) for _, p in named),
+    }

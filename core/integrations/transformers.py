@@ -188,6 +188,13 @@ class PipelineTrainingArguments(transformers.TrainingArguments):
             "data_parallel_mode); default: whole stages on every replica."
         },
     )
+    tensor_parallel: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Ranks of the tensor axis each stage is sharded over (the torch dialect), "
+            "by the model's base_model_tp_plan; default: 1 (no tensor parallelism)."
+        },
+    )
     recompute: list[str] | None = dataclasses.field(
         default=None,
         metadata={
@@ -205,7 +212,7 @@ class PipelineTrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[no-untyped-call]
-        for name in ("num_stages", "data_parallel", "pad_to_length"):
+        for name in ("num_stages", "data_parallel", "tensor_parallel", "pad_to_length"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TrainingArgumentError(
@@ -712,7 +719,7 @@ class PipelineTrainer(transformers.Trainer):
                 "split_points=[...] or num_stages=",
                 argument="num_stages",
             )
-        return dist.get_world_size() // (a.data_parallel or 1)
+        return dist.get_world_size() // ((a.data_parallel or 1) * (a.tensor_parallel or 1))
 
     def _grid(self) -> Topology | None:
         """This run's topology (None on a dialect that runs every stage in one process).
@@ -725,16 +732,17 @@ class PipelineTrainer(transformers.Trainer):
             return None
         stages = self._num_stages()
         world = dist.get_world_size()
-        ranks = self.pipe_dialect.make_topology(stages, 1).world_size()
+        tensor = self.args.tensor_parallel or 1
+        ranks = self.pipe_dialect.make_topology(stages, 1, tensor_parallel=tensor).world_size()
         data = self.args.data_parallel or max(world // ranks, 1)
         if ranks * data != world:
             raise TopologyError(
-                f"{world} processes cannot run {stages} stages ({ranks} ranks a pipeline) times "
-                f"{data} data-parallel replicas ({ranks * data} processes); launch "
-                f"{ranks * data} processes (torchrun --nproc_per_node), or change num_stages, "
-                "split_points or data_parallel"
+                f"{world} processes cannot run {stages} stages ({ranks} ranks a pipeline, "
+                f"tensor axis included) times {data} data-parallel replicas ({ranks * data} "
+                f"processes); launch {ranks * data} processes (torchrun --nproc_per_node), or "
+                "change num_stages, split_points, data_parallel or tensor_parallel"
             )
-        return self.pipe_dialect.make_topology(stages, data)
+        return self.pipe_dialect.make_topology(stages, data, tensor_parallel=tensor)
 
     def data_parallel_size(self) -> int:
         """The pipeline's data-parallel replicas."""
@@ -931,6 +939,8 @@ class PipelineTrainer(transformers.Trainer):
             options["schedule"] = args.pipeline_schedule
         if args.data_parallel_mode is not None:
             options["data_parallel_mode"] = args.data_parallel_mode
+        if (args.tensor_parallel or 1) > 1:  # the model's own plan, sharded in its graph
+            options["tensor_parallel"] = "auto"
         module = self.pipe_dialect.pipe_engine(
             plan, config=config, loss_fn=self._pipeline_loss, **options
         )
@@ -971,11 +981,14 @@ class PipelineTrainer(transformers.Trainer):
         if self.topology is None or self.data_parallel_size() == 1:
             return None
         found = None
+        tensor = self.topology.get_dim("tensor") or 1
         for pipe in range(self.topology.get_dim("pipe")):
-            ranks = self.topology.filter_match(pipe=pipe)
-            group = dist.new_group(ranks=ranks)  # every rank takes part in every group
-            if dist.get_rank() in ranks:
-                found = group
+            for t in range(tensor):  # one group per rank of the tensor axis: its replicas
+                where = {"pipe": pipe, "tensor": t} if tensor > 1 else {"pipe": pipe}
+                ranks = self.topology.filter_match(**where)
+                group = dist.new_group(ranks=ranks)  # every rank takes part in every group
+                if dist.get_rank() in ranks:
+                    found = group
         return found
 
     def _pipeline_loss(self, outputs: Any, target: Any) -> torch.Tensor:

@@ -18,7 +18,9 @@ unsplit model:
   must be exact: a view over them would otherwise be wrong), a parameter several modules of a
   stage hold that they would shard differently (sharded alike, it is tied again after
   sharding), a weight tied across stages whose copies are sharded differently, and a glob that
-  matches a module no stage graph calls (a torch.export capture inlines modules).
+  matches a module no stage graph calls or reads the parameters of (a torch.export capture
+  inlines its modules and is sharded in the graph: [Note: tensor parallel in an exported
+  graph]).
 - *Activations.* Every module's output is a plain tensor. A colwise module's output stays
   sharded (the local shard, as torchtitan's plans do: the attention and MLP in between run on
   the local heads and features) when the code it flows through, together with the colwise
@@ -53,6 +55,40 @@ unsplit model:
 - *Checkpoints.* Portable checkpoints read and write through the shards by name, so they move
   between this and every other layout; the engine's own checkpoint is per rank and needs the
   same layout.
+
+[Note: tensor parallel in an exported graph]
+A plan captured with torch.export (``partition(..., example_inputs=...)``, every Hugging Face
+model) calls no module: its graph reads each parameter with a ``get_attr`` named by the model's
+path (``model.layers.0.self_attn.q_proj.weight``) and applies ``aten.linear`` itself. So when
+no module a stage calls matches the plan, the globs are matched against the owners of the
+parameters the graph reads, whose type is the model's module at that path (nn.Linear,
+nn.Embedding, checked as above), and the stage is sharded at the graph level:
+
+- the matched parameters become ``DTensor`` s on the tensor axis, laid out as the module styles
+  lay them out (colwise: weight and bias ``Shard(0)``; rowwise: weight ``Shard(1)``, bias
+  replicated), so FSDP, ties, clipping and checkpoints treat them as they treat a sharded
+  module's;
+- the stage's forward runs under :class:`_ShardedRegion`: an operation that meets a sharded
+  value runs with DTensor's semantics on *global* shapes, every plain tensor it meets joining
+  as a replicated ``DTensor`` whose gradient is summed over the axis where the operation leaves
+  it partial (Megatron's identity-forward, all-reduce-backward operator, and what keeps a whole
+  parameter combined with a shard right, torchtitan#1373); a result that is no longer sharded
+  (a rowwise projection's partial sum, summed over the axis; a replicated value) leaves as a
+  plain tensor, and a sharded value reaching the stage's output is gathered whole;
+- so the shapes export wrote into the graph stay right: a capture records the global head
+  counts as constants (Llama's ``repeat_kv`` expands to ``[B, kv_heads, n_rep, S, D]`` and
+  reshapes to ``[B, heads, S, D]``), which are the DTensor's global shapes, not the shard's;
+- attention (``scaled_dot_product_attention`` with queries, keys and values sharded by heads
+  and no dropout) runs on each rank's heads, the mask cut alike when it has a head dimension;
+  otherwise they are gathered and attention runs whole;
+- an operation that draws random numbers (dropout, ``randn_like``) gets its sharded arguments
+  gathered whole, so every rank draws what the unsharded stage draws from the stage's stream;
+- a recomputed region (an outlined graph a checkpoint runs again in backward) enters the same
+  mode when it runs outside the stage's forward.
+
+The first batch's layout check compares such a stage with its unsharded copy as any other.
+An operation DTensor has no rule for raises there, and is refused by name
+(:class:`~pipedialect.PlanMismatchError`); leave the modules around it out of the plan.
 """
 
 from __future__ import annotations
@@ -67,6 +103,7 @@ from typing import Any, NoReturn
 
 import torch
 from torch import fx, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from pipedialect import ConfigError, PlanMismatchError, StageWrapper, TieError
@@ -99,6 +136,10 @@ class TensorLayout:
     local_inputs: Mapping[int, frozenset[str]]
     #: For each stage, ``{module path: "linear" | "embedding"}``.
     kinds: Mapping[int, Mapping[str, str]]
+    #: The stages whose graph reads the matched modules' parameters itself (a torch.export
+    #: capture inlines every module): sharded at the graph level ([Note: tensor parallel in
+    #: an exported graph]).
+    graph_stages: frozenset[int] = frozenset()
 
     def sharded_dim(self, stage: int, name: str) -> int | None:
         """The dimension of parameter ``name`` (a stage's name) the plan shards, or None."""
@@ -172,6 +213,23 @@ def _called_modules(stage: nn.Module) -> tuple[list[str], list[str]] | None:
             whole.append(str(node.target))
             called.extend(children)
     return called, whole
+
+
+def _read_owners(stage: nn.Module) -> list[str]:
+    """The owners' paths of the parameters a stage's graph reads itself (``get_attr`` of
+    ``model.layers.0.mlp.up_proj.weight``: ``model.layers.0.mlp.up_proj``), in graph order."""
+    root = _root(stage)
+    graph = getattr(root, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return []
+    owners: list[str] = []
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        path, _, leaf = str(node.target).rpartition(".")
+        if path and leaf in ("weight", "bias"):
+            owners.append(path)
+    return list(dict.fromkeys(owners))
 
 
 #: Calls whose result is a size, not a tensor: they may feed a shard's reshape.
@@ -390,29 +448,31 @@ def resolve_layout(
     local_outputs: dict[int, frozenset[str]] = {}
     local_inputs: dict[int, frozenset[str]] = {}
     matched: set[str] = set()
+    graph_stages: set[int] = set()
     for k, stage in enumerate(stages):
         root = _root(stage)
         found = _called_modules(stage)
         paths = found[0] if found is not None else [n for n, _ in root.named_modules() if n]
         whole = found[1] if found is not None else []
-        mine: dict[str, str] = {}
-        for path in dict.fromkeys(paths):
-            for glob, style in plan.items():
-                if not fnmatch.fnmatchcase(path, glob):
-                    continue
-                matched.add(glob)
-                if mine.setdefault(path, style) != style:
-                    raise ConfigError(
-                        f"[Stage {k}] module {path!r} is matched as {mine[path]!r} and as "
-                        f"{style!r} (glob {glob!r}); make the globs of tensor_parallel disjoint"
-                    )
+        mine = _match(k, paths, plan, matched)
+        owners = root
+        if not mine and found is not None and model is not None:
+            # An exported graph calls no module: it reads the parameters of the modules it
+            # inlined, named by the model's paths ([Note: tensor parallel in an exported graph]).
+            mine = _match(k, _read_owners(stage), plan, matched)
+            if mine:
+                graph_stages.add(k)
+                owners = model
         kinds[k] = {
-            path: _check_module(k, path, root.get_submodule(path), style, size)
+            path: _check_module(k, path, owners.get_submodule(path), style, size)
             for path, style in mine.items()
         }
         _check_shared(k, root, mine)
-        _check_direct_reads(k, root, mine)
         styles[k] = mine
+        if k in graph_stages:
+            local_outputs[k] = local_inputs[k] = frozenset()
+            continue
+        _check_direct_reads(k, root, mine)
         rowwise = {p for p, s in mine.items() if s == "rowwise" and kinds[k][p] == "linear"}
         colwise = {p for p, s in mine.items() if s == "colwise" and kinds[k][p] == "linear"}
         local, fed = _local_layout(root, colwise, rowwise, whole)
@@ -427,11 +487,9 @@ def resolve_layout(
         glob, path = inlined[0]
         raise ConfigError(
             f"tensor_parallel glob {glob!r} matches the model's module {path!r}, but no stage "
-            "graph calls it as a module: a plan captured with torch.export (partition(..., "
-            "example_inputs=...), as Hugging Face models are) inlines every module into "
-            "tensor operations, and tensor parallelism shards modules the graph calls. "
-            "Partition with the torch.fx capture (no example_inputs), or run this model "
-            "without tensor_parallel"
+            "graph calls it or reads its parameters (a module the graph runs whole, such as a "
+            "split point's or a recomputed one, is sharded by its own module path only when "
+            "the graph calls it); narrow the glob to modules the stages run"
         )
     if unmatched:
         raise ConfigError(
@@ -439,9 +497,32 @@ def resolve_layout(
             "globs match module paths of the model such as 'blocks.*.attn.q' (see "
             "model.named_modules())"
         )
-    layout = TensorLayout(size, styles, local_outputs, local_inputs, kinds)
+    layout = TensorLayout(size, styles, local_outputs, local_inputs, kinds, frozenset(graph_stages))
     _check_ties(layout, tie_groups)
     return layout
+
+
+def _match(
+    stage: int, paths: Sequence[str], plan: Mapping[str, str], matched: set[str]
+) -> dict[str, str]:
+    """``{path: style}`` of the ``paths`` the plan's globs match (each glob that matches is
+    added to ``matched``).
+
+    Raises:
+        ConfigError: a path matched with two styles.
+    """
+    mine: dict[str, str] = {}
+    for path in dict.fromkeys(paths):
+        for glob, style in plan.items():
+            if not fnmatch.fnmatchcase(path, glob):
+                continue
+            matched.add(glob)
+            if mine.setdefault(path, style) != style:
+                raise ConfigError(
+                    f"[Stage {stage}] module {path!r} is matched as {mine[path]!r} and as "
+                    f"{style!r} (glob {glob!r}); make the globs of tensor_parallel disjoint"
+                )
+    return mine
 
 
 def _check_module(stage: int, path: str, module: nn.Module, style: str, size: int) -> str:
@@ -544,6 +625,9 @@ def apply_layout(stage_id: int, stage: nn.Module, layout: TensorLayout, mesh: An
     styles = layout.styles.get(stage_id, {})
     if not styles:
         return
+    if stage_id in layout.graph_stages:
+        _shard_graph_stage(stage_id, _root(stage), layout, mesh)
+        return
     kinds = layout.kinds[stage_id]
     plan: dict[str, Any] = {}
     for path, style in styles.items():
@@ -563,6 +647,161 @@ def apply_layout(stage_id: int, stage: nn.Module, layout: TensorLayout, mesh: An
             path, _, leaf = other.rpartition(".")
             setattr(root.get_submodule(path), leaf, first)
     logger.debug("[Stage %d] tensor parallel: %s", stage_id, styles)
+
+
+def _shard_graph_stage(stage_id: int, root: nn.Module, layout: TensorLayout, mesh: Any) -> None:
+    """Shard the parameters an exported stage graph reads, and run its forward under
+    :class:`_ShardedRegion` ([Note: tensor parallel in an exported graph])."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    shared = _shared(root)
+    for name, param in sorted(root.named_parameters()):
+        path, _, leaf = name.rpartition(".")
+        if path not in layout.styles[stage_id]:
+            continue
+        dim = layout.sharded_dim(stage_id, name)
+        placement = Replicate() if dim is None else Shard(dim)
+        sharded = nn.Parameter(
+            distribute_tensor(param.detach(), mesh, [placement]),
+            requires_grad=param.requires_grad,
+        )
+        setattr(root.get_submodule(path), leaf, sharded)
+    for same in shared:  # sharded alike (``_check_shared``): one parameter again
+        first = root.get_parameter(same[0])
+        for other in same[1:]:
+            path, _, leaf = other.rpartition(".")
+            setattr(root.get_submodule(path), leaf, first)
+    original = root.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with _ShardedRegion(mesh):
+            out = original(*args, **kwargs)
+        return pytree.tree_map(_whole, out)
+
+    root.forward = forward
+    # A recomputed region (an outlined graph run through a checkpoint) runs its forward again
+    # in backward, outside the stage's forward: it enters the region itself there.
+    for child in root.children():
+        if isinstance(child, fx.GraphModule):
+            child.forward = _in_region(child.forward, mesh)
+    logger.debug("[Stage %d] tensor parallel in the graph: %s", stage_id, layout.styles[stage_id])
+
+
+def _draws_op(func: Any) -> bool:
+    """Whether the operation ``func`` (an ATen overload of an exported graph) draws random
+    numbers."""
+    packet = getattr(func, "overloadpacket", func)
+    name = str(getattr(packet, "__name__", "")).rstrip("_")
+    return name in _RANDOM_FUNCTIONS or name in _RANDOM_OPS
+
+
+#: Random ATen operations beyond :data:`_RANDOM_FUNCTIONS` (in-place ones without their ``_``).
+_RANDOM_OPS = frozenset(
+    {"native_dropout", "uniform", "exponential", "geometric", "cauchy", "log_normal", "random"}
+)
+
+
+def _in_region(run: Any, mesh: Any) -> Any:
+    """``run`` under :class:`_ShardedRegion` unless one is active already."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+        if any(isinstance(mode, _ShardedRegion) for mode in stack):
+            return run(*args, **kwargs)
+        with _ShardedRegion(mesh):
+            return run(*args, **kwargs)
+
+    return forward
+
+
+def _whole(value: Any) -> Any:
+    """A sharded value leaving the stage, gathered whole (autograd keeps the shard's part)."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+class _ShardedRegion(TorchFunctionMode):
+    """Runs a stage graph's operations on sharded parameters with ``DTensor``'s semantics.
+
+    An operation none of whose arguments is a ``DTensor`` runs as it is. Otherwise every
+    plain tensor argument joins it as a ``DTensor`` replicated over the tensor axis
+    (``from_local``: its gradient is summed over the axis where the operation leaves it
+    partial), the operation runs on global shapes (so a reshape that names the model's head
+    count is right), and a result that is not sharded leaves as a plain tensor, summed over
+    the axis first if it is partial. Attention runs on each rank's heads
+    (:func:`_attention`); an operation that draws random numbers runs on whole values (so it
+    draws what the unsharded stage draws)."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        kwargs = dict(kwargs or {})
+        if not any(isinstance(t, DTensor) for t in pytree.tree_leaves((args, kwargs))):
+            return func(*args, **kwargs)
+        if func is torch.ops.aten.scaled_dot_product_attention.default:
+            return _attention(self.mesh, *args, **kwargs)
+        if _draws_op(func):  # on whole values: a shard's draw is not the whole draw's slice
+            args, kwargs = pytree.tree_map(_whole, (tuple(args), kwargs))
+            return func(*args, **kwargs)
+
+        def join(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
+            return value
+
+        args, kwargs = pytree.tree_map(join, (tuple(args), kwargs))
+        return pytree.tree_map(self._leave, func(*args, **kwargs))
+
+    def _leave(self, value: Any) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if isinstance(value, DTensor) and not any(p.is_shard() for p in value.placements):
+            return value.redistribute(self.mesh, [Replicate()]).to_local()
+        return value
+
+
+def _attention(mesh: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+    """``scaled_dot_product_attention`` on sharded values: with the queries, keys and values
+    sharded alike by heads (dim 1) and no dropout, each rank attends over its own heads (a
+    mask with a head dimension cut alike) -- what DTensor's own rule does, which on the CPU
+    propagates through the decomposition (minutes per call). Otherwise all three are gathered
+    and attention runs whole on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    op = torch.ops.aten.scaled_dot_product_attention.default
+    names = ("attn_mask", "dropout_p", "is_causal")
+    options = {**dict(zip(names, args, strict=False)), **kwargs}
+    mask = options.pop("attn_mask", None)
+    heads = [Shard(1)]
+
+    def laid(t: Any, placements: list[Any]) -> Any:
+        if not isinstance(t, DTensor):
+            t = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return t.redistribute(mesh, placements).to_local()
+
+    by_heads = all(
+        isinstance(t, DTensor) and list(t.placements) == heads for t in (query, key, value)
+    )
+    if by_heads and not options.get("dropout_p"):
+        if isinstance(mask, torch.Tensor):
+            mask = laid(mask, heads if mask.dim() == 4 and mask.shape[1] > 1 else [Replicate()])
+        out = op(query.to_local(), key.to_local(), value.to_local(), mask, **options)
+        return DTensor.from_local(out, mesh, heads, run_check=False)
+    whole = [laid(t, [Replicate()]) for t in (query, key, value)]
+    if isinstance(mask, torch.Tensor):
+        mask = laid(mask, [Replicate()])
+    return op(*whole, mask, **options)
 
 
 def retie_sharded(

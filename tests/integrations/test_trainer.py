@@ -527,27 +527,44 @@ def test_the_example_under_torchrun_equals_plain_trainer(tmp_path: Path, launch:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dialect", ["torch-fsdp", "deepspeed"])
+@pytest.mark.parametrize("dialect", ["torch-3d", "deepspeed"])
 def test_two_replicas_of_two_stages_equal_plain_trainer_with_twice_the_accumulation(
     tmp_path: Path, dialect: str
 ) -> None:
-    """Four processes, two stages by two replicas: Trainer's loaders are sharded over the
-    replicas only (each reads every other batch) and the step's token count is summed over
-    them, so a step trains on what one process trains on with gradient_accumulation_steps 4;
-    evaluation gathers every replica's batches in Trainer's order for compute_metrics. On torch
-    the stages are sharded over the replicas (FSDP); whole stages on two replicas are
+    """Two stages by two replicas: Trainer's loaders are sharded over the replicas only (each
+    reads every other batch) and the step's token count is summed over them, so a step trains
+    on what one process trains on with gradient_accumulation_steps 4; evaluation gathers every
+    replica's batches in Trainer's order for compute_metrics. On torch it is the 3D layout
+    (eight processes): the stages sharded over the replicas (FSDP) and over a tensor axis of
+    two ranks by the Llama's own plan; whole stages on two replicas (four processes) are
     DeepSpeed's layout here, and the torch dialect's own in tests/dialects/torch."""
     ref = _reference(tmp_path / "ref", "--accumulation", "4", "--eval")
     name, _, mode = dialect.partition("-")
-    argv = _torchrun(4, "--dialect", name, "--stages", "2", "--accumulation", "2", "--eval")
+    flags = ("--dialect", name, "--stages", "2", "--accumulation", "2", "--eval")
+    argv = _torchrun(8 if mode else 4, *flags)
     if mode:
-        argv.append("--fsdp")
+        argv.extend(["--fsdp", "--tp", "2"])
     pipe = tmp_path / "pipe"
     pipe.mkdir()
     run = _last_line([*argv, "--out", str(pipe / "out"), "--save", str(pipe / "final")], pipe)
     assert_same_run(run, ref)
     assert_same_eval(run, ref)
     assert_same_weights(pipe / "final", tmp_path / "ref" / "final", "llama")
+    if mode:  # export_hf from the 3D layout's checkpoint: what plain Trainer saved at that step
+        from pipedialect.checkpoint import export_hf
+
+        exported = export_hf(
+            pipe / "out" / "checkpoint-4" / "pipeline",
+            tmp_path / "hf",
+            config=example.build_model("llama").config,
+            model_cls=transformers.LlamaForCausalLM,
+        )
+        assert_same_weights(exported, tmp_path / "ref" / "out" / "checkpoint-4")
+        reloaded = transformers.LlamaForCausalLM.from_pretrained(exported)
+        assert (
+            reloaded.config.num_hidden_layers
+            == example.build_model("llama").config.num_hidden_layers
+        )
 
 
 @pytest.mark.distributed

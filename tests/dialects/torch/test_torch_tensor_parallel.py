@@ -325,35 +325,67 @@ def test_a_weight_shared_inside_one_stage_is_not_sharded() -> None:
         _pipe_engine(one, {"lm_head": "colwise"})
 
 
-def test_auto_reads_a_hugging_face_plan_and_refuses_an_export_capture_by_name() -> None:
+def test_auto_reads_a_hugging_face_plan_and_shards_the_exported_graph() -> None:
     """``tensor_parallel="auto"`` takes a tiny Llama's ``base_model_tp_plan`` (under the base
     model's prefix); a Llama is captured with torch.export, whose graphs call no module, so
-    the plan is refused by name rather than left unsharded."""
-    import transformers
+    the plan is matched against the parameters the graphs read and sharded there."""
+    import _hf_workers
 
-    from pipedialect.dialects.torch._tensor import auto_plan
+    from pipedialect.dialects.torch._tensor import auto_plan, resolve_layout
 
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=64,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=1,
-        use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    family = _hf_workers.FAMILIES["llama"]
+    model = family.build(0)
     assert auto_plan(model)["model.layers.*.self_attn.q_proj"] == "colwise"
     assert auto_plan(model)["model.layers.*.mlp.down_proj"] == "rowwise"
-    ids = torch.randint(0, 64, (2, 8))
     plan = partition(
         model,
-        ["model.layers.0"],
-        example_inputs={"input_ids": ids},
-        concrete_args={"return_dict": False, "use_cache": False},
+        [family.split_point],
+        example_inputs=family.example_inputs(),
+        concrete_args=family.fixed,
     )
-    with pytest.raises(ConfigError, match="no stage graph calls it as a module"):
-        _pipe_engine(plan, "auto")
+    layout = resolve_layout("auto", plan.stages, plan.model, 2, plan.tie_groups)
+    assert layout is not None and layout.graph_stages == {0, 1}
+    assert layout.styles[1]["model.layers.1.self_attn.o_proj"] == "rowwise"
+    assert layout.sharded_dim(0, "model.layers.0.mlp.up_proj.weight") == 0
+    assert layout.sharded_dim(0, "model.layers.0.mlp.down_proj.weight") == 1
+    with pytest.raises(ConfigError, match=r"num_embeddings=64.*tensor axis of 3"):
+        resolve_layout({"model.embed_tokens": "rowwise"}, plan.stages, plan.model, 3)
+
+
+@pytest.mark.distributed
+def test_a_hugging_face_llama_with_auto_trains_like_the_unsplit_model(tmp_path: Path) -> None:
+    """PP2 x TP2 on the exported Llama (grouped-query attention whose captured reshapes name
+    the global head counts, padding masks, a cross-stage tie): every step's loss on every rank,
+    the consolidated parameters and what ``export_hf`` writes from the checkpoint equal the
+    unsplit transformers model's, trained by a plain loop."""
+    import _hf_workers
+
+    per_rank = launch(workers.run_llama, 4, str(tmp_path), timeout=TIMEOUT)
+    family = _hf_workers.FAMILIES["llama"]
+    gas, micro, steps = (workers.LLAMA[k] for k in ("gas", "micro", "steps"))
+    model = family.build(0)
+    optimizer = _hf_workers.OPTIMIZERS["sgd"][1](model.parameters())
+    batches = list(family.micro_batches(steps * gas, batch_size=micro))
+    ref = train_unsplit(
+        model,
+        optimizer,
+        [batches[i * gas : (i + 1) * gas] for i in range(steps)],
+        _hf_workers.token_loss,
+        forward=family.forward,
+    )
+    assert sorted(r["stages"][0] for r in per_rank) == [0, 0, 1, 1]
+    for r in per_rank:
+        assert r["losses"] == pytest.approx(ref.losses, rel=RTOL, abs=ATOL), r
+        assert r["all_sharded"] and workers.TP * r["held"] == r["whole"], r
+    state = portable.consolidate(tmp_path, "llama")
+    for name, value in model.state_dict().items():
+        if name in state:
+            assert_tensor_close(state[name], value, f"llama {name}", rtol=PARAM_RTOL)
+    assert {n for n, _ in model.named_parameters()} <= set(state)
+    # export_hf turns the tensor-parallel checkpoint into a directory plain transformers loads.
+    out = portable.export_hf(
+        tmp_path, tmp_path / "hf", config=model.config, model_cls=type(model), tag="llama"
+    )
+    reloaded = type(model).from_pretrained(out).state_dict()
+    for name, value in model.state_dict().items():
+        assert_tensor_close(reloaded[name], value, f"llama export_hf {name}", rtol=PARAM_RTOL)
