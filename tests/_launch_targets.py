@@ -70,3 +70,30 @@ def nap_after_saying_so(ready_dir: str) -> None:
     """Leave a file named after this rank in ``ready_dir``, then sleep (until stopped)."""
     (Path(ready_dir) / os.environ["RANK"]).touch()
     time.sleep(3600)
+
+
+def start_data_loader_workers(record: str, fail_rank: int | None) -> list[int]:
+    """Start a ``DataLoader``'s worker processes, as DeepSpeed's loader does on every rank, and
+    write the pids of every process this rank started to ``record/rank<r>``. Then return them,
+    or raise on ``fail_rank`` while the other ranks wait, still holding their workers, until
+    the launcher stops them."""
+    import psutil
+    import torch
+
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    # From a fork server, as in a rank DeepSpeed's loader runs in: a worker watches its parent,
+    # which is then the fork server, not the rank.
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=2, num_workers=2, multiprocessing_context="forkserver"
+    )
+    batches = iter(loader)
+    next(batches)  # the workers run now and stay for the next batch
+    started = [p.pid for p in psutil.Process().children(recursive=True)]
+    rank = int(os.environ["RANK"])
+    Path(record, f"rank{rank}").write_text(" ".join(map(str, started)))
+    if fail_rank is None:
+        return started
+    if rank == fail_rank:
+        raise RuntimeError("failed on purpose")
+    time.sleep(600)
+    return started

@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from ..errors import LaunchError
 
@@ -101,6 +101,8 @@ def _rank_main(
     os.chdir(cwd)
     if "OMP_NUM_THREADS" in environ and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    # The launcher stops a rank with SIGTERM: leave through _leave, so its children go too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _leave(128 + signum))
     threading.Thread(
         target=_exit_with_launcher,
         args=(launcher, _start_time(launcher)),
@@ -130,7 +132,7 @@ def _rank_main(
             stream.flush()
     if result[0] == "error":
         # Leave at once: tearing down a process group whose peers are gone can block.
-        os._exit(1)
+        _leave(1)
     # [Note: rank exit] The result is safe on disk. Wait until every rank is done with the
     # process group, then leave without interpreter teardown: destroying gloo groups and
     # DeepSpeed's communication state while a peer is still shutting down has aborted a rank
@@ -141,14 +143,55 @@ def _rank_main(
 
         if dist.is_initialized():
             dist.barrier()
-    os._exit(0)
+    _leave(0)
+
+
+def _leave(code: int) -> NoReturn:
+    """End this rank at once (``os._exit``), killing every process it started first.
+
+    [Note: a rank's own children]
+    ``os._exit`` skips the clean-up that would stop a rank's children, and so does a SIGTERM
+    from the launcher: the workers of a ``DataLoader`` (DeepSpeed's loader for
+    ``training_data`` starts two per rank, from a fork server) outlived every run, each with
+    the fork server it came from, since a worker watches its parent (that fork server, still
+    alive) and the fork server waits for its last client (those workers). So every way a rank
+    ends -- its function returned or raised, the launcher is gone, the launcher stops it with
+    SIGTERM -- goes through here, and every descendant of the rank (found through ``/proc``)
+    is killed before it leaves.
+    """
+    with contextlib.suppress(Exception):
+        for pid in _descendants(os.getpid()):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    os._exit(code)
+
+
+def _descendants(root: int) -> list[int]:
+    """The pids of every process below ``root`` (children first), read from ``/proc``."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    below = [root]
+    while below:
+        children = parents.get(below.pop(), [])
+        found.extend(children)
+        below.extend(children)
+    return found
 
 
 def _exit_with_launcher(pid: int, started: str | None) -> None:
     """Leave at once when the launching process ``pid`` is gone (a rank must not linger)."""
     while _alive(pid, started):
         time.sleep(_LAUNCHER_POLL_SECONDS)
-    os._exit(1)
+    _leave(1)
 
 
 def _proc_stat(pid: int) -> tuple[str, str] | None:

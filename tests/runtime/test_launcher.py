@@ -94,6 +94,24 @@ def test_a_failing_rank_stops_the_launch_with_its_traceback() -> None:
     assert "stage exploded on purpose" in message and "Traceback" in message
 
 
+def test_the_processes_a_rank_started_end_with_it(tmp_path: Path) -> None:
+    """A rank that returns, raises, or is stopped by the launcher (SIGTERM) takes the processes
+    it started with it: DataLoader workers and the fork server they came from outlived every
+    rank the launcher stopped before ([Note: a rank's own children])."""
+    launch(targets.start_data_loader_workers, 2, str(tmp_path), None)
+    (tmp_path / "failed").mkdir()
+    with pytest.raises(LaunchError, match="failed on purpose"):
+        launch(targets.start_data_loader_workers, 2, str(tmp_path / "failed"), 1, timeout=120)
+    started = []
+    for record in [*tmp_path.glob("rank*"), *tmp_path.glob("failed/rank*")]:
+        started += [int(pid) for pid in record.read_text().split()]
+    assert len(started) >= 12, started  # a fork server and two workers, per rank and launch
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in started if psutil.pid_exists(p)], 10)
+    for p in alive:
+        p.kill()
+    assert not alive, [p.cmdline() for p in alive]
+
+
 def test_a_hanging_launch_times_out() -> None:
     start = time.monotonic()
     with pytest.raises(LaunchError, match="timed out"):
