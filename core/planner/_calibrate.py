@@ -330,7 +330,6 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from ..cost import Layout
-    from ..plan.partition import partition
     from ..plugins import get_dialect
     from ._offer import offer_of
 
@@ -390,27 +389,13 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
             split_points=tuple(f"blocks.{k}" for k in range(world - 1)),
             engine_options=(("schedule", schedule),) if offer.schedule_option else (),
         )
-        torch.manual_seed(0)
-        plan = partition(_Free(world), **layout.partition_kwargs())
-        config = {
-            **layout.config(),
-            "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
-            "steps_per_print": 10**9,
-        }
-        module = dialect.pipe_engine(
-            plan,
-            config=config,
-            loss_fn=_loss,
-            topology=layout.topology(dialect),
-            **layout.pipe_engine_kwargs(),
-        )
-        engine = dialect.runtime_engine(module, config=config)
+        engine = _engine(dialect, layout, _Free(world))
         batches = iter([(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(m * (steps + 1))])
         engine.train_batch(batches)
         peak.append(_rss())
         measured[m] = _median_seconds(functools.partial(engine.train_batch, batches), steps)
         peak.append(_rss())
-        del engine, module
+        del engine
     modes = _measure_modes(dialect, offer, schedule, rank, world, steps)
     return {
         "latency": latency,
@@ -431,7 +416,6 @@ def _measure_modes(
     """The one-stage runs of each parallel mode the dialect offers ([Note: calibration]):
     ``{"schedule": ..., "steps": {mode: {micro-batches: median step seconds}}}``."""
     from ..cost import Layout
-    from ..plan.partition import partition
 
     one = schedule if offer.runs("fsdp", schedule) else None
     runs: list[tuple[str, int, str, int]] = [("ddp", world, "ddp", 1)]
@@ -456,21 +440,7 @@ def _measure_modes(
                 recompute=None,
                 engine_options=offer.engine_options(schedule, 1, mode, tensor, _TENSOR_PLAN),
             )
-            torch.manual_seed(0)
-            plan = partition(_Pairs(), **layout.partition_kwargs())
-            config = {
-                **layout.config(),
-                "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
-                "steps_per_print": 10**9,
-            }
-            module = dialect.pipe_engine(
-                plan,
-                config=config,
-                loss_fn=_loss,
-                topology=layout.topology(dialect),
-                **layout.pipe_engine_kwargs(),
-            )
-            engine = dialect.runtime_engine(module, config=config)
+            engine = _engine(dialect, layout, _Pairs())
             # The ranks of one data replica (tensor innermost) read the same micro-batches.
             gen = torch.Generator().manual_seed(1 + rank // tensor)
             batches = iter(
@@ -483,8 +453,30 @@ def _measure_modes(
             measured[name][m] = _median_seconds(
                 functools.partial(engine.train_batch, batches), steps
             )
-            del engine, module
+            del engine
     return {"schedule": schedule, "steps": measured}
+
+
+def _engine(dialect: Any, layout: Any, model: nn.Module) -> Any:
+    """The runtime engine ``dialect`` builds for ``model`` under ``layout`` (plain SGD, seeded
+    alike on every rank): what each calibration run times."""
+    from ..plan.partition import partition
+
+    torch.manual_seed(0)
+    plan = partition(model, **layout.partition_kwargs())
+    config = {
+        **layout.config(),
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "steps_per_print": 10**9,
+    }
+    module = dialect.pipe_engine(
+        plan,
+        config=config,
+        loss_fn=_loss,
+        topology=layout.topology(dialect),
+        **layout.pipe_engine_kwargs(),
+    )
+    return dialect.runtime_engine(module, config=config)
 
 
 def _rss() -> int:
