@@ -10,9 +10,6 @@ and seed ([Note: random streams]); :func:`compare` checks the two.
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -291,16 +288,13 @@ def trainability_run(dialect: Any, case: dict[str, Any]) -> dict[str, Any]:
     engine = dialect.runtime_engine(module, config=conf)
     data = stream(0, 4 * GAS)
     outcomes = []
-    collectives: list[dict[str, int]] = []
 
     def step(s: int) -> None:
-        with counting_collectives() as counts:
-            try:
-                engine.train_batch(iter(data[s * GAS : (s + 1) * GAS]))
-                outcomes.append("")
-            except pipedialect.PipeDialectError as exc:
-                outcomes.append(f"{type(exc).__name__}: {exc}")
-        collectives.append(dict(counts))
+        try:
+            engine.train_batch(iter(data[s * GAS : (s + 1) * GAS]))
+            outcomes.append("")
+        except pipedialect.PipeDialectError as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
 
     step(0)
     model.blocks[0].requires_grad_(True)  # unfrozen after build
@@ -309,53 +303,7 @@ def trainability_run(dialect: Any, case: dict[str, Any]) -> dict[str, Any]:
     step(1)
     model.head.requires_grad_(False)  # frozen after build
     step(2)
-    return {
-        "case": case,
-        "dialect": dialect.name,
-        "outcomes": outcomes,
-        "steps": engine.global_steps,
-        "collectives": collectives,
-    }
-
-
-#: The collectives of ``torch.distributed`` that :func:`counting_collectives` counts.
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_object",
-    "all_gather_into_tensor",
-    "broadcast",
-    "broadcast_object_list",
-    "barrier",
-    "reduce",
-    "reduce_scatter_tensor",
-    "gather",
-    "scatter",
-    "all_to_all_single",
-)
-
-
-@contextlib.contextmanager
-def counting_collectives() -> Iterator[Counter[str]]:
-    """Count the calls of each of :data:`COLLECTIVES` made through ``torch.distributed`` (every
-    engine and DeepSpeed's ``comm`` call them so) while the block runs."""
-    counts: Counter[str] = Counter()
-    saved = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counted(name: str, fn: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return fn(*args, **kwargs)
-
-        return call
-
-    for name, fn in saved.items():
-        setattr(dist, name, counted(name, fn))
-    try:
-        yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+    return {"case": case, "outcomes": outcomes, "steps": engine.global_steps}
 
 
 def check_trainability(result: dict[str, Any]) -> None:
@@ -369,14 +317,6 @@ def check_trainability(result: dict[str, Any]) -> None:
     assert frozen.startswith("TrainabilityChangedError"), frozen
     assert "'head." in frozen and "was frozen" in frozen, frozen
     assert result["steps"] == 2, result  # the refused steps took no step
-    # The check rides the step's own collectives ([Note: verdicts every rank computes alike]):
-    # a step that trains runs the all_reduce of the data agreement (every rank has its
-    # micro-batches), of the gradient norm (the engines report it, clipping or not) and of the
-    # phase's closing agreement, and on DeepSpeed one of DeepSpeed's own; none for the check.
-    # The local dialect runs in one process and communicates nothing.
-    expected = {"local": 0, "torch": 3, "deepspeed": 4}[result["dialect"]]
-    trained = [c for c, o in zip(result["collectives"], result["outcomes"], strict=True) if not o]
-    assert [c.get("all_reduce", 0) for c in trained] == [expected, expected], result["collectives"]
 
 
 def reference(case: dict[str, Any], seed: int = SEED) -> dict[str, Any]:

@@ -45,22 +45,6 @@ and quoting the original exception (chained on the rank it came from). A rank th
 connection to a peer that posted nothing (killed, say) raises a
 :class:`~pipedialect.ConnectionLostError`. Only multi-process dialects wrap their phases.
 
-[Note: verdicts every rank computes alike]
-Some errors of a phase are verdicts every rank reaches by itself, from what it holds, before it
-communicates at all: a parameter's ``requires_grad`` changed since the engine was built is seen
-by every rank at the start of its step, since every rank holds the whole model it was
-partitioned from ([Note: trainability fixed at build] in :mod:`pipedialect.runtime.stage`).
-Such an error, marked by :func:`alike`, takes the failure path above with a longer wait for the
-other ranks (:data:`ALIKE_SECONDS`): they are not waiting for the failing rank in a send but
-are on their way to the end of the phase with the same verdict, however late a loaded machine
-makes them, and when they all arrive the phase's own :func:`agree_on_error` settles it (every
-rank raises its own error, the process group stays usable, the user may undo the change and go
-on). A step where nothing changed therefore costs no collective of its own for the check: the
-phase's closing ``all_reduce`` is the only one. A verdict reached on some ranks only (a script
-that changes the flag on one rank) leaves the others waiting in the step; after
-:data:`ALIKE_SECONDS` the group is shut down as for any other error inside a step, and every
-rank raises the posted verdict.
-
 [Note: verdict before leaving]
 A verdict every rank computes from one collective (a plan disagreement, a tie frozen on one
 rank, the errors :func:`agree_on_error` gathered) is raised by a rank as soon as it has it. A
@@ -75,9 +59,7 @@ How soon every rank raises, counted from the failure, on gloo (127.0.0.1 or a ne
 
 - an exception on one rank whose peers can all reach the end of the phase: as soon as they do;
   one whose peers wait for it (inside a step): :data:`ARRIVAL_SECONDS` plus the time to shut
-  the group down -- under 2 s; a verdict every rank computes alike ([Note: verdicts every
-  rank computes alike]): as soon as every rank reaches it, or when reached on some ranks only,
-  :data:`ALIKE_SECONDS` plus the time to shut the group down;
+  the group down -- under 2 s;
 - a rank that dies without a word (killed, out of memory): a peer talking to it sees its
   connection close at once (the operating system closes a dead process's sockets), waits
   :data:`POST_WAIT_SECONDS` for an error posted by someone else, posts its own and shuts the
@@ -110,13 +92,11 @@ from ..errors import (
 )
 
 __all__ = [
-    "ALIKE_SECONDS",
     "ARRIVAL_SECONDS",
     "LEAVE_SECONDS",
     "POST_WAIT_SECONDS",
     "agree_on_error",
     "agreed",
-    "alike",
     "is_connection_error",
     "verdict_reached",
 ]
@@ -128,11 +108,6 @@ logger = logging.getLogger(__name__)
 #: waiting for the failed rank never arrives, so this bounds how long an error inside a step
 #: takes to reach every rank ([Note: failure bounds]).
 ARRIVAL_SECONDS = 1.0
-#: How long a rank whose error is a verdict every rank computes alike (:func:`alike`) waits for
-#: every other rank to arrive at the end of the phase with it before it shuts the process group
-#: down ([Note: verdicts every rank computes alike]): the others are not waiting for it, only
-#: late, so the wait is generous; it bounds a verdict reached on some ranks only.
-ALIKE_SECONDS = 15.0
 #: How long a rank whose connection failed waits for an error posted on the store before it
 #: posts its own :class:`~pipedialect.ConnectionLostError`. A rank that fails by an exception
 #: posts it before it does anything that could close a connection, so a connection that fails
@@ -205,26 +180,6 @@ _AGREED = "_pipedialect_agreed"
 def _agreed(error: PipeDialectError) -> PipeDialectError:
     setattr(error, _AGREED, True)
     return error
-
-
-#: The attribute that marks an error every rank computes alike ([Note: verdicts every rank
-#: computes alike]).
-_ALIKE = "_pipedialect_alike"
-
-
-def alike(error: PipeDialectError) -> PipeDialectError:
-    """Mark ``error`` as a verdict every rank of the phase reaches by itself, before any
-    communication of the phase ([Note: verdicts every rank computes alike]); return it.
-
-    Raised inside :func:`agreed`, it is agreed by the phase's own closing collective: a phase
-    that raises none costs nothing more.
-    """
-    setattr(error, _ALIKE, True)
-    return error
-
-
-def _is_alike(exc: BaseException) -> bool:
-    return bool(getattr(exc, _ALIKE, False))
 
 
 def _is_agreed(exc: BaseException) -> bool:
@@ -502,22 +457,18 @@ def agreed(what: str, *, where: str = "") -> Iterator[None]:
             with contextlib.suppress(Exception):  # the store went with a peer: no one counts
                 session.arrive()
             raise
-        wait = ALIKE_SECONDS if _is_alike(exc) else ARRIVAL_SECONDS
-        raise _fail(session, phase, exc, what, where, wait) from exc
+        raise _fail(session, phase, exc, what, where) from exc
     try:
         session.arrive()
         agree_on_error(None, device=session.device, what=what)
     except Exception as exc:
         if _is_agreed(exc):
             raise
-        raise _fail(session, phase, exc, what, where, ARRIVAL_SECONDS) from exc
+        raise _fail(session, phase, exc, what, where) from exc
 
 
-def _fail(
-    session: _Session, phase: int, exc: Exception, what: str, where: str, wait: float
-) -> PipeDialectError:
-    """Make every rank raise for ``exc``; return what this rank raises (see the note). ``wait``:
-    how long to wait for every other rank to arrive at the end of the phase."""
+def _fail(session: _Session, phase: int, exc: Exception, what: str, where: str) -> PipeDialectError:
+    """Make every rank raise for ``exc``; return what this rank raises (see the note)."""
     if is_connection_error(exc):
         found = session.posted(phase, POST_WAIT_SECONDS)
         if found is None:
@@ -528,7 +479,7 @@ def _fail(
         return _agreed(error if rank == session.rank else _copy_from(error, rank, what))
     error = _as_error(exc, session.rank, what, where)
     session.post(phase, error)
-    if session.all_arrived(phase, wait):
+    if session.all_arrived(phase, ARRIVAL_SECONDS):
         try:
             agree_on_error(error, device=session.device, what=what)
         except PipeDialectError as agreed_exc:

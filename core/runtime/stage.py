@@ -39,7 +39,7 @@ from torch import fx, nn
 
 from ..contracts import StageSpec, TensorCodec
 from ..errors import ConfigError, TieError, TrainabilityChangedError, WireError
-from .agreement import alike
+from .agreement import agree_on_error
 from .codec import decoded_by
 from .module_state import UpdatedBuffers, apply_modes
 from .randomness import StageRandomness
@@ -375,10 +375,11 @@ def record_trainable(modules: Any) -> None:
             module.record_trainable()
 
 
-def check_trainable(modules: Any, step: int) -> None:
+def check_trainable(modules: Any, step: int, device: torch.device | None = None) -> None:
     """:meth:`StageWrapper.check_trainable` on every stage wrapper among ``modules``; an engine
-    calls it at the start of each training step, inside the phase whose errors every rank
-    raises (:func:`~pipedialect.runtime.agreement.agreed`), before the step communicates.
+    calls it before each training step, inside the phase whose errors every rank raises, on
+    every rank together: the verdict is agreed by one collective (``device``: where its
+    integer lives), so every rank raises the same error and the process group stays usable.
 
     [Note: trainability fixed at build]
     Every engine builds its optimizer over the parameters that need a gradient when
@@ -390,23 +391,21 @@ def check_trainable(modules: Any, step: int) -> None:
     the engine is what the user's unsplit loop does too. Each wrapper checks the whole model it
     was partitioned from (every rank holds it, on the meta device where it builds only its
     stages), not only its stage: a change the training script makes on every rank is then
-    seen by every rank at once, so the error is a verdict every rank computes alike
-    (:func:`~pipedialect.runtime.agreement.alike`, [Note: verdicts every rank computes alike]
-    in :mod:`pipedialect.runtime.agreement`). The phase's closing collective agrees on it, so a
-    step costs no collective for the check, and every rank raises the same error while the
-    process group stays usable, however late a loaded machine makes one rank: the user can
-    set the flag back and go on.
-
-    Raises:
-        TrainabilityChangedError: naming the parameter, its stage and what to do.
+    seen by every rank at once. The ranks still agree on the verdict with one collective
+    (:func:`~pipedialect.runtime.agreement.agree_on_error`) rather than each raising on its own:
+    a rank that reaches the check late (a loaded machine) would otherwise miss the short window
+    in which the phase's error agreement waits for its peers, and the process group would be
+    shut down for an error the user can undo (set the flag back and go on); and a change made
+    on one rank only reaches the others the same way.
     """
+    error: TrainabilityChangedError | None = None
     try:
         for module in modules:
             if isinstance(module, StageWrapper):
                 module.check_trainable(step)
     except TrainabilityChangedError as exc:
-        alike(exc)
-        raise
+        error = exc
+    agree_on_error(error, device=device or torch.device("cpu"), what=f"train_batch (step {step})")
 
 
 def _device_of(out: Any, received: Sequence[Any], mod: nn.Module) -> torch.device:

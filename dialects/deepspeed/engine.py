@@ -148,7 +148,7 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
     def _train_batch(self, data_iter: Iterator[Any] | None) -> Any:
         if not torch.is_grad_enabled():
             raise ConfigError("train_batch() needs gradients enabled; use eval_batch() instead")
-        check_trainable(self._stage_wrappers(), self.global_steps + 1)
+        check_trainable(self._stage_wrappers(), self.global_steps + 1, self.device)
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         source = self.data_iterator

@@ -569,7 +569,9 @@ class TorchEngine(EngineBase):
             return self._train_batch(data_iter)
 
     def _train_batch(self, data_iter: Iterator[Any] | None) -> torch.Tensor:
-        check_trainable([r.stage for r in self.module._runners()], self.global_steps + 1)
+        check_trainable(
+            [r.stage for r in self.module._runners()], self.global_steps + 1, self.module.device
+        )
         gas = self.config.gradient_accumulation_steps
         batches = self._pull(data_iter, gas, "train_batch", "gradient_accumulation_steps")
         self.module.train()
