@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 from ..errors import LaunchError
 
@@ -170,14 +170,9 @@ def _descendants(root: int) -> list[int]:
     """The pids of every process below ``root`` (children first), read from ``/proc``."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(parent, []).append(int(entry.name))
+        stat = _proc_stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is not None:
+            parents.setdefault(stat.parent, []).append(int(entry.name))
     found: list[int] = []
     below = [root]
     while below:
@@ -194,29 +189,37 @@ def _exit_with_launcher(pid: int, started: str | None) -> None:
     _leave(1)
 
 
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """The state and start time of process ``pid`` from ``/proc/<pid>/stat``, or None where
-    that file cannot be read (the process is gone, or there is no ``/proc``)."""
+class _Stat(NamedTuple):
+    """What ``/proc/<pid>/stat`` says of a process that the launcher reads."""
+
+    state: str
+    parent: int
+    start: str
+
+
+def _proc_stat(pid: int) -> _Stat | None:
+    """The state, parent and start time of process ``pid`` from ``/proc/<pid>/stat``, or None
+    where that file cannot be read (the process is gone, or there is no ``/proc``)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name in parentheses may hold spaces: count the fields after its ")".
     fields = stat.rsplit(")", 1)[1].split()
-    return fields[0], fields[19]
+    return _Stat(fields[0], int(fields[1]), fields[19])
 
 
 def _start_time(pid: int) -> str | None:
     """The start time of process ``pid`` (None where there is no ``/proc``)."""
     stat = _proc_stat(pid)
-    return None if stat is None else stat[1]
+    return None if stat is None else stat.start
 
 
 def _alive(pid: int, started: str | None) -> bool:
     """Whether process ``pid`` (started at ``started``) still runs: not gone, reused or a zombie."""
     if started is not None:
         stat = _proc_stat(pid)
-        return stat is not None and stat[0] not in ("Z", "X") and stat[1] == started
+        return stat is not None and stat.state not in ("Z", "X") and stat.start == started
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

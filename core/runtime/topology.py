@@ -295,14 +295,12 @@ def join_with_deadline(backend: str, timeout: Any = None) -> None:
 #: How long a rank ending its script waits for every other rank before it destroys the process
 #: group it joined ([Note: leaving at exit]).
 LEAVE_AT_EXIT_SECONDS = 60.0
-_leave_registered = False
 
 
 def _register_leave_at_exit() -> None:
-    global _leave_registered
-    if not _leave_registered:
-        atexit.register(leave_at_exit)
-        _leave_registered = True
+    """Register :func:`leave_at_exit` once, however many times the process joins a group."""
+    atexit.unregister(leave_at_exit)
+    atexit.register(leave_at_exit)
 
 
 def leave_at_exit(seconds: float | None = None) -> bool:
