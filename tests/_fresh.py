@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -51,3 +52,32 @@ def summary(proc: subprocess.CompletedProcess[str]) -> str:
     """The conformance summary ``pipedialect check`` printed (or everything, to show why not)."""
     _, found, rest = proc.stdout.partition("pipedialect conformance summary")
     return rest if found else proc.stdout[-8000:] + proc.stderr[-4000:]
+
+
+def torchrun(
+    program: Path, cwd: Path, *, nproc: int = 2, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc_per_node NPROC program`` on 127.0.0.1 and a free port, as a user runs a
+    training script. Output captured and unbuffered: a ``print`` of one string is one write,
+    so its text is never cut by another rank's (the newline is a write of its own)."""
+    from pipedialect.runtime.launch import free_port
+
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(program),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )

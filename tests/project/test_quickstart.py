@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fresh import torchrun
 from _reference import steps_from, train_unsplit
 
 from pipedialect.demo import demo_batches
 from pipedialect.models import TinyGPT, cross_entropy_loss
-from pipedialect.runtime.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "quickstart.py"
@@ -54,29 +54,6 @@ def assert_unsplit_losses(stdout: str, ranks: int) -> None:
     expected = sorted(unsplit_losses() * ranks)
     for got, want in zip(sorted(losses), expected, strict=True):
         assert abs(got - want) <= PRINTED, (got, want)
-
-
-def torchrun(program: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            str(program),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=cwd,
-        # Unbuffered: each print is one write, so the two ranks' lines never splice.
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
 
 
 def swapped(dialect: str, tmp_path: Path) -> Path:

@@ -8,13 +8,11 @@ CI that way ([Note: leaving at exit] in ``pipedialect.runtime.topology``).
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
-
-from pipedialect.runtime.launch import free_port
+from _fresh import torchrun
 
 SCRIPT = """
 import torch
@@ -27,7 +25,7 @@ for _ in range(3):
     out = [torch.empty(1000) for _ in range(world)]
     dist.all_gather(out, torch.full((1000,), float(rank)))
 assert all(int(t[0]) == r for r, t in enumerate(out))
-print("done", rank, flush=True)
+print(f"done {rank}", flush=True)
 """
 RANKS = 5
 
@@ -37,25 +35,10 @@ def test_a_script_that_never_destroys_its_process_group_exits_cleanly(tmp_path: 
     program = tmp_path / "script.py"
     program.write_text(SCRIPT)
     for _ in range(2):  # each run aborted at least one rank before the fix
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                str(RANKS),
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(free_port()),
-                str(program),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=tmp_path,
-        )
+        proc = torchrun(program, tmp_path, nproc=RANKS, timeout=300)
         output = proc.stdout + proc.stderr
         assert "terminate called" not in output, output[-3000:]
         assert proc.returncode == 0, output[-3000:]
-        assert sorted(proc.stdout.split()[1::2]) == [str(r) for r in range(RANKS)], proc.stdout
+        assert sorted(re.findall(r"done (\d+)", proc.stdout)) == [str(r) for r in range(RANKS)], (
+            proc.stdout
+        )
