@@ -16,6 +16,7 @@ checkpoint into torch PP4 x DDP2 and trains on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import _ds_workers
@@ -92,8 +93,11 @@ def config(case: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def build(case: dict[str, Any], model: nn.Module | None = None) -> tuple[Any, Any, int]:
-    """The case's plan, engine and this rank's replica."""
+def build(
+    case: dict[str, Any], make_model: Callable[[], nn.Module] | None = None
+) -> tuple[Any, Any, int]:
+    """The case's plan, engine and this rank's replica; the model ``make_model()`` builds, else
+    the registry's."""
     spec = _ds_workers.spec_for(MODEL)
     cfg = config(case)
     dialect = type(pipedialect.get_dialect("torch"))(schedule=case["schedule"])
@@ -104,13 +108,14 @@ def build(case: dict[str, Any], model: nn.Module | None = None) -> tuple[Any, An
     if case.get("recompute"):
         kwargs["recompute"] = case["recompute"]
     extra: dict[str, Any] = {}
+    make = make_model if make_model is not None else lambda: spec.build(0)
     if case.get("meta"):  # each rank materialises its shards only, from the unsplit weights
-        state = spec.build(0).state_dict()
+        state = make().state_dict()
         with torch.device("meta"):
-            plan = partition(spec.build(0), split, **kwargs)
+            plan = partition(make(), split, **kwargs)
         extra["init_weights"] = from_state_dict(state, plan=plan)
     else:
-        plan = partition(model if model is not None else spec.build(0), split, **kwargs)
+        plan = partition(make(), split, **kwargs)
     module = dialect.pipe_engine(
         plan,
         config=cfg,
@@ -152,13 +157,15 @@ def _train_case(case: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
 def _trap_case(case: dict[str, Any]) -> dict[str, Any]:
     spec = _ds_workers.spec_for(MODEL)
     out: dict[str, Any] = {"name": case["name"], "rank": dist.get_rank()}
-    for kind in ("heads", "gain"):
-        _, engine, replica = build(case, trap_model(kind))
+    # A meta-device build is checked too, on the weights init_weights gave its shards.
+    for kind, meta in (("heads", False), ("gain", False), ("heads", True)):
+        _, engine, replica = build({**case, "meta": meta}, lambda k=kind: trap_model(k))
         data = _ds_workers.data_stream(spec, case["gas"], case["micro"], replica)
         try:
-            out[kind] = f"loss {float(engine.train_batch(data_iter=data))!r}"
+            outcome = f"loss {float(engine.train_batch(data_iter=data))!r}"
         except PipeDialectError as exc:
-            out[kind] = f"{type(exc).__name__}: {exc}"
+            outcome = f"{type(exc).__name__}: {exc}"
+        out[f"{kind}-meta" if meta else kind] = outcome
         dist.barrier()
     return out
 

@@ -31,9 +31,9 @@ from ._schedules import ScheduleSpec, resolve_schedule, stage_to_rank
 from ._tensor import (
     TensorLayout,
     apply_layout,
+    reference_skeletons,
     resolve_layout,
     retie_sharded,
-    unsharded_copies,
 )
 
 if TYPE_CHECKING:
@@ -227,14 +227,15 @@ def _construct(
     references: dict[int, nn.Module] = {}
     if layout is not None:
         # Every rank of the tensor axis starts from its rank 0's whole stages, which the
-        # shards are then cut from; the first batch checks the layout against copies. Under
+        # shards are then cut from; the first batch checks the layout against references
+        # (skeletons now, filled from the shards then: [Note: the layout check's reference]). Under
         # bf16 the stages are cast first: a sharded parameter is cast as a whole, here.
         if precision is not None and precision.bf16:
             for k in local:
                 cast_parameters(stages[k], precision.param_dtype)
         if not shard_first:
             replicas.broadcast_state(nn.ModuleList(stages[k] for k in local))
-        references = unsharded_copies({k: stages[k] for k in local})
+        references = reference_skeletons({k: stages[k] for k in local})
         for k in local:
             apply_layout(k, stages[k], layout, replicas.mesh["tensor"])
         retie_sharded(plan.tie_groups, stages, local)

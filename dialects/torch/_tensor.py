@@ -35,14 +35,26 @@ unsplit model:
 - *The first step checks the layout.* What the code between a colwise and a rowwise module does
   with the local shard is the user's: an attention that reshapes with the global head count
   (``view(B, S, heads, -1)``), a contraction over the sharded features (single-head
-  attention), dropout on a shard (other masks). None of these raises by itself. So until
-  the first batch each rank keeps a copy of its unsharded stages, and the first batch runs
-  every stage once both ways on the real boundary values: the outputs (and, without FSDP, the
-  gradients of every parameter and input for a fixed cotangent) must agree within the
+  attention), dropout on a shard (other masks). None of these raises by itself. So the
+  first batch runs every stage once both ways on the real boundary values, sharded and as an
+  unsharded reference ([Note: the layout check's reference]): the outputs (and, without FSDP,
+  the gradients of every parameter and input for a fixed cotangent) must agree within the
   precision's rounding, else :class:`~pipedialect.PlanMismatchError` names the stage and the
   first value that differs, on every rank (they agree on the outcome before any schedule runs,
-  so the process group stays usable; later batches are refused too). A stage built on the
-  meta device has no whole copy to compare with: its layout is not checked.
+  so the process group stays usable; later batches are refused too). Stages built on the meta
+  device are checked alike, on the weights ``init_weights`` gave their shards.
+
+[Note: the layout check's reference]
+The reference a stage is checked against is the stage's own code, unsharded, on the sharded
+stage's values gathered whole. Before sharding, each rank copies its stages' modules with every
+parameter and buffer replaced by a placeholder on the meta device (``reference_skeletons``: no
+memory, and a meta-device build has one too); at the first batch, just before a stage's check,
+the placeholders are filled with the parameters gathered from their shards and copies of the
+live buffers (``materialise_reference``), and the whole reference is dropped after that
+stage's check. So no rank ever holds a second whole copy of its stages beside the whole stages
+it builds from: at most one stage's whole values, during its check. Gathering cannot hide a
+wrong layout: what the check looks for is code that computes something else on shards (the
+values are DTensor's, and ``full_tensor`` is the inverse of the shards it cut).
 - *Gradients.* A sharded parameter's gradient is its shard's, complete (DTensor's backward sums
   over the axis where the forward did). A parameter outside the plan is whole on every rank of
   the axis and gets the same whole gradient there (checked on the first step). With data
@@ -86,7 +98,7 @@ nn.Embedding, checked as above), and the stage is sharded at the graph level:
 - a recomputed region (an outlined graph a checkpoint runs again in backward) enters the same
   mode when it runs outside the stage's forward.
 
-The first batch's layout check compares such a stage with its unsharded copy as any other.
+The first batch's layout check compares such a stage with its unsharded reference as any other.
 An operation DTensor has no rule for raises there, and is refused by name
 (:class:`~pipedialect.PlanMismatchError`); leave the modules around it out of the plan.
 """
@@ -822,21 +834,50 @@ def retie_sharded(
             setattr(owner, leaf, param)
 
 
-def unsharded_copies(stages: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
-    """Copies of this rank's stages before they are sharded, for the first step's layout check
-    (none for a stage on the meta device)."""
+def reference_skeletons(stages: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
+    """Copies of this rank's stages before they are sharded, for the first batch's layout
+    check, holding no tensor: every parameter and buffer is a placeholder on the meta device
+    ([Note: the layout check's reference]). :func:`materialise_reference` fills one in from
+    the sharded stage when its check comes."""
     out: dict[int, nn.Module] = {}
     for k, stage in stages.items():
-        if any(t.is_meta for t in stage.state_dict().values()):
-            logger.warning(
-                "[Stage %d] built on the meta device: its tensor-parallel layout is not checked "
-                "against an unsharded copy at the first batch (check the plan once on a small "
-                "model built normally)",
-                k,
-            )
-            continue
-        out[k] = copy.deepcopy(stage)
+        memo: dict[int, Any] = {}
+        for param in stage.parameters():
+            memo[id(param)] = nn.Parameter(param.to("meta"), param.requires_grad)
+        for buffer in stage.buffers():
+            memo.setdefault(id(buffer), buffer.to("meta"))
+        out[k] = copy.deepcopy(stage, memo)
     return out
+
+
+def materialise_reference(reference: nn.Module, stage: nn.Module) -> None:
+    """Give ``reference`` (a skeleton of ``stage`` from :func:`reference_skeletons`) the whole
+    values of the sharded ``stage``'s parameters (gathered from their shards: a collective
+    per parameter that every rank holding the stage runs alike, in the same order) and copies
+    of its buffers as they are now (the loop may have set one since the engine was built).
+    A tensor tied at several paths stays one tensor."""
+    from pipedialect.sdk import gathered
+
+    live: dict[str, torch.Tensor] = {
+        **dict(_root(stage).named_parameters(remove_duplicate=False)),
+        **dict(_root(stage).named_buffers(remove_duplicate=False)),
+    }
+    made: dict[int, torch.Tensor] = {}
+    root = _root(reference)
+    names = [n for n, _ in root.named_parameters(remove_duplicate=False)]
+    buffers = [n for n, _ in root.named_buffers(remove_duplicate=False)]
+    for name in [*names, *buffers]:
+        source = live[name]
+        if id(source) not in made:
+            with torch.no_grad():
+                whole = gathered(source).detach().clone()
+            made[id(source)] = nn.Parameter(whole, source.requires_grad) if name in names else whole
+        path, _, leaf = name.rpartition(".")
+        owner = root.get_submodule(path)
+        if name in names:
+            owner._parameters[leaf] = made[id(source)]  # type: ignore[assignment]
+        else:
+            owner._buffers[leaf] = made[id(source)]
 
 
 def _tolerance(stage: nn.Module) -> float:
@@ -904,12 +945,6 @@ def check_stage(
     modes = {n: m.training for n, m in stage.named_modules()}
     for name, module in reference.named_modules():
         module.training = modes.get(name, module.training)
-    # The engine may have cast the stage since the copy was made (bf16): the copy follows.
-    dtypes = {n: p.dtype for n, p in _root(stage).named_parameters()}
-    with torch.no_grad():
-        for name, param in _root(reference).named_parameters():
-            if name in dtypes and param.dtype != dtypes[name]:
-                param.data = param.data.to(dtypes[name])
     tol = _tolerance(reference)
     grad_mode = torch.enable_grad() if gradients else torch.no_grad()
     with preserved_state([stage, reference]), grad_mode, _one_stream(stage, reference):
@@ -922,7 +957,7 @@ def check_stage(
                 got_out = _leaves(run(got_args))
             except PlanMismatchError:
                 raise
-            except Exception as exc:  # the unsharded copy ran: the sharding broke it
+            except Exception as exc:  # the unsharded reference ran: the sharding broke it
                 _mismatch(stage_id, "its forward", f"it raised {type(exc).__name__}: {exc}")
         torch.random.set_rng_state(state)
         # The values the stage computed, before the wire encodes them (a float that needs no

@@ -69,7 +69,7 @@ from ._replicas import Replicas
 from ._schedules import ScheduleSpec
 from ._setup import StageExamples, infer_examples
 from ._stage import BatchContext, LossAdapter, StageRunner, pipeline_stage_class, to_device
-from ._tensor import TensorLayout, check_stage
+from ._tensor import TensorLayout, check_stage, materialise_reference
 from ._ties import TieSync, clip_global_norm
 
 __all__ = ["TorchEngine", "TorchPipeline"]
@@ -231,19 +231,20 @@ class TorchPipeline(nn.Module):
         self.schedule(num_micro_batches)
 
     def _check_tensor_layout(self, first_inputs: Any) -> None:
-        """Run each tensor-parallel stage and its unsharded copy on the first micro-batch's
-        boundary values and compare (``_tensor`` [Note: tensor parallel on torch]); then drop
-        the copies."""
+        """Run each tensor-parallel stage and its unsharded reference on the first
+        micro-batch's boundary values and compare (``_tensor`` [Note: tensor parallel on
+        torch]); each reference holds the stage's whole values only during its own check
+        ([Note: the layout check's reference])."""
         assert self._examples is not None
         references, self.references = self.references, {}
         error: PipeDialectError | None = None
         try:
             for runner in self._runners():
                 k = int(runner.stage_id)
-                reference = references.get(k)
+                reference = references.pop(k, None)
                 if reference is None:
                     continue
-                _follow_buffers(reference, runner.stage)
+                materialise_reference(reference, runner.stage)
                 twin = StageRunner(reference, k, self.num_stages, BatchContext(), self.device)
                 args = [first_inputs] if runner.first else list(self._examples[k].inputs)
                 check_stage(
@@ -255,6 +256,7 @@ class TorchPipeline(nn.Module):
                     args,
                     gradients=self.fsdp is None,
                 )
+                del reference, twin  # the whole values go before the next stage's are gathered
         except PlanMismatchError as exc:
             error = exc
         finally:
@@ -406,19 +408,6 @@ class _Accumulate:
 
     def __call__(self) -> None:
         self.engine.accumulate_grads(self.params)
-
-
-def _follow_buffers(reference: nn.Module, stage: nn.Module) -> None:
-    """Give the unsharded copy of a stage the stage's buffers as they are now: the copy was
-    taken when the engine was built, and the loop may have set a buffer since (a value it
-    re-assigns before every step reaches the stage, not the copy), which would show as a
-    difference the tensor-parallel layout does not make."""
-    live = dict(stage.named_buffers())
-    with torch.no_grad():
-        for name, buffer in reference.named_buffers():
-            now = live.get(name)
-            if now is not None and now.shape == buffer.shape and now is not buffer:
-                buffer.copy_(now)
 
 
 def _sum_over(value: torch.Tensor, device: torch.device, group: Any) -> torch.Tensor:
