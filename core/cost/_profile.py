@@ -631,14 +631,15 @@ def _timed_run(
     the garbage collector cannot free it, so each run's graph, with what its nodes still held,
     stayed alive for good, and the next run's forward wrote to memory the process had never
     touched. On a model of 8 blocks with 8 MiB activations (2 shared cores, one thread) the
-    resident set grew by about 160 MiB per timed run, each run took about 40,000 minor page
-    faults, and the forward timed 100-250 ms against 25-50 ms once the runs freed their graphs
-    (and 30-50 ms for the same forward and backward called by hand): the timing measured page
-    faults, not the model. A pipeline in its steady state reuses the memory its previous
-    micro-batches freed, as the runs do now: each removes its hooks and forgets its nodes when
-    it ends (:meth:`_Tagger.release`; the fake-tensor trace too), and
-    ``test_measure_time_frees_every_timed_run_before_the_next`` checks that no node of a
-    timed run outlives it. The warm-up run is the one that pays for first touching the memory.
+    resident set grew by about 160 MiB per timed run, each run took 16,000-43,000 minor page
+    faults, and the forward timed 70-250 ms against 25-65 ms once the runs freed their graphs
+    (4,000-12,000 faults: glibc trimming and re-growing its heap, as the same forward and
+    backward called by hand does too): the timing measured page faults, not the model. A
+    pipeline in its steady state reuses the memory its previous micro-batches freed, as the
+    runs do now: each removes its hooks and forgets its nodes when it ends
+    (:meth:`_Tagger.release`; the fake-tensor trace too), and
+    ``test_measure_time_frees_every_timed_run_before_the_next`` checks that no node of a timed
+    run outlives it. The warm-up run is the one that pays for first touching the memory.
     """
     gaps = _gaps(trace.num_events)
     watch = _Stopwatch(gaps, torch.cuda.synchronize if device.type == "cuda" else None)
