@@ -30,8 +30,11 @@ Printed per workload: predicted against measured step time (targets: median rela
 10%, Spearman >= 0.8), the planner's choice against the fastest measured layout of its dialect
 and world size (target: within 5%), the predicted peak memory per rank against the measured
 growth of the resident set (benchmarks/memory.py's method: peak RSS above the RSS before the
-model is built, glibc returning freed memory at once; target: within 15%), and the predicted
-micro-batches in flight per stage against the counted ones (emulated workloads).
+model is built, glibc returning freed memory at once; target: within 15%), the predicted
+micro-batches in flight per stage against the counted ones (emulated workloads), and rank 0's
+minor page faults per timed step (``faults``: memory the step wrote to for the first time,
+which on this machine kind costs more than the copies themselves; the ranks run with
+``MALLOC_MMAP_THRESHOLD_=65536`` for the memory column, so every large tensor is fresh memory).
 
     python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--workloads compute,gpt]
     python benchmarks/planner.py --smoke        # a few layouts, seconds of compute: it runs
@@ -403,11 +406,14 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
             engine.train_batch(data)
             dist.barrier()
             durations = []
+            faults = []
             for _ in range(steps):
                 EVENTS.clear()
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
                 engine.train_batch(data)
                 durations.append(time.perf_counter() - start)
+                faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         local = [
             k for k, r in enumerate(layout["placement"]) if r == rank // layout["replica_size"]
         ]
@@ -417,6 +423,7 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
         results.append(
             {
                 "steps": durations,
+                "faults": faults,
                 "in_flight": in_flight,
                 "memory": peak.peak - baseline,
                 "pipe_rank": rank // layout["replica_size"],
@@ -545,6 +552,12 @@ def main() -> None:
         action="store_true",
         help="one launch per layout: slower, but every measured peak memory is a fresh job's",
     )
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="run the ranks with glibc's own malloc thresholds (the steps reuse freed memory, "
+        "as a job does; the memory column then counts what glibc keeps)",
+    )
     opts = _smoke.parse_args(parser, {"steps": 1, "scale": 0.05, "select": SMOKE, "repeats": 1})
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime: {load}")
@@ -561,7 +574,7 @@ def main() -> None:
         specs = [LAYOUTS[int(i)] for i in opts.select.split(",")]
     if opts.out is not None:
         opts.out.mkdir(parents=True, exist_ok=True)
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {} if opts.default_malloc else {"MALLOC_MMAP_THRESHOLD_": "65536"}
     rows = []
     calibrated = None
     runtime_memory = 0.0
@@ -604,6 +617,7 @@ def main() -> None:
                     "layout": lay,
                     "predicted": pred.step_time,
                     "measured": statistics.median(per_rank[0][i]["steps"]),
+                    "faults": statistics.median(per_rank[0][i]["faults"]),
                     "in_flight": pred.simulation.in_flight,
                     "counted": tuple(counted[k] for k in sorted(counted)),
                     "memory_predicted": pred.peak_memory,
@@ -673,7 +687,8 @@ def _report(rows: list[dict[str, Any]]) -> None:
     mib = float(1 << 20)
     header = (
         f"{'workload':<8} {'dialect':<9} {'W':>1}  {'layout':<46} {'predicted':>9} "
-        f"{'measured':>9} {'error':>7}  {'memory MiB (predicted / measured)':<34} in flight"
+        f"{'measured':>9} {'error':>7} {'faults':>7}  "
+        f"{'memory MiB (predicted / measured)':<34} in flight"
     )
     print(header)
     print("-" * len(header))
@@ -691,7 +706,8 @@ def _report(rows: list[dict[str, Any]]) -> None:
         print(
             f"{r['workload']:<8} {r['dialect']:<9} {r['world']:>1}  "
             f"{r['layout'].describe():<46} {r['predicted'] * 1e3:>7.0f}ms "
-            f"{r['measured'] * 1e3:>7.0f}ms {err:>+7.1%}  {mem:<34} {flights}{mark}"
+            f"{r['measured'] * 1e3:>7.0f}ms {err:>+7.1%} {r['faults']:>7.0f}  {mem:<34} "
+            f"{flights}{mark}"
         )
     print()
     print(f"layouts: {len(rows)}")
