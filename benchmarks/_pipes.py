@@ -199,6 +199,30 @@ class HandPipeline:
         return sum(last) / self.replicas
 
 
+def fill_shards(state: Mapping[str, torch.Tensor], blocks: int) -> Callable[[nn.Module, int], None]:
+    """A :class:`HandPipeline` ``after_sharding`` for a piece built on the meta device:
+    ``to_empty``, then each parameter's local shard copied from the whole tensor of the same
+    name in ``state`` (the tail's blocks renumbered from the cut, its LM head read from the
+    tied embedding), torchtitan's order: split, shard, ``to_empty``, init."""
+    from torch.distributed.tensor import distribute_tensor
+
+    def fill(piece: nn.Module, pp_rank: int) -> None:
+        piece.to_empty(device="cpu")
+        offset = 0 if pp_rank == 0 else blocks // 2  # the tail's blocks.0 is the cut
+        with torch.no_grad():
+            for name, param in piece.named_parameters():
+                parts = name.split(".")
+                if parts[0] == "blocks":
+                    parts[1] = str(int(parts[1]) + offset)
+                full = state[".".join(parts) if name != "lm_head.weight" else "wte.weight"]
+                local = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=None
+                )
+                param.to_local().copy_(local.to_local())
+
+    return fill
+
+
 def alternate(
     steps: Mapping[str, Callable[[], Any]], warmup: int, count: int
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:

@@ -48,12 +48,12 @@ from _pipes import (
     HandPipeline,
     alternate,
     batches,
+    fill_shards,
     gpt_parser,
     loss_difference,
     peak_above,
     print_peaks,
 )
-from torch import nn
 
 from pipedialect.models import TinyGPT, cross_entropy_loss
 from pipedialect.runtime.launch import launch
@@ -145,28 +145,13 @@ def _hand_written(
     from it after ``to_empty`` (torchtitan's order: split, ``fully_shard``, ``to_empty``,
     init)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
 
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     if state is None:
         return HandPipeline(args, _model(args), mesh)
     with torch.device("meta"):
         model = _model(args)
-
-    def fill(piece: nn.Module, pp_rank: int) -> None:
-        piece.to_empty(device="cpu")
-        offset = 0 if pp_rank == 0 else args.blocks // 2  # the tail's blocks.0 is the cut
-        with torch.no_grad():
-            for name, param in piece.named_parameters():
-                parts = name.split(".")
-                if parts[0] == "blocks":
-                    parts[1] = str(int(parts[1]) + offset)
-                full = state[".".join(parts) if name != "lm_head.weight" else "wte.weight"]
-                local = distribute_tensor(
-                    full, param.device_mesh, param.placements, src_data_rank=None
-                )
-                param.to_local().copy_(local.to_local())
-
+    fill = fill_shards(state, args.blocks)
     return HandPipeline(args, model, mesh, after_sharding=fill)
 
 

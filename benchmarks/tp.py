@@ -19,20 +19,27 @@ micro-batches everywhere, Adam. Three measurements:
   processes and their steps alternate, each timed from a barrier to a barrier. Target: torch
   dialect / hand-written <= 1.05.
 - ``memory``: peak resident set of each rank above the one before the engine is built, each
-  engine in fresh processes (one launch each), same steps. Target: <= 1.05.
+  engine in fresh processes (one launch each), same steps, both built the way a model bigger
+  than one rank is (as ``fsdp.py`` does): on the meta device, sharded, then each rank's shards
+  filled from the same state dict file (``torch.load(..., mmap=True)``): the torch dialect with
+  ``init_weights=from_state_dict(...)``, the hand-written pipeline in torchtitan's order
+  (split, ``parallelize_module``, ``fully_shard``, ``to_empty``, each shard's slice copied).
+  Target: <= 1.05.
 
 Timings on a shared, loaded machine are noisy (eight processes on few cores): repeat the run and
 read the ratios, not the absolute numbers. ``--smoke`` runs a tiny model for one step (the
 script must not rot; its numbers mean nothing).
 
-    python benchmarks/tp.py [--steps 5] [--dim 256] [--blocks 4] [--seq 32] [--gas 4]
+    python benchmarks/tp.py [--steps 5] [--dim 512] [--blocks 8] [--seq 32] [--gas 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import _pipes
@@ -73,15 +80,28 @@ def _config(args: argparse.Namespace, dp: int) -> dict[str, Any]:
     }
 
 
-def _dialect_engine(args: argparse.Namespace, mode: str, tensor: int) -> tuple[Any, int]:
+def _dialect_engine(
+    args: argparse.Namespace,
+    mode: str,
+    tensor: int,
+    state: dict[str, torch.Tensor] | None = None,
+) -> tuple[Any, int]:
+    """The torch dialect's engine; with ``state``, built on meta and filled from it."""
     import pipedialect
+    from pipedialect.plan.weights import from_state_dict
 
     dialect = pipedialect.get_dialect("torch")
     dp = PP * DP * TP // (PP * tensor)
     topology = dialect.make_topology(PP, data_parallel=dp, tensor_parallel=tensor)
-    plan = pipedialect.partition(_model(args), [f"blocks.{args.blocks // 2 - 1}"])
+    split = [f"blocks.{args.blocks // 2 - 1}"]
     config = _config(args, dp)
     extra: dict[str, Any] = {"tensor_parallel": MHGPT_TENSOR_PLAN} if tensor > 1 else {}
+    if state is None:
+        plan = pipedialect.partition(_model(args), split)
+    else:
+        with torch.device("meta"):
+            plan = pipedialect.partition(_model(args), split)
+        extra["init_weights"] = from_state_dict(state, plan=plan)
     module = dialect.pipe_engine(
         plan,
         config=config,
@@ -102,10 +122,13 @@ def _sharded_bytes(engine: Any) -> int:
     )
 
 
-def _hand_written(args: argparse.Namespace) -> _pipes.HandPipeline:
+def _hand_written(
+    args: argparse.Namespace, state: dict[str, torch.Tensor] | None = None
+) -> _pipes.HandPipeline:
     """torchtitan's recipe by hand on a (pp, dp, tp) mesh (:class:`_pipes.HandPipeline`):
     ``parallelize_module`` on ``tp`` (heads and MLP features, the embedding and the LM head,
-    untied, by vocabulary), then ``fully_shard`` on ``dp``."""
+    untied, by vocabulary), then ``fully_shard`` on ``dp``. With ``state``, built on the meta
+    device and each shard filled from it after sharding."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -129,7 +152,20 @@ def _hand_written(args: argparse.Namespace) -> _pipes.HandPipeline:
             plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
         parallelize_module(piece, mesh["tp"], plan)
 
-    return _pipes.HandPipeline(args, _model(args), mesh, untie=True, before_sharding=parallelize)
+    if state is None:
+        return _pipes.HandPipeline(
+            args, _model(args), mesh, untie=True, before_sharding=parallelize
+        )
+    with torch.device("meta"):
+        model = _model(args)
+    return _pipes.HandPipeline(
+        args,
+        model,
+        mesh,
+        untie=True,
+        before_sharding=parallelize,
+        after_sharding=_pipes.fill_shards(state, args.blocks),
+    )
 
 
 def timing(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,28 +192,38 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def memory(args: argparse.Namespace, which: str) -> dict[str, Any]:
-    """One engine in fresh processes: peak resident set above the one before building it."""
+def memory(args: argparse.Namespace, which: str, state_file: str) -> dict[str, Any]:
+    """One engine in fresh processes, built on meta and filled from ``state_file``: peak
+    resident set above the one before building it."""
     torch.set_num_threads(1)
     import pipedialect
 
     pipedialect.get_dialect("torch").init_distributed()
 
+    def load() -> dict[str, torch.Tensor]:
+        return torch.load(state_file, mmap=True, weights_only=True)
+
     return _pipes.peak_above(
-        args, which, lambda: _hand_written(args), lambda: _dialect_engine(args, "fsdp", TP)
+        args,
+        which,
+        lambda: _hand_written(args, load()),
+        lambda: _dialect_engine(args, "fsdp", TP, load()),
     )
 
 
 def main() -> None:
     parser = _pipes.gpt_parser(
-        __doc__, steps=5, warmup=2, dim=256, blocks=4, seq=32, vocab=512, micro=4, gas=4
+        __doc__, steps=5, warmup=2, dim=512, blocks=8, seq=32, vocab=512, micro=4, gas=4
     )
     parser.add_argument("--heads", type=int, default=8)
     args = _smoke.parse_args(parser, {**_pipes.SMALL_GPT, "heads": 4, "warmup": 0})
     world = PP * DP * TP
     results = launch(timing, world, args, timeout=3600)
-    mem_ours = launch(memory, world, args, "ours", timeout=3600)
-    mem_hand = launch(memory, world, args, "hand", timeout=3600)
+    with tempfile.TemporaryDirectory() as tmp:
+        state_file = str(Path(tmp) / "model.pt")
+        torch.save(_model(args).state_dict(), state_file)
+        mem_ours = launch(memory, world, args, "ours", state_file, timeout=3600)
+        mem_hand = launch(memory, world, args, "hand", state_file, timeout=3600)
     print(
         f"PP={PP} x FSDP={DP} x TP={TP}, gloo, CPU ({world} ranks): MultiHeadGPT dim={args.dim} "
         f"heads={args.heads} blocks={args.blocks} seq={args.seq} vocab={args.vocab}, "
@@ -198,7 +244,12 @@ def main() -> None:
     print("|---|---:|---:|")
     for name, value in med.items():
         print(f"| {name} | {value:.1f} ms | {med[ours] / value:.3f} |")
-    _pipes.print_peaks("fresh processes", "torch dialect (3D)", mem_ours, mem_hand)
+    _pipes.print_peaks(
+        "fresh processes, meta build, shards filled from one state dict file",
+        "torch dialect (3D)",
+        mem_ours,
+        mem_hand,
+    )
     diff = _pipes.loss_difference(first["losses"], ours, hand)
     print(f"\nlargest relative loss difference, torch dialect vs hand-written: {diff:.2e}")
 

@@ -268,17 +268,50 @@ def run_llama(ckpt_dir: str) -> dict[str, Any]:
     data = family.micro_batches(steps * gas, batch_size=micro)
     losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
     portable.save(engine, ckpt_dir, tag="llama")
+    out = {"rank": dist.get_rank(), "stages": list(engine.stage_ids), "losses": losses}
+    out.update(_held_named(plan, engine, ("_proj.weight",)))
+    # Then bf16, with the tied embedding and LM head sharded by vocabulary as well (the model's
+    # own plan leaves them whole): a plan written by hand on top of the config's.
+    model = family.build(0)
+    plan = partition(
+        model,
+        [family.split_point],
+        example_inputs=family.example_inputs(micro),
+        concrete_args=family.fixed,
+        dtype=torch.bfloat16,  # captured for the engine's precision
+    )
+    by_hand = {f"model.{g}": s for g, s in model.config.base_model_tp_plan.items()}
+    by_hand.update({"model.embed_tokens": "rowwise", "lm_head": "colwise"})
+    cfg = {**cfg, "bf16": {"enabled": True}}
+    module = dialect.pipe_engine(
+        plan,
+        config=cfg,
+        loss_fn=_hf_workers.token_loss,
+        topology=topology,
+        tensor_parallel=by_hand,
+    )
+    engine = dialect.runtime_engine(module, config=cfg, check_finite=True)
+    data = family.micro_batches(steps * gas, batch_size=micro)
+    out["bf16_losses"] = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+    out["bf16_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
+    out["bf16"] = _held_named(
+        plan, engine, ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+    )
+    return out
+
+
+def _held_named(plan: Any, engine: Any, suffixes: tuple[str, ...]) -> dict[str, Any]:
+    """Elements of this rank's parameters named ``*suffixes`` it holds, of the whole ones, and
+    whether each is sharded."""
     named = [
         (n, p)
         for k in engine.stage_ids
-        for n, p in plan.stages[k].named_parameters()
-        if n.endswith(("_proj.weight",))
+        for n, p in plan.stages[k].named_parameters(remove_duplicate=False)
+        if n.endswith(suffixes)
     ]
     return {
-        "rank": dist.get_rank(),
-        "stages": list(engine.stage_ids),
-        "losses": losses,
         "held": sum(local_part(p).numel() for _, p in named),
         "whole": sum(p.numel() for _, p in named),
         "all_sharded": bool(named) and all(is_sharded(p) for _, p in named),
+        "names": sorted(n for n, _ in named),
     }

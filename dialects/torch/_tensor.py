@@ -43,18 +43,6 @@ unsplit model:
   first value that differs, on every rank (they agree on the outcome before any schedule runs,
   so the process group stays usable; later batches are refused too). Stages built on the meta
   device are checked alike, on the weights ``init_weights`` gave their shards.
-
-[Note: the layout check's reference]
-The reference a stage is checked against is the stage's own code, unsharded, on the sharded
-stage's values gathered whole. Before sharding, each rank copies its stages' modules with every
-parameter and buffer replaced by a placeholder on the meta device (``reference_skeletons``: no
-memory, and a meta-device build has one too); at the first batch, just before a stage's check,
-the placeholders are filled with the parameters gathered from their shards and copies of the
-live buffers (``materialise_reference``), and the whole reference is dropped after that
-stage's check. So no rank ever holds a second whole copy of its stages beside the whole stages
-it builds from: at most one stage's whole values, during its check. Gathering cannot hide a
-wrong layout: what the check looks for is code that computes something else on shards (the
-values are DTensor's, and ``full_tensor`` is the inverse of the shards it cut).
 - *Gradients.* A sharded parameter's gradient is its shard's, complete (DTensor's backward sums
   over the axis where the forward did). A parameter outside the plan is whole on every rank of
   the axis and gets the same whole gradient there (checked on the first step). With data
@@ -67,6 +55,20 @@ values are DTensor's, and ``full_tensor`` is the inverse of the shards it cut).
 - *Checkpoints.* Portable checkpoints read and write through the shards by name, so they move
   between this and every other layout; the engine's own checkpoint is per rank and needs the
   same layout.
+
+[Note: the layout check's reference]
+The reference a stage is checked against is the stage's own code, unsharded, on the sharded
+stage's values gathered whole. Before sharding, each rank copies its stages' modules with every
+parameter and buffer replaced by a placeholder on the meta device (``reference_skeletons``: no
+memory, and a meta-device build has one too). At the first batch, just before a stage's check,
+the placeholders are filled with the parameters gathered from their shards and copies of the
+live buffers (``materialise_reference``); the reference runs forward (and backward, without
+FSDP), keeps its outputs and gradients, and puts placeholders back (``release_reference``)
+before the sharded stage runs. So no rank holds a second copy of its stages while it builds,
+and during the check the whole values of one stage live only while the reference runs, never
+beside the sharded stage's gathered parameters and activations. Gathering cannot hide a wrong
+layout: what the check looks for is code that computes something else on shards (the values
+are DTensor's, and ``full_tensor`` is the inverse of the shards it cut).
 
 [Note: tensor parallel in an exported graph]
 A plan captured with torch.export (``partition(..., example_inputs=...)``, every Hugging Face
@@ -923,9 +925,11 @@ def check_stage(
     *,
     gradients: bool,
 ) -> None:
-    """Run ``stage`` (through ``run(args)``) and its unsharded ``reference`` (through
-    ``run_reference(args)``) on ``args``; raise at the first output or gradient that differs
-    ([Note: tensor parallel on torch]).
+    """Run the unsharded ``reference`` (through ``run_reference(args)``), then ``stage``
+    (through ``run(args)``) on ``args``; raise at the first output or gradient that differs
+    ([Note: tensor parallel on torch]). The reference runs first, forward and backward, and
+    gives its whole values back (:func:`release_reference`) before the sharded stage runs, so
+    the two never hold memory at once ([Note: the layout check's reference]).
 
     Raises:
         PlanMismatchError: the sharded stage computes something else than the unsharded one.
@@ -941,16 +945,32 @@ def check_stage(
         ]
 
     ref_args, got_args = fresh(), fresh()
-    # The copy runs in the stage's modes (evaluation first, say), module by module.
+    # The reference runs in the stage's modes (evaluation first, say), module by module.
     modes = {n: m.training for n, m in stage.named_modules()}
     for name, module in reference.named_modules():
         module.training = modes.get(name, module.training)
     tol = _tolerance(reference)
     grad_mode = torch.enable_grad() if gradients else torch.no_grad()
-    with preserved_state([stage, reference]), grad_mode, _one_stream(stage, reference):
+    # The reference is thrown away after the check: only the stage's state is put back.
+    with preserved_state([stage]), grad_mode, _one_stream(stage, reference):
         state = torch.random.get_rng_state()
         with _raw_outputs(reference) as ref_raw:
             ref_out = _leaves(run_reference(ref_args))
+        # The values the stage computed, before the wire encodes them (a float that needs no
+        # gradient crosses bit-cast to an integer dtype, which rounding would make "differ").
+        ref_values = [t.detach() for t in (_leaves(ref_raw) if ref_raw else ref_out)]
+        cotangents = _cotangents(stage_id, ref_out) if gradients else {}
+        if cotangents:
+            torch.autograd.backward(
+                [w for i, w in enumerate(ref_out) if i in cotangents],
+                [c.to(ref_out[i].dtype) for i, c in cotangents.items()],
+            )
+        ref_grads = {
+            name: p.grad for name, p in _root(reference).named_parameters() if p.grad is not None
+        }
+        ref_in_grads = [t.grad if isinstance(t, torch.Tensor) else None for t in ref_args]
+        del ref_out, ref_raw
+        release_reference(reference)
         torch.random.set_rng_state(state)
         with _raw_outputs(stage) as got_raw:
             try:
@@ -960,9 +980,6 @@ def check_stage(
             except Exception as exc:  # the unsharded reference ran: the sharding broke it
                 _mismatch(stage_id, "its forward", f"it raised {type(exc).__name__}: {exc}")
         torch.random.set_rng_state(state)
-        # The values the stage computed, before the wire encodes them (a float that needs no
-        # gradient crosses bit-cast to an integer dtype, which rounding would make "differ").
-        ref_values = _leaves(ref_raw) if ref_raw else ref_out
         got_values = _leaves(got_raw) if got_raw else got_out
         if len(ref_values) != len(got_values):
             _mismatch(
@@ -974,29 +991,17 @@ def check_stage(
                 _mismatch(stage_id, f"output tensor {i}", problem)
         if not gradients:
             return
-        pairs = [
-            (g, w)
-            for g, w in zip(got_out, ref_out, strict=True)
-            if w.is_floating_point() and w.requires_grad
-        ]
-        if pairs:
-            gen = torch.Generator().manual_seed(1234 + stage_id)
-            cots = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for _, w in pairs]
-            torch.autograd.backward(
-                [w for _, w in pairs],
-                [c.to(w.dtype) for c, (_, w) in zip(cots, pairs, strict=True)],
-            )
+        if cotangents:
             try:
                 torch.autograd.backward(
-                    [g for g, _ in pairs],
-                    [c.to(g.dtype) for c, (g, _) in zip(cots, pairs, strict=True)],
+                    [g for i, g in enumerate(got_out) if i in cotangents],
+                    [c.to(got_out[i].dtype) for i, c in cotangents.items()],
                 )
             except Exception as exc:  # as above, for the backward
                 _mismatch(stage_id, "its backward", f"it raised {type(exc).__name__}: {exc}")
     try:
-        ref_params = dict(_root(reference).named_parameters())
         for name, param in _root(stage).named_parameters():
-            want_grad = ref_params[name].grad
+            want_grad = ref_grads.get(name)
             got_grad = param.grad
             if want_grad is None or got_grad is None:
                 if (want_grad is None) != (got_grad is None):
@@ -1005,14 +1010,39 @@ def check_stage(
             problem = _differs(got_grad, want_grad, tol)
             if problem:
                 _mismatch(stage_id, f"the gradient of {name!r}", problem)
-        for i, (got, want) in enumerate(zip(got_args, ref_args, strict=True)):
-            if isinstance(want, torch.Tensor) and want.grad is not None:
-                problem = _differs(got.grad, want.grad, tol)
+        for i, (got, want_in) in enumerate(zip(got_args, ref_in_grads, strict=True)):
+            if want_in is not None:
+                problem = _differs(got.grad, want_in, tol)
                 if problem:
                     _mismatch(stage_id, f"the gradient of input {i}", problem)
     finally:
         for param in _root(stage).parameters():
             param.grad = None
+
+
+def _cotangents(stage_id: int, outputs: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """A fixed random cotangent (float64, by the stage's seed) for each output that carries a
+    gradient, by position: both runs' backwards start from the same ones."""
+    gen = torch.Generator().manual_seed(1234 + stage_id)
+    return {
+        i: torch.randn(w.shape, generator=gen, dtype=torch.float64)
+        for i, w in enumerate(outputs)
+        if w.is_floating_point() and w.requires_grad
+    }
+
+
+def release_reference(reference: nn.Module) -> None:
+    """Put placeholders on the meta device back in place of ``reference``'s parameters and
+    buffers, so that its whole values are freed now (the stage's check keeps only what it
+    compares with)."""
+    root = _root(reference)
+    for module in root.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = nn.Parameter(param.to("meta"), param.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = buffer.to("meta")
 
 
 @contextlib.contextmanager

@@ -256,7 +256,7 @@ class TorchPipeline(nn.Module):
                     args,
                     gradients=self.fsdp is None,
                 )
-                del reference, twin  # the whole values go before the next stage's are gathered
+                del reference, twin
         except PlanMismatchError as exc:
             error = exc
         finally:

@@ -358,7 +358,8 @@ def test_a_hugging_face_llama_with_auto_trains_like_the_unsplit_model(tmp_path: 
     """PP2 x TP2 on the exported Llama (grouped-query attention whose captured reshapes name
     the global head counts, padding masks, a cross-stage tie): every step's loss on every rank,
     the consolidated parameters and what ``export_hf`` writes from the checkpoint equal the
-    unsplit transformers model's, trained by a plain loop."""
+    unsplit transformers model's, trained by a plain loop. Then in bf16, with the tied
+    embedding and LM head sharded by vocabulary too: the losses within the bf16 band."""
     import _hf_workers
 
     per_rank = launch(workers.run_llama, 4, str(tmp_path), timeout=TIMEOUT)
@@ -378,6 +379,15 @@ def test_a_hugging_face_llama_with_auto_trains_like_the_unsplit_model(tmp_path: 
     for r in per_rank:
         assert r["losses"] == pytest.approx(ref.losses, rel=RTOL, abs=ATOL), r
         assert r["all_sharded"] and workers.TP * r["held"] == r["whole"], r
+        # bf16 (fp32 masters) with the embedding and LM head sharded too: within the bf16
+        # band of the fp32 model, every parameter bf16, the vocabulary halves on each rank.
+        gaps = [abs(x - y) / abs(y) for x, y in zip(r["bf16_losses"], ref.losses, strict=True)]
+        assert max(gaps) <= BF16_BAND, (r["bf16_losses"], ref.losses)
+        assert r["bf16_dtypes"] == ["torch.bfloat16"], r["bf16_dtypes"]
+        held = r["bf16"]
+        vocab = "model.embed_tokens.weight" if r["stages"] == [0] else "lm_head.weight"
+        assert vocab in held["names"], held["names"]
+        assert held["all_sharded"] and workers.TP * held["held"] == held["whole"], held
     state = portable.consolidate(tmp_path, "llama")
     for name, value in model.state_dict().items():
         if name in state:
