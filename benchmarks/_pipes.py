@@ -199,6 +199,23 @@ class HandPipeline:
         return sum(last) / self.replicas
 
 
+def middle_plan(
+    make_model: Callable[[], nn.Module], blocks: int, state: Mapping[str, torch.Tensor] | None
+) -> tuple[Any, dict[str, Any]]:
+    """The dialect's side of :func:`fill_shards`: the model cut after its middle block, and
+    ``pipe_engine``'s extra arguments; with ``state``, built on the meta device and filled
+    from it (``init_weights``)."""
+    import pipedialect
+    from pipedialect.plan.weights import from_state_dict
+
+    split = [f"blocks.{blocks // 2 - 1}"]
+    if state is None:
+        return pipedialect.partition(make_model(), split), {}
+    with torch.device("meta"):
+        plan = pipedialect.partition(make_model(), split)
+    return plan, {"init_weights": from_state_dict(dict(state), plan=plan)}
+
+
 def fill_shards(state: Mapping[str, torch.Tensor], blocks: int) -> Callable[[nn.Module, int], None]:
     """A :class:`HandPipeline` ``after_sharding`` for a piece built on the meta device:
     ``to_empty``, then each parameter's local shard copied from the whole tensor of the same

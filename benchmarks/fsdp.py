@@ -51,6 +51,7 @@ from _pipes import (
     fill_shards,
     gpt_parser,
     loss_difference,
+    middle_plan,
     peak_above,
     print_peaks,
 )
@@ -87,18 +88,10 @@ def _dialect_engine(
 ) -> tuple[Any, int]:
     """The torch dialect's engine; with ``state``, built on meta and filled from it."""
     import pipedialect
-    from pipedialect.plan.weights import from_state_dict
 
     dialect = pipedialect.get_dialect("torch")
     dialect.init_distributed()
-    split = [f"blocks.{args.blocks // 2 - 1}"]
-    extra: dict[str, Any] = {}
-    if state is None:
-        plan = pipedialect.partition(_model(args), split)
-    else:
-        with torch.device("meta"):
-            plan = pipedialect.partition(_model(args), split)
-        extra["init_weights"] = from_state_dict(state, plan=plan)
+    plan, extra = middle_plan(lambda: _model(args), args.blocks, state)
     topology = dialect.make_topology(2, DP)
     module = dialect.pipe_engine(
         plan,

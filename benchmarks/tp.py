@@ -88,20 +88,14 @@ def _dialect_engine(
 ) -> tuple[Any, int]:
     """The torch dialect's engine; with ``state``, built on meta and filled from it."""
     import pipedialect
-    from pipedialect.plan.weights import from_state_dict
 
     dialect = pipedialect.get_dialect("torch")
     dp = PP * DP * TP // (PP * tensor)
     topology = dialect.make_topology(PP, data_parallel=dp, tensor_parallel=tensor)
-    split = [f"blocks.{args.blocks // 2 - 1}"]
     config = _config(args, dp)
-    extra: dict[str, Any] = {"tensor_parallel": MHGPT_TENSOR_PLAN} if tensor > 1 else {}
-    if state is None:
-        plan = pipedialect.partition(_model(args), split)
-    else:
-        with torch.device("meta"):
-            plan = pipedialect.partition(_model(args), split)
-        extra["init_weights"] = from_state_dict(state, plan=plan)
+    plan, extra = _pipes.middle_plan(lambda: _model(args), args.blocks, state)
+    if tensor > 1:
+        extra["tensor_parallel"] = MHGPT_TENSOR_PLAN
     module = dialect.pipe_engine(
         plan,
         config=config,
