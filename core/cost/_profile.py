@@ -112,9 +112,10 @@ class Timing:
     seconds: float
     #: The share of those seconds the process kept its ``threads`` busy computing: the CPU
     #: seconds of the runs (``time.process_time``, every thread of the process) over their wall
-    #: seconds times ``threads``, at most 1; None where the model ran on an accelerator. Work that
-    #: waits (sleeps, I/O) adds wall seconds but no CPU seconds, so it does not count
-    #: ([Note: ranks sharing cores] in ``cost._simulate``).
+    #: seconds times ``threads``, at most 1, the wall seconds without those the timing thread
+    #: waited for a core (other processes' load); None where the model ran on an accelerator.
+    #: Work that waits (sleeps, I/O) adds wall seconds but no CPU seconds, so it does not
+    #: count ([Note: ranks sharing cores] in ``cost._simulate``).
     cpu_share: float | None = None
 
     def describe(self) -> str:
@@ -609,6 +610,8 @@ class _Stopwatch:
         self._sync = sync
         self._last = time.perf_counter()
         self._last_cpu = time.process_time()
+        #: Seconds this thread waited for a core while the run lasted (set by the run).
+        self.run_delay = 0.0
 
     def restart(self) -> None:
         """Start the next interval now (leaving out the recorder's own work)."""
@@ -669,6 +672,7 @@ def _timed_run(
     events.on_event = lambda gap: watch.charge(watch.forward, gap)
     events.on_exit = on_exit
     tagger.on_switch = lambda _gap: watch.charge(watch.backward, tagger.current)
+    delay_before = _run_delay()
     buffers = {name: b.clone() for name, b in model.named_buffers(remove_duplicate=False)}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -696,7 +700,19 @@ def _timed_run(
                 watch.charge(watch.backward, tagger.current)
     finally:
         tagger.release()  # [Note: timing on warm memory]
+    watch.run_delay = _run_delay() - delay_before
     return watch
+
+
+def _run_delay() -> float:
+    """Seconds the calling thread has spent ready to run but waiting for a core (Linux's
+    ``/proc/thread-self/schedstat``; 0 where there is none): on a loaded machine the wall
+    seconds of a CPU-bound run include this, which is not time the run left the cores free."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 #: The spread (interquartile range over median of a run's seconds) below which
@@ -762,10 +778,13 @@ def measure_time(
     share = None
     if device.type == "cpu":
         cpu = [sum(r.forward_cpu) + sum(r.backward_cpu) for r in runs]
+        # Wall seconds spent waiting for a core (other processes' load) are not seconds the
+        # run left the cores free: leave them out of the denominator.
+        ran = [max(0.0, w - r.run_delay) for w, r in zip(totals, runs, strict=True)]
         share = min(
             1.0,
             statistics.median(
-                c / (w * pinned) if w > 0 else 0.0 for c, w in zip(cpu, totals, strict=True)
+                c / (w * pinned) if w > 0 else 0.0 for c, w in zip(cpu, ran, strict=True)
             ),
         )
     trace.timing = Timing(pinned, len(runs), _spread(runs), statistics.median(totals), share)
