@@ -599,7 +599,13 @@ def trace_fx(
 
 
 class _Stopwatch:
-    """Charges the time between consecutive events to gaps, forward and backward."""
+    """Charges the time between consecutive events to gaps, forward and backward.
+
+    On the CPU the seconds charged leave out those the timing thread spent waiting for a core
+    that another process held (its run delay, :func:`_run_delay`): the model's time with its
+    threads to itself, which is what the simulator shares among the ranks of a layout
+    ([Note: ranks sharing cores] in ``cost._simulate``). On a quiet machine that is nothing.
+    """
 
     def __init__(self, gaps: int, sync: Callable[[], None] | None) -> None:
         self.forward = [0.0] * gaps
@@ -608,30 +614,30 @@ class _Stopwatch:
         self.forward_cpu = [0.0] * gaps
         self.backward_cpu = [0.0] * gaps
         self._sync = sync
+        self._stamp()
+
+    def _stamp(self) -> None:
         self._last = time.perf_counter()
         self._last_cpu = time.process_time()
-        #: Seconds this thread waited for a core while the run lasted (set by the run).
-        self.run_delay = 0.0
+        self._last_delay = _run_delay() if self._sync is None else 0.0
 
     def restart(self) -> None:
         """Start the next interval now (leaving out the recorder's own work)."""
         if self._sync is not None:
             self._sync()
-        self._last = time.perf_counter()
-        self._last_cpu = time.process_time()
+        self._stamp()
 
     def charge(self, into: list[float], gap: int) -> None:
         """Add the time since the last stamp to ``into[gap]`` (``forward`` or ``backward``),
         and the CPU seconds to the matching ``forward_cpu`` or ``backward_cpu``."""
         if self._sync is not None:
             self._sync()
-        now = time.perf_counter()
-        now_cpu = time.process_time()
-        into[gap] += now - self._last
+        last, last_cpu, last_delay = self._last, self._last_cpu, self._last_delay
+        self._stamp()
+        waited = self._last_delay - last_delay
+        into[gap] += max(0.0, self._last - last - waited)
         cpu = self.forward_cpu if into is self.forward else self.backward_cpu
-        cpu[gap] += now_cpu - self._last_cpu
-        self._last = now
-        self._last_cpu = now_cpu
+        cpu[gap] += self._last_cpu - last_cpu
 
 
 def _timed_run(
@@ -672,7 +678,6 @@ def _timed_run(
     events.on_event = lambda gap: watch.charge(watch.forward, gap)
     events.on_exit = on_exit
     tagger.on_switch = lambda _gap: watch.charge(watch.backward, tagger.current)
-    delay_before = _run_delay()
     buffers = {name: b.clone() for name, b in model.named_buffers(remove_duplicate=False)}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -700,14 +705,13 @@ def _timed_run(
                 watch.charge(watch.backward, tagger.current)
     finally:
         tagger.release()  # [Note: timing on warm memory]
-    watch.run_delay = _run_delay() - delay_before
     return watch
 
 
 def _run_delay() -> float:
     """Seconds the calling thread has spent ready to run but waiting for a core (Linux's
     ``/proc/thread-self/schedstat``; 0 where there is none): on a loaded machine the wall
-    seconds of a CPU-bound run include this, which is not time the run left the cores free."""
+    seconds of a run include this, which is neither the model's work nor its waiting."""
     try:
         with open("/proc/thread-self/schedstat") as f:
             return int(f.read().split()[1]) / 1e9
@@ -778,13 +782,10 @@ def measure_time(
     share = None
     if device.type == "cpu":
         cpu = [sum(r.forward_cpu) + sum(r.backward_cpu) for r in runs]
-        # Wall seconds spent waiting for a core (other processes' load) are not seconds the
-        # run left the cores free: leave them out of the denominator.
-        ran = [max(0.0, w - r.run_delay) for w, r in zip(totals, runs, strict=True)]
         share = min(
             1.0,
             statistics.median(
-                c / (w * pinned) if w > 0 else 0.0 for c, w in zip(cpu, ran, strict=True)
+                c / (w * pinned) if w > 0 else 0.0 for c, w in zip(cpu, totals, strict=True)
             ),
         )
     trace.timing = Timing(pinned, len(runs), _spread(runs), statistics.median(totals), share)

@@ -43,8 +43,9 @@ A measured forward or backward is the time it took with the measuring process's 
 itself; ranks on one host that compute at once share its ``cores``, and more computing threads
 than cores slow every one of them down. Only CPU work competes: a computation that waits (sleeps,
 I/O) leaves the cores to others. So each stage has a ``cpu_share`` (what ``measure_time``
-measures: the process's CPU seconds over its wall seconds times its threads, the wall seconds
-without those its thread waited for a core on a loaded machine), and a computation
+measures: the process's CPU seconds over its wall seconds times its threads; the measured
+seconds themselves leave out those its thread waited for a core another process held, so they
+are the computation's with the cores to itself), and a computation
 demands ``cpu_share * threads * processes_per_rank`` cores while it runs (its data- and
 tensor-parallel peers compute in step with it). The cores are shared as processor sharing: while
 the computations running at an instant demand ``L`` cores, their CPU part advances at
