@@ -757,6 +757,8 @@ def measure_time(
     the cores) while timing and restored after. One warm-up run, then at least ``repeats`` runs,
     more until the runs' spread (interquartile range over median) is under
     :data:`STABLE_SPREAD`, at most ``MAX_RUNS_PER_REPEAT * repeats``; the median per gap.
+    On the CPU each gap's seconds leave out those the timing thread waited for a core another
+    process held (Linux's run delay), so a loaded machine does not inflate them.
     ``trace.timing`` records the threads, the runs and the spread, which the planner reports,
     and on the CPU the share of the time the threads computed (CPU seconds over wall seconds
     times threads), which the simulator uses when ranks share cores ([Note: ranks sharing
