@@ -64,7 +64,8 @@ per computation (``action_overhead``, calibrated under the runtime's own load) a
 are not stretched, though moving bytes and the runtime's bookkeeping use the cores too; the
 CPU share is one number for the whole model (a model whose blocks differ, some waiting and some
 computing, gets their average); and the data-parallel peers are taken to compute exactly in
-step with their rank.
+step with their rank. All the ranks are taken to be on one host (``plan_layout`` gives the
+planning process's cores): ranks spread over several hosts are predicted too slow.
 """
 
 from __future__ import annotations
