@@ -113,6 +113,13 @@ class Chain:
     weight_fraction: float = 0.5
     #: A label for tables (``"checkpoint blocks.*"``).
     label: str = ""
+    #: The share of the computations' seconds that kept the measuring process's ``threads``
+    #: busy on the CPU (the rest waited or slept); None: not measured on a CPU, and ranks that
+    #: share cores do not slow each other down ([Note: ranks sharing cores] in
+    #: ``cost._simulate``).
+    cpu_share: float | None = None
+    #: The intra-op threads each rank computes with (those the measurement was pinned to).
+    threads: int = 1
 
     def __post_init__(self) -> None:
         n = len(self.atoms)

@@ -194,10 +194,12 @@ def model_chains(
             raise ConfigError("flops_per_second needs a measurement taken with example_inputs")
         forward = [f / flops_per_second for f in trace.forward_flops]
         backward = [f / flops_per_second for f in trace.backward_flops]
+        timing = None
     else:
         if trace.forward_time is None or trace.backward_time is None:
             raise ConfigError("the measurement has no times; pass measure_time=True")
         forward, backward = list(trace.forward_time), list(trace.backward_time)
+        timing = trace.timing
     batch = batch_size if batch_size is not None else _batch_of(example_inputs)
     # The model's blocks by default ([Note: blocks] in cost.balance): a cut a person would make,
     # never one inside attention between two projections.
@@ -234,6 +236,7 @@ def model_chains(
             weight_fraction,
             label,
             [b for b in profile.blocks if b in trace.modules],
+            timing,
         )
     return chains
 
@@ -278,6 +281,7 @@ def _chain(
     weight_fraction: float,
     label: str,
     blocks: Sequence[str] = (),
+    timing: _profile.Timing | None = None,
 ) -> Chain:
     modules = trace.modules
     ordered = sorted(
@@ -373,4 +377,6 @@ def _chain(
         last_cut_below=bisect.bisect_left(xs, last_op),
         weight_fraction=weight_fraction,
         label=label,
+        cpu_share=timing.cpu_share if timing is not None else None,
+        threads=timing.threads if timing is not None else 1,
     )

@@ -90,6 +90,11 @@ class Cluster:
     fsdp_unit_overhead: float = 0.0
     #: Seconds each tensor-parallel module adds to every computation at ``t > 1``.
     tensor_module_overhead: float = 0.0
+    #: Cores the ranks share, all on one host (``os.sched_getaffinity`` of the planning
+    #: process); None: every rank has cores of its own. With a chain measured on the CPU
+    #: (``Chain.cpu_share``), ranks computing at once beyond these cores slow each other down
+    #: ([Note: ranks sharing cores] in ``cost._simulate``).
+    cores: int | None = None
 
     @property
     def ring_bandwidth(self) -> float:
@@ -111,6 +116,8 @@ class Cluster:
             )
         if self.latency < 0 or self.optimizer_states < 0:
             raise ConfigError("latency and optimizer_states cannot be negative")
+        if self.cores is not None and self.cores < 1:
+            raise ConfigError(f"cores must be at least 1, got {self.cores}")
 
 
 @dataclass(frozen=True)
@@ -340,6 +347,7 @@ def stage_inputs(
         action_overhead=overhead,
         all_gather=ring_gather(trainable, d, cluster) if fsdp else 0.0,
         reduce_grad=ring_gather(trainable, d, cluster) if fsdp else 0.0,
+        cpu_share=chain.cpu_share or 0.0,
     )
     memory = StageMemory(
         activation=activation,
@@ -409,6 +417,9 @@ def predict(
         memory=[i.memory for i in inputs],
         base_memory=base,
         queue_messages=queue_messages,
+        cores=cluster.cores if chain.cpu_share else None,
+        threads=chain.threads,
+        processes_per_rank=layout.data_parallel * layout.tensor_parallel,
     )
     peak = tuple(m + cluster.memory_overhead for m in (simulation.peak_memory or tuple(base)))
     return Prediction(

@@ -110,6 +110,13 @@ class Timing:
     spread: float
     #: The median forward + backward seconds of one run.
     seconds: float
+    #: The share of those seconds the process kept its ``threads`` busy computing: the CPU
+    #: seconds of the runs (``time.process_time``, every thread of the process) over their wall
+    #: seconds times ``threads``, at most 1, the wall seconds without those the timing thread
+    #: waited for a core (other processes' load); None where the model ran on an accelerator.
+    #: Work that waits (sleeps, I/O) adds wall seconds but no CPU seconds, so it does not
+    #: count ([Note: ranks sharing cores] in ``cost._simulate``).
+    cpu_share: float | None = None
 
     def describe(self) -> str:
         """One line for tables: ``timed with 4 threads: 12 runs, 3.1% spread``."""
@@ -592,27 +599,45 @@ def trace_fx(
 
 
 class _Stopwatch:
-    """Charges the time between consecutive events to gaps, forward and backward."""
+    """Charges the time between consecutive events to gaps, forward and backward.
+
+    On the CPU the seconds charged leave out those the timing thread spent waiting for a core
+    that another process held (its run delay, :func:`_run_delay`): the model's time with its
+    threads to itself, which is what the simulator shares among the ranks of a layout
+    ([Note: ranks sharing cores] in ``cost._simulate``). On a quiet machine that is nothing.
+    """
 
     def __init__(self, gaps: int, sync: Callable[[], None] | None) -> None:
         self.forward = [0.0] * gaps
         self.backward = [0.0] * gaps
+        #: CPU seconds of the process (all its threads) per gap, beside the wall seconds.
+        self.forward_cpu = [0.0] * gaps
+        self.backward_cpu = [0.0] * gaps
         self._sync = sync
+        self._stamp()
+
+    def _stamp(self) -> None:
         self._last = time.perf_counter()
+        self._last_cpu = time.process_time()
+        self._last_delay = _run_delay() if self._sync is None else 0.0
 
     def restart(self) -> None:
         """Start the next interval now (leaving out the recorder's own work)."""
         if self._sync is not None:
             self._sync()
-        self._last = time.perf_counter()
+        self._stamp()
 
     def charge(self, into: list[float], gap: int) -> None:
-        """Add the time since the last stamp to ``into[gap]``."""
+        """Add the time since the last stamp to ``into[gap]`` (``forward`` or ``backward``),
+        and the CPU seconds to the matching ``forward_cpu`` or ``backward_cpu``."""
         if self._sync is not None:
             self._sync()
-        now = time.perf_counter()
-        into[gap] += now - self._last
-        self._last = now
+        last, last_cpu, last_delay = self._last, self._last_cpu, self._last_delay
+        self._stamp()
+        waited = self._last_delay - last_delay
+        into[gap] += max(0.0, self._last - last - waited)
+        cpu = self.forward_cpu if into is self.forward else self.backward_cpu
+        cpu[gap] += self._last_cpu - last_cpu
 
 
 def _timed_run(
@@ -683,6 +708,17 @@ def _timed_run(
     return watch
 
 
+def _run_delay() -> float:
+    """Seconds the calling thread has spent ready to run but waiting for a core (Linux's
+    ``/proc/thread-self/schedstat``; 0 where there is none): on a loaded machine the wall
+    seconds of a run include this, which is neither the model's work nor its waiting."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 #: The spread (interquartile range over median of a run's seconds) below which
 #: :func:`measure_time` stops adding runs, and the most runs it takes for each requested one.
 STABLE_SPREAD = 0.05
@@ -721,7 +757,12 @@ def measure_time(
     the cores) while timing and restored after. One warm-up run, then at least ``repeats`` runs,
     more until the runs' spread (interquartile range over median) is under
     :data:`STABLE_SPREAD`, at most ``MAX_RUNS_PER_REPEAT * repeats``; the median per gap.
-    ``trace.timing`` records the threads, the runs and the spread, which the planner reports.
+    On the CPU each gap's seconds leave out those the timing thread waited for a core another
+    process held (Linux's run delay), so a loaded machine does not inflate them.
+    ``trace.timing`` records the threads, the runs and the spread, which the planner reports,
+    and on the CPU the share of the time the threads computed (CPU seconds over wall seconds
+    times threads), which the simulator uses when ranks share cores ([Note: ranks sharing
+    cores] in ``cost._simulate``).
     """
     device = _device_of(example_inputs)
     kwargs = {**dict(example_inputs), **dict(fixed)}
@@ -740,7 +781,16 @@ def measure_time(
     trace.forward_time = [statistics.median(r.forward[g] for r in runs) for g in gaps]
     trace.backward_time = [statistics.median(r.backward[g] for r in runs) for g in gaps]
     totals = [sum(r.forward) + sum(r.backward) for r in runs]
-    trace.timing = Timing(pinned, len(runs), _spread(runs), statistics.median(totals))
+    share = None
+    if device.type == "cpu":
+        cpu = [sum(r.forward_cpu) + sum(r.backward_cpu) for r in runs]
+        share = min(
+            1.0,
+            statistics.median(
+                c / (w * pinned) if w > 0 else 0.0 for c, w in zip(cpu, totals, strict=True)
+            ),
+        )
+    trace.timing = Timing(pinned, len(runs), _spread(runs), statistics.median(totals), share)
 
 
 def _spread(runs: Sequence[_Stopwatch]) -> float:

@@ -37,10 +37,41 @@ order, each stage's in-flight count times its activation bytes, the gathered par
 ``ALL_GATHER`` and ``RESHARD``, and unsharded gradients from a stage's first backward to its
 ``REDUCE_GRAD`` (a backward holds its micro-batch's activations and the gradients it makes at
 once).
+
+[Note: ranks sharing cores]
+A measured forward or backward is the time it took with the measuring process's threads to
+itself; ranks on one host that compute at once share its ``cores``, and more computing threads
+than cores slow every one of them down. Only CPU work competes: a computation that waits (sleeps,
+I/O) leaves the cores to others. So each stage has a ``cpu_share`` (what ``measure_time``
+measures: the process's CPU seconds over its wall seconds times its threads; the measured
+seconds themselves leave out those its thread waited for a core another process held, so they
+are the computation's with the cores to itself), and a computation
+demands ``cpu_share * threads * processes_per_rank`` cores while it runs (its data- and
+tensor-parallel peers compute in step with it). The cores are shared as processor sharing: while
+the computations running at an instant demand ``L`` cores, their CPU part advances at
+``min(1, cores / L)`` and the rest at full speed, so a computation of ``c`` seconds alone moves
+at ``1 / (cpu_share / rate + 1 - cpu_share)`` of its pace, and the rate changes whenever any
+computation starts or ends. Two ranks each computing 10 ms of CPU on one core from the same
+instant both end at 20 ms; a computation that sleeps is not stretched; one rank alone, or
+ranks demanding no more than the cores, are unchanged.
+
+The replay runs each rank as far as it can go before the next, so when a computation starts
+the others' are not all placed yet; the simulation replays the program again, each computation
+paced against the other ranks' computations as the previous replay placed them, until no
+computation moves (at most :data:`SHARING_PASSES` replays; the first replay has no sharing).
+That fixed point is the processor-sharing schedule. What it leaves out: the runtime's own cost
+per computation (``action_overhead``, calibrated under the runtime's own load) and communication
+are not stretched, though moving bytes and the runtime's bookkeeping use the cores too; the
+CPU share is one number for the whole model (a model whose blocks differ, some waiting and some
+computing, gets their average); and the data-parallel peers are taken to compute exactly in
+step with their rank. All the ranks are taken to be on one host (``plan_layout`` gives the
+planning process's cores): ranks spread over several hosts are predicted too slow.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +102,14 @@ class StageTimes:
     reduce_grad: float = 0.0
     #: Seconds every computation of the stage costs on top of its work (launch, bookkeeping).
     action_overhead: float = 0.0
+    #: The share of the stage's computation seconds that keeps its threads busy on the CPU
+    #: (the rest waits or sleeps): what slows down when ranks share cores ([Note: ranks
+    #: sharing cores]); 0 (the default): nothing does.
+    cpu_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cpu_share <= 1.0:
+            raise ConfigError(f"cpu_share must be between 0 and 1, got {self.cpu_share}")
 
     @property
     def backward(self) -> float:
@@ -177,6 +216,9 @@ def simulate(
     steps: int = 1,
     barrier: bool = True,
     queue_messages: bool = True,
+    cores: float | None = None,
+    threads: int = 1,
+    processes_per_rank: int = 1,
 ) -> Simulation:
     """Replay ``program`` with the given costs ([Note: simulation]).
 
@@ -194,6 +236,11 @@ def simulate(
         barrier: whether every step ends with a barrier over all ranks.
         queue_messages: whether a rank's asynchronous messages leave one after another on its
             link (False: each arrives ``boundary`` after its send, however many overlap).
+        cores: the cores every rank of the program shares (one host); None: each rank has
+            cores of its own ([Note: ranks sharing cores]).
+        threads: the intra-op threads each process computes with.
+        processes_per_rank: processes that compute in step with each pipeline rank on those
+            cores (its data- and tensor-parallel peers: ``d * t``).
 
     Raises:
         ConfigError: costs that do not fit the program, or a program that deadlocks.
@@ -206,200 +253,231 @@ def simulate(
     bounds = _per(boundaries, n - 1, "boundaries")
     reduce_time = _per(all_reduce, p, "all_reduce")
     optimizer_time = _per(optimizer, p, "optimizer")
-    streams: list[list[tuple[int, Any]]] = []
-    for r in range(p):
-        stream: list[tuple[int, Any]] = []
-        for k in range(steps):
-            stream += [(k, a) for a in program.ranks[r]]
-            if barrier:
-                stream.append((k, _Barrier(k)))
-        streams.append(stream)
-    gathers = [{a.stage for a in program.ranks[r] if a.kind == _K.ALL_GATHER} for r in range(p)]
-    pc = [0] * p
-    clock = [0.0] * p
-    channel = [0.0] * p
-    pending = [0.0] * p
-    # When each rank's link is free again for its next outgoing message.
-    outgoing = [0.0] * p
-    waited = [0.0] * p
-    done: dict[tuple[int, int, str, int], float] = {}
-    arrived: dict[tuple[int, str, int, int], float] = {}
-    gathered: dict[tuple[int, int], float] = {}
-    step_end: dict[int, float] = {}
-    spans: list[SimulatedSpan] = []
-    place = program.placement
+    sharing = cores is not None and any(t.cpu_share > 0 for t in stages)
+    if cores is not None and cores <= 0:
+        raise ConfigError(f"cores must be positive, got {cores}")
+    if threads < 1 or processes_per_rank < 1:
+        raise ConfigError(
+            f"threads and processes_per_rank must be at least 1, got {threads} and "
+            f"{processes_per_rank}"
+        )
 
-    def head(r: int) -> tuple[int, Any] | None:
-        return streams[r][pc[r]] if pc[r] < len(streams[r]) else None
-
-    def compute_ready(r: int, k: int, a: Action) -> float | None:
-        need: list[float | None] = []
-        s, mb = a.stage, a.micro_batch
-        assert mb is not None
-        if s in gathers[r]:
-            need.append(gathered.get((k, s)))
-        if a.kind == _K.FORWARD and s > 0:
-            if place[s - 1] == r:
-                need.append(done.get((k, s - 1, "F", mb)))
-            else:
-                need.append(arrived.get((k, "F", s - 1, mb)))
-        elif a.kind in (_K.BACKWARD, _K.BACKWARD_INPUT):
-            need.append(done.get((k, s, "F", mb)))
-            if s < n - 1:
-                if place[s + 1] == r:
-                    need.append(done.get((k, s + 1, "I", mb)))
-                else:
-                    need.append(arrived.get((k, "B", s + 1, mb)))
-        elif a.kind == _K.BACKWARD_WEIGHT:
-            need.append(done.get((k, s, "I", mb)))
-        if any(t is None for t in need):
-            return None
-        return max([clock[r], *(t for t in need if t is not None)])
-
-    def run_compute(r: int, k: int, a: Action, start: float) -> None:
-        t = stages[a.stage]
-        s, mb = a.stage, a.micro_batch
-        assert mb is not None
-        if a.kind == _K.FORWARD:
-            dur, kind = t.forward, "forward"
-        elif a.kind == _K.BACKWARD:
-            dur, kind = t.backward, "backward"
-        elif a.kind == _K.BACKWARD_INPUT:
-            dur, kind = (t.backward_input if t.split else t.backward), "backward_input"
-        else:
-            dur, kind = (t.backward_weight if t.split else 0.0), "backward_weight"
-        if dur or a.kind != _K.BACKWARD_WEIGHT:
-            dur += t.action_overhead
-        end = start + dur
-        clock[r] = end
-        if a.kind == _K.FORWARD:
-            done[(k, s, "F", mb)] = end
-        if a.kind in (_K.BACKWARD, _K.BACKWARD_INPUT):
-            done[(k, s, "I", mb)] = end
-        if a.kind in (_K.BACKWARD, _K.BACKWARD_WEIGHT):
-            done[(k, s, "W", mb)] = end
-        spans.append(SimulatedSpan(kind, f"{a.kind.value}{mb}", r, s, k, mb, start, end))
-
-    def partner(a: Action) -> tuple[int, Action]:
-        if a.kind == _K.SEND_F:
-            return place[a.stage + 1], Action(_K.RECV_F, a.stage + 1, a.micro_batch)
-        if a.kind == _K.SEND_B:
-            return place[a.stage - 1], Action(_K.RECV_B, a.stage - 1, a.micro_batch)
-        if a.kind == _K.RECV_F:
-            return place[a.stage - 1], Action(_K.SEND_F, a.stage - 1, a.micro_batch)
-        return place[a.stage + 1], Action(_K.SEND_B, a.stage + 1, a.micro_batch)
-
-    def message_key(k: int, a: Action) -> tuple[int, str, int, int]:
-        assert a.micro_batch is not None
-        return (k, "F" if a.kind == _K.SEND_F else "B", a.stage, a.micro_batch)
-
-    def boundary_of(a: Action) -> float:
-        return bounds[a.stage if a.kind == _K.SEND_F else a.stage - 1]
-
-    def step(r: int) -> bool:
-        item = head(r)
-        if item is None:
-            return False
-        k, a = item
-        if isinstance(a, _Barrier):
-            heads = [head(q) for q in range(p)]
-            if not all(h is not None and isinstance(h[1], _Barrier) and h[0] == k for h in heads):
-                return False
-            end = max(clock)
-            for q in range(p):
-                clock[q] = end
-                pc[q] += 1
-            return True
-        if a.kind == _K.OVERLAP:
-            # An OVERLAP runs its parts in turn: split it into its leaves in place.
-            streams[r][pc[r] : pc[r] + 1] = [(k, leaf) for leaf in a.parts]
-            return True
-        if a.kind in COMPUTE:
-            start = compute_ready(r, k, a)
-            if start is None:
-                return False
-            run_compute(r, k, a, start)
-        elif a.kind in (_K.SEND_F, _K.SEND_B) and not program.blocking_p2p:
-            s_key = (k, a.stage, "F" if a.kind == _K.SEND_F else "I", a.micro_batch or 0)
-            if s_key not in done:
-                return False
-            start = max(clock[r], outgoing[r]) if queue_messages else clock[r]
-            outgoing[r] = start + boundary_of(a)
-            arrived[message_key(k, a)] = outgoing[r]
-        elif a.kind in (_K.RECV_F, _K.RECV_B) and not program.blocking_p2p:
-            pass
-        elif a.kind in (_K.SEND_F, _K.SEND_B, _K.RECV_F, _K.RECV_B):
-            other, match = partner(a)
-            theirs = head(other)
-            if theirs is None or theirs[0] != k or theirs[1] != match:
-                return False
-            send = a if a.kind in (_K.SEND_F, _K.SEND_B) else match
-            start = max(clock[r], clock[other])
-            end = start + boundary_of(send)
-            for q in (r, other):
-                waited[q] += end - clock[q] if k == 0 else 0.0
-                clock[q] = end
-            arrived[message_key(k, send)] = end
-            sender = r if send is a else other
-            spans.append(
-                SimulatedSpan(
-                    "send",
-                    f"send {'F' if send.kind == _K.SEND_F else 'B'}{send.micro_batch}",
-                    sender,
-                    send.stage,
-                    k,
-                    send.micro_batch,
-                    start,
-                    end,
-                )
-            )
-            pc[other] += 1
-        elif a.kind in (_K.ALL_GATHER, _K.REDUCE_GRAD):
-            t = stages[a.stage]
-            dur = t.all_gather if a.kind == _K.ALL_GATHER else t.reduce_grad
-            start = max(clock[r], channel[r])
-            channel[r] = start + dur
-            if a.kind == _K.ALL_GATHER:
-                gathered[(k, a.stage)] = channel[r]
-            else:
-                pending[r] = max(pending[r], channel[r])
-            if dur:
-                name = "all-gather" if a.kind == _K.ALL_GATHER else "reduce-grad"
-                kind = "all_gather" if a.kind == _K.ALL_GATHER else "reduce_grad"
-                spans.append(SimulatedSpan(kind, name, r, a.stage, k, None, start, channel[r]))
-        elif a.kind == _K.RESHARD:
-            pass
-        elif a.kind == _K.ALL_REDUCE:
-            ready = max(clock[r], channel[r], pending[r])
-            if k == 0:
-                waited[r] += ready - clock[r] + reduce_time[r]
-            end = ready + reduce_time[r]
-            if reduce_time[r]:
-                stage0 = program.stages_of(r)[0]
-                spans.append(
-                    SimulatedSpan("all_reduce", "all-reduce", r, stage0, k, None, ready, end)
-                )
-            clock[r] = end
-        elif a.kind == _K.OPTIMIZER:
-            end = clock[r] + optimizer_time[r]
-            if optimizer_time[r]:
-                stage0 = program.stages_of(r)[0]
-                spans.append(SimulatedSpan("optimizer", "opt", r, stage0, k, None, clock[r], end))
-            clock[r] = end
-            step_end[k] = max(step_end.get(k, 0.0), end)
-        else:  # pragma: no cover - every kind is handled above
-            raise ConfigError(f"the simulator cannot run {a}")
-        pc[r] += 1
-        return True
-
-    while any(pc[r] < len(streams[r]) for r in range(p)):
-        progress = False
+    def replay(
+        others: Sequence[_Others] | None,
+    ) -> tuple[list[SimulatedSpan], list[float], dict[int, float], list[float]]:
+        streams: list[list[tuple[int, Any]]] = []
         for r in range(p):
-            while step(r):
-                progress = True
-        if not progress:
-            heads = [h[1] if (h := head(r)) is not None else None for r in range(p)]
-            raise _deadlock(program, heads, pc)
+            stream: list[tuple[int, Any]] = []
+            for k in range(steps):
+                stream += [(k, a) for a in program.ranks[r]]
+                if barrier:
+                    stream.append((k, _Barrier(k)))
+            streams.append(stream)
+        gathers = [{a.stage for a in program.ranks[r] if a.kind == _K.ALL_GATHER} for r in range(p)]
+        pc = [0] * p
+        clock = [0.0] * p
+        channel = [0.0] * p
+        pending = [0.0] * p
+        # When each rank's link is free again for its next outgoing message.
+        outgoing = [0.0] * p
+        waited = [0.0] * p
+        done: dict[tuple[int, int, str, int], float] = {}
+        arrived: dict[tuple[int, str, int, int], float] = {}
+        gathered: dict[tuple[int, int], float] = {}
+        step_end: dict[int, float] = {}
+        spans: list[SimulatedSpan] = []
+        place = program.placement
+
+        def head(r: int) -> tuple[int, Any] | None:
+            return streams[r][pc[r]] if pc[r] < len(streams[r]) else None
+
+        def compute_ready(r: int, k: int, a: Action) -> float | None:
+            need: list[float | None] = []
+            s, mb = a.stage, a.micro_batch
+            assert mb is not None
+            if s in gathers[r]:
+                need.append(gathered.get((k, s)))
+            if a.kind == _K.FORWARD and s > 0:
+                if place[s - 1] == r:
+                    need.append(done.get((k, s - 1, "F", mb)))
+                else:
+                    need.append(arrived.get((k, "F", s - 1, mb)))
+            elif a.kind in (_K.BACKWARD, _K.BACKWARD_INPUT):
+                need.append(done.get((k, s, "F", mb)))
+                if s < n - 1:
+                    if place[s + 1] == r:
+                        need.append(done.get((k, s + 1, "I", mb)))
+                    else:
+                        need.append(arrived.get((k, "B", s + 1, mb)))
+            elif a.kind == _K.BACKWARD_WEIGHT:
+                need.append(done.get((k, s, "I", mb)))
+            if any(t is None for t in need):
+                return None
+            return max([clock[r], *(t for t in need if t is not None)])
+
+        def run_compute(r: int, k: int, a: Action, start: float) -> None:
+            t = stages[a.stage]
+            s, mb = a.stage, a.micro_batch
+            assert mb is not None
+            if a.kind == _K.FORWARD:
+                dur, kind = t.forward, "forward"
+            elif a.kind == _K.BACKWARD:
+                dur, kind = t.backward, "backward"
+            elif a.kind == _K.BACKWARD_INPUT:
+                dur, kind = (t.backward_input if t.split else t.backward), "backward_input"
+            else:
+                dur, kind = (t.backward_weight if t.split else 0.0), "backward_weight"
+            end = start + dur
+            if others is not None and dur:
+                end = others[r].finish(start, dur, t.cpu_share)
+            if dur or a.kind != _K.BACKWARD_WEIGHT:
+                end += t.action_overhead
+            clock[r] = end
+            if a.kind == _K.FORWARD:
+                done[(k, s, "F", mb)] = end
+            if a.kind in (_K.BACKWARD, _K.BACKWARD_INPUT):
+                done[(k, s, "I", mb)] = end
+            if a.kind in (_K.BACKWARD, _K.BACKWARD_WEIGHT):
+                done[(k, s, "W", mb)] = end
+            spans.append(SimulatedSpan(kind, f"{a.kind.value}{mb}", r, s, k, mb, start, end))
+
+        def partner(a: Action) -> tuple[int, Action]:
+            if a.kind == _K.SEND_F:
+                return place[a.stage + 1], Action(_K.RECV_F, a.stage + 1, a.micro_batch)
+            if a.kind == _K.SEND_B:
+                return place[a.stage - 1], Action(_K.RECV_B, a.stage - 1, a.micro_batch)
+            if a.kind == _K.RECV_F:
+                return place[a.stage - 1], Action(_K.SEND_F, a.stage - 1, a.micro_batch)
+            return place[a.stage + 1], Action(_K.SEND_B, a.stage + 1, a.micro_batch)
+
+        def message_key(k: int, a: Action) -> tuple[int, str, int, int]:
+            assert a.micro_batch is not None
+            return (k, "F" if a.kind == _K.SEND_F else "B", a.stage, a.micro_batch)
+
+        def boundary_of(a: Action) -> float:
+            return bounds[a.stage if a.kind == _K.SEND_F else a.stage - 1]
+
+        def step(r: int) -> bool:
+            item = head(r)
+            if item is None:
+                return False
+            k, a = item
+            if isinstance(a, _Barrier):
+                heads = [head(q) for q in range(p)]
+                if not all(
+                    h is not None and isinstance(h[1], _Barrier) and h[0] == k for h in heads
+                ):
+                    return False
+                end = max(clock)
+                for q in range(p):
+                    clock[q] = end
+                    pc[q] += 1
+                return True
+            if a.kind == _K.OVERLAP:
+                # An OVERLAP runs its parts in turn: split it into its leaves in place.
+                streams[r][pc[r] : pc[r] + 1] = [(k, leaf) for leaf in a.parts]
+                return True
+            if a.kind in COMPUTE:
+                start = compute_ready(r, k, a)
+                if start is None:
+                    return False
+                run_compute(r, k, a, start)
+            elif a.kind in (_K.SEND_F, _K.SEND_B) and not program.blocking_p2p:
+                s_key = (k, a.stage, "F" if a.kind == _K.SEND_F else "I", a.micro_batch or 0)
+                if s_key not in done:
+                    return False
+                start = max(clock[r], outgoing[r]) if queue_messages else clock[r]
+                outgoing[r] = start + boundary_of(a)
+                arrived[message_key(k, a)] = outgoing[r]
+            elif a.kind in (_K.RECV_F, _K.RECV_B) and not program.blocking_p2p:
+                pass
+            elif a.kind in (_K.SEND_F, _K.SEND_B, _K.RECV_F, _K.RECV_B):
+                other, match = partner(a)
+                theirs = head(other)
+                if theirs is None or theirs[0] != k or theirs[1] != match:
+                    return False
+                send = a if a.kind in (_K.SEND_F, _K.SEND_B) else match
+                start = max(clock[r], clock[other])
+                end = start + boundary_of(send)
+                for q in (r, other):
+                    waited[q] += end - clock[q] if k == 0 else 0.0
+                    clock[q] = end
+                arrived[message_key(k, send)] = end
+                sender = r if send is a else other
+                spans.append(
+                    SimulatedSpan(
+                        "send",
+                        f"send {'F' if send.kind == _K.SEND_F else 'B'}{send.micro_batch}",
+                        sender,
+                        send.stage,
+                        k,
+                        send.micro_batch,
+                        start,
+                        end,
+                    )
+                )
+                pc[other] += 1
+            elif a.kind in (_K.ALL_GATHER, _K.REDUCE_GRAD):
+                t = stages[a.stage]
+                dur = t.all_gather if a.kind == _K.ALL_GATHER else t.reduce_grad
+                start = max(clock[r], channel[r])
+                channel[r] = start + dur
+                if a.kind == _K.ALL_GATHER:
+                    gathered[(k, a.stage)] = channel[r]
+                else:
+                    pending[r] = max(pending[r], channel[r])
+                if dur:
+                    name = "all-gather" if a.kind == _K.ALL_GATHER else "reduce-grad"
+                    kind = "all_gather" if a.kind == _K.ALL_GATHER else "reduce_grad"
+                    spans.append(SimulatedSpan(kind, name, r, a.stage, k, None, start, channel[r]))
+            elif a.kind == _K.RESHARD:
+                pass
+            elif a.kind == _K.ALL_REDUCE:
+                ready = max(clock[r], channel[r], pending[r])
+                if k == 0:
+                    waited[r] += ready - clock[r] + reduce_time[r]
+                end = ready + reduce_time[r]
+                if reduce_time[r]:
+                    stage0 = program.stages_of(r)[0]
+                    spans.append(
+                        SimulatedSpan("all_reduce", "all-reduce", r, stage0, k, None, ready, end)
+                    )
+                clock[r] = end
+            elif a.kind == _K.OPTIMIZER:
+                end = clock[r] + optimizer_time[r]
+                if optimizer_time[r]:
+                    stage0 = program.stages_of(r)[0]
+                    spans.append(
+                        SimulatedSpan("optimizer", "opt", r, stage0, k, None, clock[r], end)
+                    )
+                clock[r] = end
+                step_end[k] = max(step_end.get(k, 0.0), end)
+            else:  # pragma: no cover - every kind is handled above
+                raise ConfigError(f"the simulator cannot run {a}")
+            pc[r] += 1
+            return True
+
+        while any(pc[r] < len(streams[r]) for r in range(p)):
+            progress = False
+            for r in range(p):
+                while step(r):
+                    progress = True
+            if not progress:
+                heads = [h[1] if (h := head(r)) is not None else None for r in range(p)]
+                raise _deadlock(program, heads, pc)
+        return spans, clock, step_end, waited
+
+    spans, clock, step_end, waited = replay(None)
+    if sharing:
+        assert cores is not None
+        per_share = float(threads * processes_per_rank)
+        for _ in range(SHARING_PASSES):
+            others = [_Others.of(spans, r, stages, cores, per_share) for r in range(p)]
+            again = replay(others)
+            moved = _largest_move(spans, again[0])
+            spans, clock, step_end, waited = again
+            if moved <= 1e-9 * max(clock, default=0.0):
+                break
     ends = [step_end.get(k, max(clock)) for k in range(steps)]
     if steps == 1:
         step_time = max(clock)
@@ -423,6 +501,80 @@ def simulate(
 
 
 _COMPUTE_SPANS = frozenset({"forward", "backward", "backward_input", "backward_weight"})
+
+#: The most replays :func:`simulate` runs to settle how ranks that share cores slow each other
+#: down ([Note: ranks sharing cores]).
+SHARING_PASSES = 30
+
+
+class _Others:
+    """The CPU demand of every other rank's computations over time, as the previous replay
+    placed them: a step function ([Note: ranks sharing cores])."""
+
+    def __init__(
+        self, times: list[float], levels: list[float], cores: float, per_share: float
+    ) -> None:
+        #: ``levels[i]``: the others' demand (cores) from ``times[i]`` to ``times[i + 1]``.
+        self.times = times
+        self.levels = levels
+        self.cores = cores
+        #: Cores a computation of this rank demands per unit of its ``cpu_share`` (its threads
+        #: times its processes).
+        self.per_share = per_share
+
+    @classmethod
+    def of(
+        cls,
+        spans: Sequence[SimulatedSpan],
+        rank: int,
+        stages: Sequence[StageTimes],
+        cores: float,
+        per_share: float,
+    ) -> _Others:
+        """The demand of the computations in ``spans`` of every rank but ``rank``."""
+        changes: dict[float, float] = {}
+        for s in spans:
+            if s.rank == rank or s.kind not in _COMPUTE_SPANS or s.end <= s.start:
+                continue
+            demand = stages[s.stage].cpu_share * per_share
+            changes[s.start] = changes.get(s.start, 0.0) + demand
+            changes[s.end] = changes.get(s.end, 0.0) - demand
+        times, levels, level = [0.0], [0.0], 0.0
+        for t in sorted(changes):
+            level += changes[t]
+            if t == 0.0:
+                levels[0] = max(0.0, level)
+                continue
+            times.append(t)
+            levels.append(max(0.0, level))
+        return cls(times, levels, cores, per_share)
+
+    def finish(self, start: float, seconds: float, share: float) -> float:
+        """When a computation that takes ``seconds`` with the cores to itself, ``share`` of
+        them on the CPU, ends if it starts at ``start`` beside the others' demand."""
+        own = share * self.per_share
+        i = max(0, bisect.bisect_right(self.times, start) - 1)
+        t, left = start, seconds
+        while True:
+            load = own + self.levels[i]
+            rate = 1.0 if load <= self.cores else self.cores / load
+            pace = share / rate + (1.0 - share)
+            until = self.times[i + 1] if i + 1 < len(self.times) else math.inf
+            if (until - t) / pace >= left:
+                return t + left * pace
+            left -= (until - t) / pace
+            t = until
+            i += 1
+
+
+def _largest_move(before: Sequence[SimulatedSpan], after: Sequence[SimulatedSpan]) -> float:
+    """How far the computations moved between two replays (seconds)."""
+    ends = {(s.rank, s.step, s.name, s.stage): s.end for s in before}
+    moved = 0.0
+    for s in after:
+        was = ends.get((s.rank, s.step, s.name, s.stage))
+        moved = max(moved, math.inf if was is None else abs(s.end - was))
+    return moved
 
 
 def _per(value: Sequence[float] | float, count: int, what: str) -> list[float]:

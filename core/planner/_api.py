@@ -193,6 +193,7 @@ def plan_layout(
         tensor_module_overhead=(
             calibration.tensor_module_overhead if calibration is not None else 0.0
         ),
+        cores=_host_cores(),
     )
     calibration_note = None
     if calibration is not None:
@@ -251,3 +252,13 @@ def plan_layout(
         refine=refine,
         notes=notes,
     )
+
+
+def _host_cores() -> int:
+    """The cores this process may run on: those the ranks of a plan measured here share
+    ([Note: ranks sharing cores] in ``cost._simulate``)."""
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
