@@ -45,8 +45,8 @@ layouts and only its first pays the runtime's one-time memory, so the memory com
 for ``--isolate`` runs.
 
 ``--out`` keeps the predicted Chrome traces of every layout. Run it when the machine is quiet
-(the table starts with ``uptime``'s load average): the full run takes about an hour on 4 idle
-cores.
+(the table starts with ``uptime``'s load average): the full run with ``--isolate`` took 9
+minutes on 2 idle cores.
 """
 
 from __future__ import annotations
