@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _layouts import one_stage_layout
 from torch import nn
 
 from pipedialect import ConfigError
@@ -17,7 +18,6 @@ from pipedialect.cost import (
     Atom,
     Chain,
     Cluster,
-    Layout,
     StageTimes,
     model_chains,
     predict,
@@ -126,22 +126,6 @@ def test_bad_sharing_arguments_are_refused() -> None:
         Cluster(world_size=1, memory_per_rank=1.0, bandwidth=1.0, cores=0)
 
 
-def _layout(**kw: Any) -> Layout:
-    base: dict[str, Any] = {
-        "dialect": "torch",
-        "schedule": "gpipe",
-        "pipeline": 1,
-        "stages_per_rank": 1,
-        "data_parallel": 1,
-        "data_parallel_mode": "ddp",
-        "tensor_parallel": 1,
-        "micro_batches": 1,
-        "micro_batch_size": 1,
-        "recompute": None,
-    }
-    return Layout(**{**base, **kw})
-
-
 def test_four_data_parallel_ranks_on_two_cores_compute_at_half_speed() -> None:
     """One stage, F = 1 and B = 2 seconds measured with 1 thread, all CPU; 4 DDP replicas on a
     host of 2 cores compute in step: 4 cores demanded of 2, so 2 micro-batches take
@@ -151,7 +135,7 @@ def test_four_data_parallel_ranks_on_two_cores_compute_at_half_speed() -> None:
     chain = Chain((atom,), (), (), cpu_share=1.0, threads=1)
     cluster = Cluster(world_size=4, memory_per_rank=1e9, bandwidth=1e12, cores=2)
     program = build_program("gpipe", 1, 2, 1)
-    layout = _layout(data_parallel=4, micro_batches=2)
+    layout = one_stage_layout(data_parallel=4, micro_batches=2)
     assert math.isclose(predict(chain, layout, cluster, program).step_time, 12.0)
     wide = Cluster(world_size=4, memory_per_rank=1e9, bandwidth=1e12, cores=4)
     assert math.isclose(predict(chain, layout, wide, program).step_time, 6.0)

@@ -4,31 +4,15 @@ charge, against hand-computed values ([Note: calibration], [Note: cost model])."
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
+from _layouts import one_stage_layout
 
-from pipedialect.cost import Atom, Chain, Cluster, Layout, model_chains, predict
+from pipedialect.cost import Atom, Chain, Cluster, model_chains, predict
 from pipedialect.models import MHGPT_TENSOR_PLAN, MultiHeadGPT
 from pipedialect.planner import build_program
 from pipedialect.planner._calibrate import Calibration, computations, mode_overheads
-
-
-def _layout(**kw: Any) -> Layout:
-    base: dict[str, Any] = {
-        "dialect": "torch",
-        "schedule": "gpipe",
-        "pipeline": 1,
-        "stages_per_rank": 1,
-        "data_parallel": 1,
-        "data_parallel_mode": "ddp",
-        "tensor_parallel": 1,
-        "micro_batches": 1,
-        "micro_batch_size": 1,
-        "recompute": None,
-    }
-    return Layout(**{**base, **kw})
 
 
 @pytest.mark.parametrize("m", [1, 2, 6])
@@ -79,21 +63,22 @@ def test_a_sharded_stage_pays_its_units_and_a_tensor_stage_its_modules_per_compu
     )
     program = build_program("gpipe", 1, 2, 1)
     work = 2 * (2.0 + 4.0)
-    ddp = predict(chain, _layout(data_parallel=2, micro_batches=2), cluster, program)
+    ddp = predict(chain, one_stage_layout(data_parallel=2, micro_batches=2), cluster, program)
     assert math.isclose(ddp.step_time, work + 4 * 0.1)
     fsdp = predict(
         chain,
-        _layout(data_parallel=2, data_parallel_mode="fsdp", micro_batches=2),
+        one_stage_layout(data_parallel=2, data_parallel_mode="fsdp", micro_batches=2),
         cluster,
         program,
     )
     assert math.isclose(fsdp.step_time, work + 4 * (0.1 + 4 * 0.01))
-    tensor = predict(chain, _layout(tensor_parallel=2, micro_batches=2), cluster, program)
+    tensor = predict(chain, one_stage_layout(tensor_parallel=2, micro_batches=2), cluster, program)
     # The tensor-parallel part is none of the work here: only the per-module cost is added.
     assert math.isclose(tensor.step_time, work + 4 * (0.1 + 5 * 0.02))
     # Without tensor parallelism the modules cost nothing more.
     assert math.isclose(
-        predict(chain, _layout(micro_batches=2), cluster, program).step_time, work + 4 * 0.1
+        predict(chain, one_stage_layout(micro_batches=2), cluster, program).step_time,
+        work + 4 * 0.1,
     )
 
 

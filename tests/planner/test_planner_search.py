@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import pytest
+from _layouts import one_stage_layout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -254,7 +255,7 @@ def test_refinement_finds_the_faster_split_the_solver_misses() -> None:
     solver = search({"": chain}, cluster, offer, 4, refine=0, **kwargs).best
     refined = search({"": chain}, cluster, offer, 4, **kwargs).best
     program = build_program("1f1b", 4, 4, 1)
-    layout = _layout(schedule="1f1b", pipeline=4, micro_batches=4)
+    layout = one_stage_layout(schedule="1f1b", pipeline=4, micro_batches=4)
     steps = {
         cuts: predict(chain, dataclasses.replace(layout, cuts=cuts), cluster, program).step_time
         for cuts in itertools.combinations(range(6), 3)
@@ -269,22 +270,6 @@ def _two_atoms() -> Chain:
     return Chain((atom, other), ("a",), (4,))
 
 
-def _layout(**kw: Any) -> Layout:
-    base: dict[str, Any] = {
-        "dialect": "torch",
-        "schedule": "gpipe",
-        "pipeline": 1,
-        "stages_per_rank": 1,
-        "data_parallel": 1,
-        "data_parallel_mode": "ddp",
-        "tensor_parallel": 1,
-        "micro_batches": 1,
-        "micro_batch_size": 1,
-        "recompute": None,
-    }
-    return Layout(**{**base, **kw})
-
-
 def test_state_per_rank_under_ddp_and_fsdp() -> None:
     """Two atoms of 100 trainable bytes and 10 frozen each, Adam (2 states): one stage holds
     (100 + 100) * (1 + 1 + 2) + 20 = 820 bytes and 16 of activations per micro-batch. Over two
@@ -294,9 +279,11 @@ def test_state_per_rank_under_ddp_and_fsdp() -> None:
     chain = _two_atoms()
     cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=100.0)
     program = build_program("gpipe", 1, 1, 1)
-    ddp = predict(chain, _layout(data_parallel=2), cluster, program)
+    ddp = predict(chain, one_stage_layout(data_parallel=2), cluster, program)
     assert ddp.peak_memory == (820.0 + 16.0,)
-    fsdp = predict(chain, _layout(data_parallel=2, data_parallel_mode="fsdp"), cluster, program)
+    fsdp = predict(
+        chain, one_stage_layout(data_parallel=2, data_parallel_mode="fsdp"), cluster, program
+    )
     assert fsdp.peak_memory == (420.0 + 200.0 + 200.0 + 16.0,)
     # DDP all-reduces 200 bytes over 2 ranks at 100 B/s: 2 (1/2) 200 / 100 = 2 s after the
     # 6 s of compute (two atoms of 1 + 2); FSDP gathers (1 s) before and reduce-scatters
@@ -320,7 +307,9 @@ def test_tensor_parallelism_divides_the_sharded_part_and_adds_its_all_reduce() -
     )
     chain = Chain((atom,), (), ())
     cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=8.0, optimizer_states=0)
-    pred = predict(chain, _layout(tensor_parallel=2), cluster, build_program("gpipe", 1, 1, 1))
+    pred = predict(
+        chain, one_stage_layout(tensor_parallel=2), cluster, build_program("gpipe", 1, 1, 1)
+    )
     assert math.isclose(pred.step_time, (1.0 + 0.5 + 1.0) + (2.0 + 1.0 + 1.0))
     assert pred.peak_memory == (100.0,)
 
@@ -330,8 +319,8 @@ def test_recomputation_runs_the_forward_again_and_keeps_less() -> None:
     plain = Atom(forward=1.0, backward=2.0, saved={0: 10})
     cluster = Cluster(world_size=1, memory_per_rank=1e9, bandwidth=1.0)
     program = build_program("gpipe", 1, 4, 1)
-    kept = predict(Chain((plain,), (), ()), _layout(micro_batches=4), cluster, program)
-    redone = predict(Chain((atom,), (), ()), _layout(micro_batches=4), cluster, program)
+    kept = predict(Chain((plain,), (), ()), one_stage_layout(micro_batches=4), cluster, program)
+    redone = predict(Chain((atom,), (), ()), one_stage_layout(micro_batches=4), cluster, program)
     assert kept.step_time == 4 * 3.0 and redone.step_time == 4 * 4.0
     assert kept.peak_memory == (40.0,) and redone.peak_memory == (8.0,)
 
@@ -350,7 +339,9 @@ def test_fsdp_gathers_and_reductions_run_at_the_measured_gather_bandwidth() -> N
     chain = _two_atoms()
     cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=100.0, shard_bandwidth=25.0)
     program = build_program("gpipe", 1, 1, 1)
-    fsdp = predict(chain, _layout(data_parallel=2, data_parallel_mode="fsdp"), cluster, program)
+    fsdp = predict(
+        chain, one_stage_layout(data_parallel=2, data_parallel_mode="fsdp"), cluster, program
+    )
     assert math.isclose(fsdp.step_time, 4.0 + 6.0 + 4.0)
-    ddp = predict(chain, _layout(data_parallel=2), cluster, program)
+    ddp = predict(chain, one_stage_layout(data_parallel=2), cluster, program)
     assert math.isclose(ddp.step_time, 6.0 + 2.0)
