@@ -54,27 +54,34 @@ def summary(proc: subprocess.CompletedProcess[str]) -> str:
     return rest if found else proc.stdout[-8000:] + proc.stderr[-4000:]
 
 
+def torchrun_argv(program: Path, nproc: int, *args: str) -> list[str]:
+    """``torchrun --nproc_per_node NPROC program ARGS`` through this interpreter (a venv
+    without torchrun's script runs it too), on 127.0.0.1 and a free port."""
+    from pipedialect.runtime.launch import free_port
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(program),
+        *args,
+    ]
+
+
 def torchrun(
     program: Path, cwd: Path, *, nproc: int = 2, timeout: float = 600
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc_per_node NPROC program`` on 127.0.0.1 and a free port, as a user runs a
-    training script. Output captured and unbuffered: a ``print`` of one string is one write,
-    so its text is never cut by another rank's (the newline is a write of its own)."""
-    from pipedialect.runtime.launch import free_port
-
+    """:func:`torchrun_argv` run as a user runs a training script. Output captured and
+    unbuffered: a ``print`` of one string is one write, so its text is never cut by another
+    rank's (the newline is a write of its own)."""
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            str(program),
-        ],
+        torchrun_argv(program, nproc),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -30,6 +30,7 @@ sys.path.insert(0, str(EXAMPLE.parent))
 
 import hf_trainer as example  # noqa: E402
 import transformers  # noqa: E402
+from _fresh import torchrun_argv  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from pipedialect.errors import TrainingArgumentError  # noqa: E402
@@ -40,7 +41,6 @@ from pipedialect.integrations.transformers import (  # noqa: E402
     check_trainer,
     pp_plan_split_points,
 )
-from pipedialect.runtime.launch import free_port  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -448,20 +448,8 @@ def _reference(where: Path, *flags: str) -> dict[str, Any]:
 
 
 def _torchrun(nproc: int, *args: str) -> list[str]:
-    """torchrun through this interpreter (a venv without its script runs it too)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(EXAMPLE),
-        *args,
-    ]
+    """torchrun of the example with ``args``."""
+    return torchrun_argv(EXAMPLE, nproc, *args)
 
 
 #: The example's flags per launch: each dialect trains each family once, with Trainer's bf16,
