@@ -101,6 +101,38 @@ def train(dialect_name: str, clip: float) -> dict[str, Any]:
     }
 
 
+def run_example(*argv: str) -> dict[str, Any] | None:
+    """examples/hf_trainer.py's ``main()`` in this process with ``argv``: the result line it
+    prints (on the process of world rank 0), None where it prints none (the other ranks).
+
+    The test process runs it for plain Trainer's reference; launched ranks run it as torchrun's
+    ranks run the script (the launcher sets the same environment), forked from a process that
+    imported torch once instead of importing it afresh on every rank."""
+    import contextlib
+    import io
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import hf_trainer as example
+
+    out = io.StringIO()
+    old = sys.argv
+    try:
+        sys.argv = [example.__file__, *argv]
+        with contextlib.redirect_stdout(out):
+            example.main()
+    finally:
+        sys.argv = old
+    # Engines log to standard output too (DeepSpeed's topology lines on every rank).
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith('{"losses": [')]
+    if not lines:
+        return None
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
 def pipeline_trainer_refusals(out: str) -> list[tuple[str, str]]:
     """Build a PipelineTrainer on the torch dialect twice, each time with a setting that can
     only fail: Trainer's default gradient_accumulation_steps=1 under 1F1B over two stages, and

@@ -424,18 +424,10 @@ def _last_line(argv: list[str], cwd: Path) -> dict[str, Any]:
 
 def run_example(*argv: str) -> dict[str, Any]:
     """examples/hf_trainer.py's ``main()`` in this process, with ``argv``; its JSON line."""
-    import contextlib
-    import io
+    import _trainer_workers
 
-    out = io.StringIO()
-    old = sys.argv
-    try:
-        sys.argv = [str(EXAMPLE), *argv]
-        with contextlib.redirect_stdout(out):
-            example.main()
-    finally:
-        sys.argv = old
-    result: dict[str, Any] = json.loads(out.getvalue().strip().splitlines()[-1])
+    result = _trainer_workers.run_example(*argv)
+    assert result is not None, f"the example printed no result with {argv}"
     return result
 
 
@@ -526,15 +518,23 @@ def test_two_replicas_of_two_stages_equal_plain_trainer_with_twice_the_accumulat
     (eight processes): the stages sharded over the replicas (FSDP) and over a tensor axis of
     two ranks by the Llama's own plan; whole stages on two replicas (four processes) are
     DeepSpeed's layout here, and the torch dialect's own in tests/dialects/torch."""
+    import _trainer_workers
+
+    from pipedialect.runtime.launch import launch
+
     ref = _reference(tmp_path / "ref", "--accumulation", "4", "--eval")
     name, _, mode = dialect.partition("-")
-    flags = ("--dialect", name, "--stages", "2", "--accumulation", "2", "--eval")
-    argv = _torchrun(8 if mode else 4, *flags)
+    flags = ["--dialect", name, "--stages", "2", "--accumulation", "2", "--eval"]
     if mode:
-        argv.extend(["--fsdp", "--tp", "2"])
+        flags.extend(["--fsdp", "--tp", "2"])
     pipe = tmp_path / "pipe"
-    pipe.mkdir()
-    run = _last_line([*argv, "--out", str(pipe / "out"), "--save", str(pipe / "final")], pipe)
+    flags.extend(["--out", str(pipe / "out"), "--save", str(pipe / "final")])
+    # The example's ranks, launched with torchrun's environment (the torchrun path itself is
+    # test_the_example_under_torchrun_equals_plain_trainer's): forked ranks do not import
+    # torch and the dialect again, eight times over.
+    per_rank = launch(_trainer_workers.run_example, 8 if mode else 4, *flags, timeout=900)
+    assert per_rank[0] is not None and all(r is None for r in per_rank[1:]), per_rank
+    run = per_rank[0]
     assert_same_run(run, ref)
     assert_same_eval(run, ref)
     assert_same_weights(pipe / "final", tmp_path / "ref" / "final", "llama")
