@@ -13,12 +13,16 @@ def report_env() -> dict[str, str]:
 
 
 def report_start() -> dict[str, object]:
-    """What a rank inherited from the launching process: a variable, sys.path, the directory."""
+    """What a rank inherited from the launching process: a variable, sys.path, the directory,
+    and whether transformers was imported before the rank started."""
     import sys
+
+    preloaded = "transformers.trainer" in sys.modules
 
     import torch
 
     return {
+        "transformers": preloaded,
         "LATE": os.environ.get("LATE", ""),
         "path": list(sys.path),
         "cwd": str(Path.cwd()),

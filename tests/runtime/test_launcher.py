@@ -13,6 +13,10 @@ import _launch_targets as targets
 import psutil
 import pytest
 
+# Imported before any launch of this module, so that the fork server started by the first one
+# finds them in this process (test_each_launch_gives_its_ranks_...).
+import transformers.trainer  # noqa: F401
+
 from pipedialect import LaunchError
 from pipedialect.runtime.launch import launch
 
@@ -42,6 +46,8 @@ def test_each_launch_gives_its_ranks_this_processs_environment_path_and_director
         assert r["cwd"] == str(tmp_path)
         assert str(tmp_path / "extra") in r["path"]
         assert r["threads"] == 1  # OMP_NUM_THREADS=1, though torch was imported before
+        # What this process imported of transformers, a forked rank has without importing it.
+        assert r["transformers"] == (start_method != "spawn"), r
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
