@@ -5,9 +5,10 @@ The reference is plain ``transformers.Trainer`` training the unsplit model in on
 same data, seed and ``TrainingArguments`` (``examples/hf_trainer.py`` builds both: a small
 Llama with a tied head and a Qwen2 with attention biases, from configs). Compared: the loss,
 gradient norm and learning rate logged at every step, the eval loss, and the trained weights as
-``save_model`` writes them (fp32: rel 1e-5). The multi-process tests run the example itself
-under ``torchrun``, as its docstring says; the others run both trainers in this process on the
-local dialect.
+``save_model`` writes them (fp32: rel 1e-5). The multi-process tests run the example itself:
+under ``torchrun``, as its docstring says, once per dialect, and otherwise its ``main()`` on
+ranks of the launcher (torchrun's environment, forked ranks); the others run both trainers in
+this process on the local dialect.
 """
 
 from __future__ import annotations
@@ -439,6 +440,18 @@ def _reference(where: Path, *flags: str) -> dict[str, Any]:
     )
 
 
+def _launched(nproc: int, *argv: str) -> dict[str, Any]:
+    """The example's ``main()`` with ``argv`` on ``nproc`` ranks of the launcher; rank 0's
+    result line (the other ranks print none)."""
+    import _trainer_workers
+
+    from pipedialect.runtime.launch import launch
+
+    per_rank = launch(_trainer_workers.run_example, nproc, *argv, timeout=900)
+    assert per_rank[0] is not None and all(r is None for r in per_rank[1:]), per_rank
+    return per_rank[0]
+
+
 def _torchrun(nproc: int, *args: str) -> list[str]:
     """torchrun of the example with ``args``."""
     return torchrun_argv(EXAMPLE, nproc, *args)
@@ -452,6 +465,10 @@ LAUNCHES = {
     "deepspeed-llama": ("--bf16",),
     "torch-qwen2": (),
 }
+#: The launches that run the script under torchrun, as a user does (one per dialect); the
+#: others run its ``main()`` on ranks of the launcher, which sets torchrun's environment and
+#: forks them from a process that imported torch and transformers once.
+TORCHRUN = {"torch-llama", "deepspeed-qwen2"}
 
 
 def assert_same_eval(
@@ -471,20 +488,24 @@ def assert_same_eval(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))
-def test_the_example_under_torchrun_equals_plain_trainer(tmp_path: Path, launch: str) -> None:
-    """Two processes, one stage each; Trainer's bf16 within the bound of
-    test_trainer_features.py (BF16_REL), everything else within rel 1e-5. After the --eval
-    launch of DeepSpeed, plain Trainer resumes the pipeline's checkpoint-2 and finishes as the
-    uninterrupted run (optimizer, schedule and step from the folder)."""
+def test_the_example_on_two_processes_equals_plain_trainer(tmp_path: Path, launch: str) -> None:
+    """Two processes, one stage each (under torchrun for the launches in TORCHRUN); Trainer's
+    bf16 within the bound of test_trainer_features.py (BF16_REL), everything else within rel
+    1e-5. After the --eval launch of DeepSpeed, plain Trainer resumes the pipeline's
+    checkpoint-2 and finishes as the uninterrupted run (optimizer, schedule and step from the
+    folder)."""
     from test_trainer_features import BF16_REL
 
     dialect, family = launch.split("-")
     flags = ("--family", family, *LAUNCHES[launch])
     ref = _reference(tmp_path / "ref", *flags)
-    argv = _torchrun(2, "--dialect", dialect, *flags)
     pipe = tmp_path / "pipe"
     pipe.mkdir()
-    run = _last_line([*argv, "--out", str(pipe / "out"), "--save", str(pipe / "final")], pipe)
+    where = ("--out", str(pipe / "out"), "--save", str(pipe / "final"))
+    if launch in TORCHRUN:
+        run = _last_line([*_torchrun(2, "--dialect", dialect, *flags), *where], pipe)
+    else:
+        run = _launched(2, "--dialect", dialect, *flags, *where)
     if "--bf16" in flags:
         assert run["losses"][0] == ref["losses"][0]
         for key in ("losses", "grad_norms"):
@@ -518,10 +539,6 @@ def test_two_replicas_of_two_stages_equal_plain_trainer_with_twice_the_accumulat
     (eight processes): the stages sharded over the replicas (FSDP) and over a tensor axis of
     two ranks by the Llama's own plan; whole stages on two replicas (four processes) are
     DeepSpeed's layout here, and the torch dialect's own in tests/dialects/torch."""
-    import _trainer_workers
-
-    from pipedialect.runtime.launch import launch
-
     ref = _reference(tmp_path / "ref", "--accumulation", "4", "--eval")
     name, _, mode = dialect.partition("-")
     flags = ["--dialect", name, "--stages", "2", "--accumulation", "2", "--eval"]
@@ -530,11 +547,9 @@ def test_two_replicas_of_two_stages_equal_plain_trainer_with_twice_the_accumulat
     pipe = tmp_path / "pipe"
     flags.extend(["--out", str(pipe / "out"), "--save", str(pipe / "final")])
     # The example's ranks, launched with torchrun's environment (the torchrun path itself is
-    # test_the_example_under_torchrun_equals_plain_trainer's): forked ranks do not import
-    # torch and the dialect again, eight times over.
-    per_rank = launch(_trainer_workers.run_example, 8 if mode else 4, *flags, timeout=900)
-    assert per_rank[0] is not None and all(r is None for r in per_rank[1:]), per_rank
-    run = per_rank[0]
+    # test_the_example_on_two_processes_equals_plain_trainer's): forked ranks do not import
+    # torch, transformers and the dialect again, eight times over.
+    run = _launched(8 if mode else 4, *flags)
     assert_same_run(run, ref)
     assert_same_eval(run, ref)
     assert_same_weights(pipe / "final", tmp_path / "ref" / "final", "llama")
