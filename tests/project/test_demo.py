@@ -125,10 +125,12 @@ def test_deepspeed_demo_trains_two_stages_and_writes_the_plot(tmp_path: Path) ->
 
 
 #: Steps of the demo the signal tests interrupt: far more than it trains before the signal
-#: (the first step's line starts the test's clock), yet few enough that building them is quick.
-#: Every rank makes all ``steps * GAS`` micro-batches before its first step: 100000 steps took
-#: about 30 s of CPU per rank, which was most of each signal test's time.
-LONG_STEPS = 5000
+#: (the signal follows the first step's line within a launcher poll, 50 ms; each step cost the
+#: two ranks about 120 ms of CPU, so 500 of them last about a minute of CPU), yet few enough
+#: that building them is quick. Every rank makes all ``steps * GAS`` micro-batches before its
+#: first step: 100000 steps took about 30 s of CPU per rank, 5000 steps 0.9 s (a fifth of a
+#: signal test's CPU time, over both ranks).
+LONG_STEPS = 500
 
 
 def _terminal_signals() -> None:

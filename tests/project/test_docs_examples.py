@@ -1,18 +1,28 @@
 """Every example of README.md and docs/*.rst runs as the page shows it, on the CPU.
 
 ``_doc_examples`` finds the blocks and reads the marker before each one (how it runs, or why
-not). Python programs run with ``python`` or under ``torchrun``, console blocks command by
-command; a failure names the page and line. A new page is covered as soon as it exists: its
+not). Python programs run as ``python example.py`` or under ``torchrun``, console blocks command
+by command; a failure names the page and line. A new page is covered as soon as it exists: its
 blocks need markers, or the first test here fails naming them.
+
+A ``plain`` program runs in a process of its own forked from one that imported torch
+(``tests/_fork_runner.py``), in an empty directory: everything else it imports and does starts
+as in a fresh interpreter, and nothing of one program reaches another, while the torch import a
+fresh interpreter makes (2 CPU-seconds, on 2 cores shared by the whole distributed tier) is made
+once.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import _doc_examples as docs
@@ -44,6 +54,64 @@ def _env() -> dict[str, str]:
     return env
 
 
+class ForkRunner:
+    """``tests/_fork_runner.py``, started once for this module: ``run`` runs one program in a
+    process forked from it, as ``subprocess.run([python, program])`` would."""
+
+    SCRIPT = Path(__file__).resolve().parents[1] / "_fork_runner.py"
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(self.SCRIPT)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                cwd=self.cwd,
+                env=_env(),
+                bufsize=0,
+                start_new_session=True,  # its children with it in close()
+            )
+        return self.proc
+
+    def run(self, program: Path, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+        proc = self._started()
+        assert proc.stdin is not None and proc.stdout is not None
+        out, err = cwd.parent / f"{cwd.name}.stdout", cwd.parent / f"{cwd.name}.stderr"
+        request = {"program": str(program), "cwd": str(cwd), "stdout": str(out)}
+        request["stderr"] = str(err)
+        proc.stdin.write(json.dumps(request).encode() + b"\n")
+        answer = b""
+        while not answer.endswith(b"\n"):
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            chunk = os.read(proc.stdout.fileno(), 4096) if ready else b""
+            if not chunk:  # timed out, or the runner itself died
+                self.close()
+                raise AssertionError(f"{program} did not end within {timeout:.0f}s")
+            answer += chunk
+        returncode = int(json.loads(answer)["returncode"])
+        return subprocess.CompletedProcess(
+            [sys.executable, str(program)], returncode, out.read_text(), err.read_text()
+        )
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="module")
+def fork_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkRunner]:
+    runner = ForkRunner(tmp_path_factory.mktemp("fork-runner"))
+    yield runner
+    runner.close()
+
+
 def _params() -> list[object]:
     params = []
     for example in FOUND.examples:
@@ -72,7 +140,9 @@ def test_the_pages_hold_runnable_examples() -> None:
 
 
 @pytest.mark.parametrize("example", _params())
-def test_example_runs_as_written(example: docs.Example, tmp_path: Path) -> None:
+def test_example_runs_as_written(
+    example: docs.Example, tmp_path: Path, fork_runner: ForkRunner
+) -> None:
     if example.mode == "shell":
         for command in docs.commands(example.code):
             command = docs.with_port(command, free_port())
@@ -86,10 +156,12 @@ def test_example_runs_as_written(example: docs.Example, tmp_path: Path) -> None:
             )
             assert proc.returncode == 0, _report(proc, f"{example.id}: $ {command}")
         return
-    program = tmp_path / "example.py"
+    directory = tmp_path / "run"  # empty: the runner's output files lie beside it
+    directory.mkdir()
+    program = directory / "example.py"
     program.write_text(example.code)
     if example.mode == "plain":
-        argv = [sys.executable, str(program)]
+        proc = fork_runner.run(program, directory, TIMEOUT)
     else:
         argv = [
             str(BIN / "torchrun"),
@@ -101,9 +173,9 @@ def test_example_runs_as_written(example: docs.Example, tmp_path: Path) -> None:
             str(free_port()),
             str(program),
         ]
-    proc = subprocess.run(
-        argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT
-    )
+        proc = subprocess.run(
+            argv, cwd=directory, env=_env(), capture_output=True, text=True, timeout=TIMEOUT
+        )
     assert proc.returncode == 0, _report(proc, example.id)
     assert "terminate called" not in proc.stderr, _report(proc, example.id)
 

@@ -6,19 +6,21 @@ installed, that pytest in another project never loads the suite's (opt-in) plugi
 ``pipedialect check`` passes from a wheel, a strict editable install and
 setuptools' default editable install (an import hook mapping ``pipedialect`` to ``core/``: see
 [Note: importing the suite by name] in ``pipedialect.testing.plugin``). One environment serves
-every test (installing torch is the slow part); each test installs pipedialect, then removes it.
-Installs build in their source tree, so they build from a copy of it: this working tree's own
-link tree stays as it is.
+every test (installing torch is the slow part), and one install of pipedialect serves every test
+that asks for the same kind (:class:`Installs`): the bare wheel, the wheel with its ``testing``
+extra, or an editable install; a test asking for another kind gets pipedialect removed and
+installed that way. Installs build in their source tree, so they build from a copy of it: this
+working tree's own link tree stays as it is.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,12 +88,41 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture
-def installed(venv: Path) -> Iterator[list[str]]:
-    """The environment's ``pip install``; pipedialect is removed again after the test."""
-    pip = [str(venv / "bin" / "python"), "-m", "pip"]
-    yield [*pip, "install", "--quiet"]
-    _run([*pip, "uninstall", "--yes", "--quiet", "pipedialect"])
+class Installs:
+    """The environment's pipedialect: installed the way a test asks, once for every test in a
+    row that asks for the same way (each pip run and each removal costs seconds of CPU)."""
+
+    def __init__(self, venv: Path, source: Path, wheel: Path) -> None:
+        self.venv, self.source, self.wheel = venv, source, wheel
+        self.pip = [str(venv / "bin" / "python"), "-m", "pip"]
+        self.current: str | None = None
+
+    def ensure(self, how: str) -> None:
+        """Have pipedialect installed as ``how``: ``wheel`` (no extras), ``wheel[testing]``,
+        ``strict-editable`` or ``default-editable`` (both with ``testing``)."""
+        if how == self.current:
+            return
+        install = [*self.pip, "install", "--quiet"]
+        if how == "wheel[testing]" and self.current == "wheel":
+            _run([*install, f"{self.wheel}[testing]"])  # adds the extra's packages only
+        else:
+            if self.current is not None:
+                _run([*self.pip, "uninstall", "--yes", "--quiet", "pipedialect"])
+            self.current = None
+            if how == "wheel":
+                _run([*install, str(self.wheel)])
+            elif how == "wheel[testing]":
+                _run([*install, f"{self.wheel}[testing]"])
+            else:
+                strict = how == "strict-editable"
+                mode = ["--config-settings", "editable_mode=strict"] if strict else []
+                _run([*install, *mode, "--editable", f"{self.source}[testing]"])
+        self.current = how
+
+
+@pytest.fixture(scope="module")
+def installs(venv: Path, source: Path, wheel: Path) -> Installs:
+    return Installs(venv, source, wheel)
 
 
 def test_wheel_contains_every_module_and_entry_point(wheel: Path) -> None:
@@ -109,16 +140,21 @@ def test_wheel_contains_every_module_and_entry_point(wheel: Path) -> None:
     assert "[pytest11]" not in entry_points  # the suite's pytest plugin is opt-in
 
 
-def test_wheel_works_in_a_fresh_venv(wheel: Path, venv: Path, installed: list[str]) -> None:
-    _run([*installed, str(wheel)])
+def test_wheel_works_in_a_fresh_venv(venv: Path, installs: Installs) -> None:
+    """The wheel without extras: no deepspeed, and no pytest (the ``testing`` extra), which
+    the environment must not hold yet (the tests that install the extra come after this one)."""
+    installs.ensure("wheel")
     code = (
-        "import sys, pipedialect, pipedialect.dialects.deepspeed, pipedialect.dialects.local\n"
+        "import importlib.util, sys\n"
+        "print(importlib.util.find_spec('pytest') is None)\n"
+        "import pipedialect, pipedialect.dialects.deepspeed, pipedialect.dialects.local\n"
         "names = sorted(i.name for i in pipedialect.list_dialects())\n"
         "print(pipedialect.__file__)\n"
         "print(names, 'deepspeed' in sys.modules)\n"
     )
     proc = _run([str(venv / "bin" / "python"), "-c", code])
-    location, listing = proc.stdout.splitlines()
+    without_pytest, location, listing = proc.stdout.splitlines()
+    assert without_pytest == "True", "pytest is installed: this checks the wheel without it"
     assert location.startswith(str(venv)), location
     assert listing == "['deepspeed', 'local', 'torch'] False"
     cli = _run([str(venv / "bin" / "pipedialect"), "list"])
@@ -138,11 +174,11 @@ def test_nothing_of_pipedialect_is_loaded(pytestconfig):
 
 
 def test_pytest_in_an_unrelated_project_does_not_load_the_plugin(
-    wheel: Path, venv: Path, installed: list[str], tmp_path: Path
+    venv: Path, installs: Installs, tmp_path: Path
 ) -> None:
     """pipedialect installed (with pytest) changes nothing in another project's pytest: no
     option, no marker, no plugin, and collecting its tests imports neither torch nor us."""
-    _run([*installed, f"{wheel}[testing]"])
+    installs.ensure("wheel[testing]")
     (tmp_path / "test_unrelated.py").write_text(UNRELATED_TEST)
     pytest_argv = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider"]
     proc = _run([*pytest_argv, "-q"], cwd=tmp_path)
@@ -159,43 +195,14 @@ def test_pytest_in_an_unrelated_project_does_not_load_the_plugin(
     assert "unrecognized arguments: --dialect" in refused.stderr
 
 
-@pytest.mark.parametrize("how", ["wheel", "strict-editable", "default-editable"])
-def test_check_passes_from_every_kind_of_install(
-    how: str, source: Path, wheel: Path, venv: Path, installed: list[str], tmp_path: Path
-) -> None:
-    """``pipedialect check local`` runs the suite against the installed package, whose files
-    lie in site-packages, in a link tree, or (default editable) in the source tree's ``core/``,
-    which pytest must not import as a package of its own. The wheel runs the whole suite; the
-    editable installs, where what can break is how the suite's modules are found and collected
-    (every module is collected either way), run its registration, portability and trace
-    cases."""
-    if how == "wheel":
-        _run([*installed, f"{wheel}[testing]"])
-        expected = venv
-    else:
-        mode = ["--config-settings", "editable_mode=strict"] if how == "strict-editable" else []
-        _run([*installed, *mode, "--editable", f"{source}[testing]"])
-        expected = source / ("build" if how == "strict-editable" else "core")
-    python = str(venv / "bin" / "python")
-    where = _run([python, "-c", "import pipedialect.testing.suite as s; print(s.__file__)"])
-    assert where.stdout.strip().startswith(str(expected)), where.stdout
-    select = [] if how == "wheel" else ["-k", "Registration or Portable or Tracing"]
-    proc = _run([str(venv / "bin" / "pipedialect"), "check", "local", *select], cwd=tmp_path)
-    assert "conformance of 'local': PASSED" in proc.stdout, proc.stdout[-3000:]
-    assert " failed" not in proc.stdout.splitlines()[-1]
-    # The installed package's suite has the portable-checkpoint and trace cases, and runs them.
-    assert "  portability          3       0" in proc.stdout, proc.stdout[-3000:]
-    assert "  tracing              2       0" in proc.stdout, proc.stdout[-3000:]
-
-
 def test_the_example_dialect_installed_beside_the_wheel_saves_resumes_and_traces(
-    wheel: Path, venv: Path, installed: list[str], tmp_path: Path
+    venv: Path, installs: Installs, tmp_path: Path
 ) -> None:
     """examples/pipedialect-sendrecv pip-installed into the fresh environment next to the
     wheel: ``pipedialect check sendrecv`` finds it by its entry point and passes the
     portable-checkpoint cases (saved on it, resumed on local, and back) and the trace case,
     through the engine_state and instrument hooks it implements."""
-    _run([*installed, f"{wheel}[testing]"])
+    installs.ensure("wheel[testing]")
     example = tmp_path / "pipedialect-sendrecv"
     shutil.copytree(
         ROOT / "examples" / "pipedialect-sendrecv",
@@ -204,7 +211,7 @@ def test_the_example_dialect_installed_beside_the_wheel_saves_resumes_and_traces
     )
     python = str(venv / "bin" / "python")
     try:
-        _run([*installed, "--no-deps", str(example)])
+        _run([*installs.pip, "install", "--quiet", "--no-deps", str(example)])
         proc = _run(
             [str(venv / "bin" / "pipedialect"), "check", "sendrecv", "-k", "Portab or Tracing"],
             cwd=tmp_path,
@@ -218,3 +225,35 @@ def test_the_example_dialect_installed_beside_the_wheel_saves_resumes_and_traces
     assert "conformance of 'sendrecv': PASSED" in proc.stdout, proc.stdout[-3000:]
     assert "  portability          3       0                     0" in proc.stdout
     assert "  tracing              2       0                     0" in proc.stdout
+
+
+@pytest.mark.parametrize("how", ["wheel", "strict-editable", "default-editable"])
+def test_check_passes_from_every_kind_of_install(
+    how: str, source: Path, venv: Path, installs: Installs, tmp_path: Path
+) -> None:
+    """``pipedialect check local`` runs the suite against the installed package, whose files
+    lie in site-packages, in a link tree, or (default editable) in the source tree's ``core/``,
+    which pytest must not import as a package of its own. The wheel runs the whole suite; the
+    editable installs, where what can break is how the suite's modules are found and collected
+    (every module is collected either way), run its registration, portability and trace
+    cases. ``-v`` lists every test it ran by its file: each lies where the install puts it."""
+    if how == "wheel":
+        installs.ensure("wheel[testing]")
+        expected = venv
+    else:
+        installs.ensure(how)
+        expected = source / ("build" if how == "strict-editable" else "core")
+    select = [] if how == "wheel" else ["-k", "Registration or Portable or Tracing"]
+    proc = _run([str(venv / "bin" / "pipedialect"), "check", "local", "-v", *select], cwd=tmp_path)
+    files = {
+        os.path.normpath(tmp_path / f)
+        for f in re.findall(r"^(\S+?\.py)::", proc.stdout, flags=re.MULTILINE)
+    }
+    assert files, proc.stdout[-3000:]
+    elsewhere = sorted(f for f in files if not f.startswith(f"{expected}{os.sep}"))
+    assert not elsewhere, f"suite modules outside {expected}: {elsewhere}"
+    assert "conformance of 'local': PASSED" in proc.stdout, proc.stdout[-3000:]
+    assert " failed" not in proc.stdout.splitlines()[-1]
+    # The installed package's suite has the portable-checkpoint and trace cases, and runs them.
+    assert "  portability          3       0" in proc.stdout, proc.stdout[-3000:]
+    assert "  tracing              2       0" in proc.stdout, proc.stdout[-3000:]
