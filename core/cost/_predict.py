@@ -5,10 +5,13 @@ For a layout (``p`` pipeline ranks with ``v`` stages each, ``d`` data-parallel r
 ``ddp`` or ``fsdp``, ``t``-way tensor parallelism, ``m`` micro-batches of ``b`` samples) and the
 stages its split points make, every stage gets:
 
-- time: the chain's seconds scaled by ``b / batch`` (costs proportional to the micro-batch);
-  the tensor-parallel part divided by ``t``, plus a ring all-reduce over the tensor axis of the
-  row-wise outputs (forward) and the column-wise input gradients (backward); recomputation runs
-  the recomputed forward again at the start of the backward; the backward splits into an input
+- time: the chain's seconds scaled by ``b / batch`` (costs proportional to the micro-batch),
+  except the part a micro-batch of any size costs (work on the parameters, measured by timing
+  the model at two micro-batch sizes: [Note: seconds that do not scale with the micro-batch]
+  in ``cost._profile``), which stays whole; the tensor-parallel part divided by ``t``, plus a
+  ring all-reduce over the tensor axis of the row-wise outputs (forward) and the column-wise
+  input gradients (backward); recomputation runs the recomputed forward again at the start of
+  the backward; the backward splits into an input
   pass and a weight pass in the chain's ``weight_fraction``; every computation also costs
   ``action_overhead`` seconds, plus ``fsdp_unit_overhead`` per FSDP unit (the stage's blocks
   plus its root) under ``fsdp`` and ``tensor_module_overhead`` per tensor-parallel module at
@@ -301,6 +304,13 @@ class StageInputs:
     message: float
 
 
+def _scaled(fixed: float, seconds: float, scale: float) -> float:
+    """What ``seconds`` at the chain's micro-batch become at ``scale`` times its samples, as a
+    factor, when ``fixed`` of them do not scale."""
+    share = fixed / seconds if seconds > 0 else 0.0
+    return share + (1.0 - share) * scale
+
+
 def stage_inputs(
     stage: StageProfile,
     layout: Layout,
@@ -315,9 +325,18 @@ def stage_inputs(
     forward = (stage.forward - stage.tensor_forward) + stage.tensor_forward / t
     backward = (stage.backward - stage.tensor_backward) + stage.tensor_backward / t
     recompute = stage.recompute * (forward / stage.forward) if stage.forward else 0.0
-    forward = forward * scale + ring_all_reduce(stage.tensor_forward_bytes * scale, t, cluster)
-    backward = backward * scale + ring_all_reduce(stage.tensor_backward_bytes * scale, t, cluster)
-    recompute *= scale
+    # The seconds a micro-batch of any size costs stay whole, the rest scales with the samples
+    # ([Note: seconds that do not scale with the micro-batch] in cost._profile); each share is
+    # the stage's own, so the tensor-parallel part keeps its division by t.
+    forward_scale = _scaled(stage.forward_fixed, stage.forward, scale)
+    backward_scale = _scaled(stage.backward_fixed, stage.backward, scale)
+    forward = forward * forward_scale + ring_all_reduce(
+        stage.tensor_forward_bytes * scale, t, cluster
+    )
+    backward = backward * backward_scale + ring_all_reduce(
+        stage.tensor_backward_bytes * scale, t, cluster
+    )
+    recompute *= forward_scale
     weight = backward * chain.weight_fraction
     trainable = (stage.parameter_bytes - stage.tensor_parameter_bytes) + (
         stage.tensor_parameter_bytes / t

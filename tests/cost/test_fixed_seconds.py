@@ -1,0 +1,98 @@
+"""Seconds a micro-batch of any size costs ([Note: seconds that do not scale with the
+micro-batch] in ``cost._profile``): the line through two timed sizes, the cost model keeping
+that part whole while it scales the rest, and ``measure_time`` finding it in a model that waits
+a fixed time per call plus a time per sample."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from _layouts import one_stage_layout
+from torch import nn
+
+from pipedialect import ConfigError
+from pipedialect.cost import Atom, Chain, Cluster, model_chains, predict
+from pipedialect.cost._profile import fixed_seconds
+from pipedialect.planner import build_program
+
+_CLUSTER = Cluster(world_size=1, memory_per_rank=1e12, bandwidth=1e12)
+
+
+def test_the_intercept_of_two_timed_sizes_is_the_fixed_part() -> None:
+    """20 ms per call plus 1 ms per sample: 28 ms at 8 samples, 24 ms at 4, so 20 ms fixed;
+    all proportional (16 and 8 ms): 0; noise that puts the line below 0 or above the smaller
+    timing is clipped to what was measured."""
+    assert math.isclose(fixed_seconds(0.028, 0.024, 8, 4), 0.020)
+    assert fixed_seconds(0.016, 0.008, 8, 4) == 0.0
+    assert fixed_seconds(0.016, 0.007, 8, 4) == 0.0
+    assert fixed_seconds(0.020, 0.021, 8, 4) == 0.020
+
+
+def test_the_fixed_part_stays_whole_at_a_smaller_micro_batch() -> None:
+    """Measured at 8 samples: forward 10 ms of which 2 fixed, backward 20 ms of which 8 fixed.
+    At 4 samples: forward 2 + 8 / 2 = 6 ms, backward 8 + 12 / 2 = 14 ms (7 input, 7 weight at
+    the weight fraction 0.5); one stage, one micro-batch: a step of 20 ms. Scaling everything,
+    as before the fixed part was measured, would give 5 + 10 = 15 ms."""
+    atom = Atom(forward=0.010, backward=0.020, forward_fixed=0.002, backward_fixed=0.008)
+    chain = Chain((atom,), (), (), batch=8)
+    layout = one_stage_layout(micro_batch_size=4)
+    program = build_program("gpipe", 1, 1, 1)
+    pred = predict(chain, layout, _CLUSTER, program)
+    (times,) = pred.stage_times
+    assert math.isclose(times.forward, 0.006)
+    assert math.isclose(times.backward_input, 0.007)
+    assert math.isclose(times.backward_weight, 0.007)
+    assert math.isclose(pred.step_time, 0.020)
+    proportional = Chain((Atom(forward=0.010, backward=0.020),), (), (), batch=8)
+    assert math.isclose(predict(proportional, layout, _CLUSTER, program).step_time, 0.015)
+
+
+def test_a_larger_micro_batch_adds_only_the_proportional_part() -> None:
+    """The same atom at 16 samples: forward 2 + 8 * 2 = 18 ms, backward 8 + 12 * 2 = 32 ms."""
+    atom = Atom(forward=0.010, backward=0.020, forward_fixed=0.002, backward_fixed=0.008)
+    chain = Chain((atom,), (), (), batch=8)
+    program = build_program("gpipe", 1, 1, 1)
+    pred = predict(chain, one_stage_layout(micro_batch_size=16), _CLUSTER, program)
+    assert math.isclose(pred.step_time, 0.050)
+
+
+def test_a_fixed_part_larger_than_the_seconds_is_refused() -> None:
+    with pytest.raises(ConfigError, match="forward_fixed"):
+        Atom(forward=0.001, backward=0.0, forward_fixed=0.002)
+    with pytest.raises(ConfigError, match="backward_fixed"):
+        Atom(forward=0.0, backward=0.001, backward_fixed=-0.001)
+
+
+class _PerCall(nn.Module):
+    """Waits 30 ms per call plus 2 ms per sample (as a block whose work on its parameters does
+    not depend on the micro-batch would take), then computes almost nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.030 + 0.002 * x.shape[0])
+        return x * self.weight
+
+
+def test_measure_time_tells_the_fixed_part_from_the_part_per_sample() -> None:
+    """Timed at 8 samples (46 ms per forward) and at 4 (38 ms): the chain's forward keeps about
+    30 ms whole; the model timed at one sample cannot be halved and keeps nothing whole. Sleeps
+    overshoot by a fraction of a millisecond and a loaded machine wakes them late, hence the
+    tolerance."""
+    model = nn.Sequential(_PerCall())
+    (chain,) = model_chains(
+        model, {"input": torch.ones(8, 4)}, measure_time=True, repeats=1
+    ).values()
+    forward = sum(a.forward for a in chain.atoms)
+    fixed = sum(a.forward_fixed for a in chain.atoms)
+    assert forward == pytest.approx(0.046, abs=0.006)
+    assert fixed == pytest.approx(0.030, abs=0.006)
+    (single,) = model_chains(
+        model, {"input": torch.ones(1, 4)}, measure_time=True, repeats=1
+    ).values()
+    assert all(a.forward_fixed == 0.0 and a.backward_fixed == 0.0 for a in single.atoms)
