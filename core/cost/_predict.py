@@ -16,7 +16,10 @@ stages its split points make, every stage gets:
   ``action_overhead`` seconds, plus ``fsdp_unit_overhead`` per FSDP unit (the stage's blocks
   plus its root) under ``fsdp`` and ``tensor_module_overhead`` per tensor-parallel module at
   ``t > 1`` (the runtime's hooks and dispatch, which do not shrink with the work:
-  [Note: calibration] measures each);
+  [Note: calibration] measures each); and the backward of every micro-batch but the first of a
+  step adds its weight gradient into the accumulated one, the stage's trainable bytes at the
+  calibrated ``accumulate_seconds_per_byte`` ([Note: gradient accumulation] in
+  ``cost._simulate``);
 - communication: a message across a boundary takes ``latency + bytes / bandwidth`` (activations
   forward, their gradients back, the same size); a ring all-reduce of ``x`` bytes over ``n``
   ranks takes ``2 (n - 1) / n * x / bandwidth + 2 (n - 1) * latency``, an all-gather or a
@@ -93,6 +96,10 @@ class Cluster:
     fsdp_unit_overhead: float = 0.0
     #: Seconds each tensor-parallel module adds to every computation at ``t > 1``.
     tensor_module_overhead: float = 0.0
+    #: Seconds per byte of adding one micro-batch's weight gradient into the step's
+    #: accumulated one ([Note: gradient accumulation] in ``cost._simulate``; [Note:
+    #: calibration] measures it).
+    accumulate_seconds_per_byte: float = 0.0
     #: Cores the ranks share, all on one host (``os.sched_getaffinity`` of the planning
     #: process); None: every rank has cores of its own. With a chain measured on the CPU
     #: (``Chain.cpu_share``), ranks computing at once beyond these cores slow each other down
@@ -366,6 +373,8 @@ def stage_inputs(
         action_overhead=overhead,
         all_gather=ring_gather(trainable, d, cluster) if fsdp else 0.0,
         reduce_grad=ring_gather(trainable, d, cluster) if fsdp else 0.0,
+        # Gradients accumulate whole, also under FSDP (sharded after the last backward).
+        accumulate=trainable * cluster.accumulate_seconds_per_byte,
         cpu_share=chain.cpu_share or 0.0,
     )
     memory = StageMemory(
@@ -473,6 +482,7 @@ def lower_bounds(
         r = placement[k]
         t = inp.times
         busy[r] += layout.micro_batches * (t.forward + t.backward + 2 * t.action_overhead)
+        busy[r] += (layout.micro_batches - 1) * t.accumulate
         gradient[r] += inp.gradient
         trainable[r] += inp.trainable
         memory[r] += inp.base + inp.memory.activation

@@ -1,7 +1,9 @@
-"""Seconds a micro-batch of any size costs ([Note: seconds that do not scale with the
-micro-batch] in ``cost._profile``): the line through two timed sizes, the cost model keeping
-that part whole while it scales the rest, and ``measure_time`` finding it in a model that waits
-a fixed time per call plus a time per sample."""
+"""What a micro-batch costs beyond its timed work scaled by its samples: the seconds a
+micro-batch of any size costs ([Note: seconds that do not scale with the micro-batch] in
+``cost._profile``: the line through two timed sizes, the cost model keeping that part whole
+while it scales the rest, ``measure_time`` finding it in a model that waits a fixed time per
+call plus a time per sample), and adding each backward's weight gradient into the step's
+accumulated one ([Note: gradient accumulation] in ``cost._simulate``), hand-computed."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from _layouts import one_stage_layout
 from torch import nn
 
 from pipedialect import ConfigError
-from pipedialect.cost import Atom, Chain, Cluster, model_chains, predict
+from pipedialect.cost import Atom, Chain, Cluster, StageTimes, model_chains, predict, simulate
 from pipedialect.cost._profile import fixed_seconds
 from pipedialect.planner import build_program
 
@@ -96,3 +98,52 @@ def test_measure_time_tells_the_fixed_part_from_the_part_per_sample() -> None:
         model, {"input": torch.ones(1, 4)}, measure_time=True, repeats=1
     ).values()
     assert all(a.forward_fixed == 0.0 and a.backward_fixed == 0.0 for a in single.atoms)
+
+
+# -- gradient accumulation ([Note: gradient accumulation] in cost._simulate) -------------------
+
+
+def _one_stage(schedule: str, times: StageTimes, steps: int = 1) -> float:
+    program = build_program(schedule, 1, 3, 1)
+    return simulate(program, [times], steps=steps).step_time
+
+
+def test_every_backward_but_the_first_of_a_step_adds_its_gradient() -> None:
+    """One stage, 3 micro-batches, F = 1, B = 2 (I = 1, W = 1), accumulating 0.5: GPipe's and
+    1F1B's backwards B1 and B2 add (B0's gradient becomes the accumulated one): 3 * 3 + 2 *
+    0.5 = 10. Split (zero bubble) the weight passes W1 and W2 add: 10 again; a stage whose
+    backward runs whole in I (``split=False``) adds in I1 and I2: 10. Over two steps the first
+    backward of each is free again: a steady period of 10. Without accumulation: 9."""
+    times = StageTimes(1.0, 1.0, 1.0, accumulate=0.5)
+    assert math.isclose(_one_stage("gpipe", times), 10.0)
+    assert math.isclose(_one_stage("1f1b", times), 10.0)
+    assert math.isclose(_one_stage("interleaved_zero_bubble", times), 10.0)
+    whole = StageTimes(1.0, 1.0, 1.0, split=False, accumulate=0.5)
+    assert math.isclose(_one_stage("interleaved_zero_bubble", whole), 10.0)
+    assert math.isclose(_one_stage("1f1b", times, steps=2), 10.0)
+    assert math.isclose(_one_stage("1f1b", StageTimes(1.0, 1.0, 1.0)), 9.0)
+
+
+def test_the_accumulation_costs_the_stages_trainable_bytes_at_the_calibrated_rate() -> None:
+    """A stage of 4 MB trainable (2 parameters) at 1 ns per byte accumulates for 4 ms per
+    micro-batch after the first: 4 micro-batches of F = 10 ms and B = 20 ms take 4 * 30 + 3 *
+    4 = 132 ms; frozen state costs nothing; tensor parallelism of 2 halves the bytes of its
+    sharded parameters (here all of them): 4 * 30 + 3 * 2 = 126 ms when the work is not
+    sharded (none of it is in tensor-parallel modules)."""
+    atom = Atom(
+        forward=0.010,
+        backward=0.020,
+        parameters={"a.weight": 3_000_000, "b.weight": 1_000_000},
+        state={"frozen": 50_000_000},
+        tensor_parameters=frozenset({"a.weight", "b.weight"}),
+    )
+    chain = Chain((atom,), (), (), batch=1)
+    cluster = Cluster(
+        world_size=2, memory_per_rank=1e12, bandwidth=1e12, accumulate_seconds_per_byte=1e-9
+    )
+    program = build_program("gpipe", 1, 4, 1)
+    pred = predict(chain, one_stage_layout(micro_batches=4), cluster, program)
+    assert math.isclose(pred.stage_times[0].accumulate, 0.004)
+    assert math.isclose(pred.step_time, 0.132)
+    sharded = one_stage_layout(micro_batches=4, tensor_parallel=2)
+    assert math.isclose(predict(chain, sharded, cluster, program).step_time, 0.126)
