@@ -22,11 +22,13 @@ stages its split points make, every stage gets:
   ``cost._simulate``);
 - communication: a message across a boundary takes ``latency + bytes / bandwidth`` (activations
   forward, their gradients back, the same size); a ring all-reduce of ``x`` bytes over ``n``
-  ranks takes ``2 (n - 1) / n * x / bandwidth + 2 (n - 1) * latency``, an all-gather or a
-  reduce-scatter ``(n - 1) / n * x / gather bandwidth + (n - 1) * latency``: half an
-  all-reduce where the backend's collectives are rings (NCCL), but gloo's all-gather and
-  reduce-scatter take about as long as its all-reduce, so the calibration measures their
-  bandwidth apart;
+  ranks takes ``2 (n - 1) / n * x / bandwidth + 2 (n - 1) * latency`` (a data-parallel
+  gradient sum adds ``x`` times the calibrated ``pack_seconds_per_byte`` for packing the
+  gradients into a new flat buffer and copying the sum back: [Note: packing the gradients]),
+  an all-gather or a reduce-scatter ``(n - 1) / n * x / gather bandwidth + (n - 1) *
+  latency``: half an all-reduce where the backend's collectives are rings (NCCL), but gloo's
+  all-gather and reduce-scatter take about as long as its all-reduce, so the calibration
+  measures their bandwidth apart;
 - memory: parameters, gradients and ``optimizer_states`` tensors of optimizer state per
   trainable parameter (Adam: 2), at the parameters' own size; the tensor-parallel parameters
   divided by ``t``. Under ``ddp`` every replica holds them whole and all-reduces the gradients at
@@ -100,6 +102,10 @@ class Cluster:
     #: accumulated one ([Note: gradient accumulation] in ``cost._simulate``; [Note:
     #: calibration] measures it).
     accumulate_seconds_per_byte: float = 0.0
+    #: Seconds per byte of packing a rank's gradients into one new flat buffer before a
+    #: data-parallel all-reduce and copying the sum back after it ([Note: packing the
+    #: gradients]; [Note: calibration] measures it).
+    pack_seconds_per_byte: float = 0.0
     #: Cores the ranks share, all on one host (``os.sched_getaffinity`` of the planning
     #: process); None: every rank has cores of its own. With a chain measured on the CPU
     #: (``Chain.cpu_share``), ranks computing at once beyond these cores slow each other down
@@ -287,6 +293,27 @@ def ring_all_reduce(nbytes: float, ranks: int, cluster: Cluster) -> float:
     )
 
 
+def gradient_sum(nbytes: float, replicas: int, cluster: Cluster) -> float:
+    """Seconds of a data-parallel gradient sum of ``nbytes`` per rank over ``replicas``: the
+    gradients packed into one new flat buffer, its ring all-reduce and the sum copied back.
+
+    [Note: packing the gradients]
+    Neither dialect all-reduces the gradients where they lie: the torch dialect concatenates a
+    stage's gradients into one flat tensor (``_replicas.sum_grads``) and DeepSpeed flattens
+    its bucket (``allreduce_and_copy``), all-reduces that and copies the sum back into each
+    gradient. The flat tensor is new at every step, and above glibc's largest dynamic mmap
+    threshold (32 MiB) every such allocation is a fresh mapping whose pages fault on first
+    write. Two ranks summing 128 MiB each on 2 cores (load 6): packing 204 ms (32,770 faults;
+    95 ms into a buffer reused), the all-reduce 222-237 ms, the copy back 40-42 ms, so the
+    all-reduce alone was under half the sum. :func:`~pipedialect.planner.calibrate` measures
+    the packing and the copy back per byte (``pack_seconds_per_byte``, every rank at once, 64
+    MiB of gradients); smaller gradients may land in reused heap memory and cost less.
+    """
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0
+    return ring_all_reduce(nbytes, replicas, cluster) + nbytes * cluster.pack_seconds_per_byte
+
+
 def ring_gather(nbytes: float, ranks: int, cluster: Cluster) -> float:
     """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` in all (at the cluster's
     :attr:`~Cluster.gather_bandwidth`)."""
@@ -432,9 +459,7 @@ def predict(
         trainable[r] += inp.trainable
         base[r] += inp.base
     ddp = layout.data_parallel_mode != "fsdp"
-    all_reduce = [
-        ring_all_reduce(g, layout.data_parallel, cluster) if ddp else 0.0 for g in gradient
-    ]
+    all_reduce = [gradient_sum(g, layout.data_parallel, cluster) if ddp else 0.0 for g in gradient]
     optimizer = [cluster.optimizer_seconds_per_byte * b for b in trainable]
     simulation = simulate(
         program,
@@ -489,7 +514,7 @@ def lower_bounds(
     ddp = layout.data_parallel_mode != "fsdp"
     step = max(
         busy[r]
-        + (ring_all_reduce(gradient[r], layout.data_parallel, cluster) if ddp else 0.0)
+        + (gradient_sum(gradient[r], layout.data_parallel, cluster) if ddp else 0.0)
         + cluster.optimizer_seconds_per_byte * trainable[r]
         for r in range(p)
     )

@@ -196,6 +196,7 @@ def plan_layout(
         accumulate_seconds_per_byte=(
             calibration.accumulate_seconds_per_byte if calibration is not None else 0.0
         ),
+        pack_seconds_per_byte=calibration.pack_seconds_per_byte if calibration is not None else 0.0,
         cores=_host_cores(),
     )
     calibration_note = None

@@ -23,7 +23,9 @@ this machine by running it:
 - *gradient accumulation*: every rank at once adds a 64 MiB tensor into another (what a
   backward after a stage's first in the step does with its weight gradient, [Note: gradient
   accumulation] in ``cost._simulate``): the slowest rank's seconds per byte are
-  ``accumulate_seconds_per_byte``;
+  ``accumulate_seconds_per_byte``; then packs four 16 MiB tensors into one new flat tensor and
+  copies it back into them (what a data-parallel gradient sum does around its all-reduce,
+  [Note: packing the gradients] in ``cost._predict``): ``pack_seconds_per_byte``;
 - *the runtime's memory*: the resident set each rank grows by while it builds and trains the
   near-free model (the engine's buffers, caches, the process group's), added to every rank's
   predicted peak;
@@ -47,7 +49,8 @@ The result is stored as JSON in the user's cache (``$PIPEDIALECT_CACHE``, defaul
 another file), keyed by dialect, machine (host
 name, cores, accelerator) and torch version; :func:`~pipedialect.planner.plan_layout` uses the
 stored one for what the caller does not give (``action_overhead``, ``step_overhead``,
-``latency``, ``bandwidth``, the collective bandwidths, the accumulation's seconds per byte).
+``latency``, ``bandwidth``, the collective bandwidths, the accumulation's and the packing's
+seconds per byte).
 ``pipedialect plan --calibrate`` runs it.
 """
 
@@ -60,6 +63,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,6 +131,11 @@ class Calibration:
     #: step costs beyond its timed work ([Note: gradient accumulation] in ``cost._simulate``).
     #: 0: not measured.
     accumulate_seconds_per_byte: float = 0.0
+    #: Seconds per byte of packing gradients into one new flat buffer and copying the sum back
+    #: (every rank at once, 64 MiB of gradients): what a data-parallel gradient sum costs
+    #: beside its all-reduce ([Note: packing the gradients] in ``cost._predict``). 0: not
+    #: measured.
+    pack_seconds_per_byte: float = 0.0
 
     def describe(self) -> str:
         """One line for tables."""
@@ -140,7 +149,8 @@ class Calibration:
             f"per rank, FSDP {self.fsdp_unit_overhead * 1e3:.3f} ms per unit and computation, "
             f"tensor parallelism {self.tensor_module_overhead * 1e3:.3f} ms per module and "
             f"computation, gradient accumulation "
-            f"{self.accumulate_seconds_per_byte * 2**20 * 1e3:.3f} ms per MiB"
+            f"{self.accumulate_seconds_per_byte * 2**20 * 1e3:.3f} ms per MiB, packing for the "
+            f"gradient sum {self.pack_seconds_per_byte * 2**20 * 1e3:.3f} ms per MiB"
         )
 
 
@@ -235,6 +245,7 @@ def calibrate(
         measured_at=time.time(),
         memory_overhead=float(max(r["memory"] for r in results)),
         accumulate_seconds_per_byte=max(r["accumulate"] for r in results),
+        pack_seconds_per_byte=max(r["pack"] for r in results),
         **_mode_overheads(first["modes"]),
     )
     if store:
@@ -381,6 +392,7 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
     sharded = half / max((gather + scatter) / 2 - (world - 1) * latency, 1e-9)
     accumulated, gradient = torch.zeros(_ACCUMULATE // 4), torch.ones(_ACCUMULATE // 4)
     accumulate = _median_seconds(lambda: accumulated.add_(gradient), 5) / _ACCUMULATE
+    pack = _median_seconds(lambda: _pack(accumulated.chunk(4)), 5) / _ACCUMULATE
 
     offer = offer_of(dialect)
     schedule = "1f1b" if "1f1b" in offer.schedules else offer.schedules[0]
@@ -425,7 +437,18 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
         "memory": max(peak) - baseline,
         "modes": modes,
         "accumulate": accumulate,
+        "pack": pack,
     }
+
+
+def _pack(grads: Sequence[torch.Tensor]) -> None:
+    """What a data-parallel gradient sum does around its all-reduce ([Note: packing the
+    gradients] in ``cost._predict``): the gradients into one new flat tensor, and back."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _measure_modes(

@@ -82,6 +82,10 @@ def test_calibrate_stores_what_the_planner_then_uses(
     assert 1e-5 / 2**20 < calibration.accumulate_seconds_per_byte < 0.1 / 2**20
     assert "gradient accumulation" in done.stdout
     assert plan.cluster.accumulate_seconds_per_byte == calibration.accumulate_seconds_per_byte
+    # Packing 64 MiB of gradients into a new flat tensor and copying it back, likewise.
+    assert 1e-5 / 2**20 < calibration.pack_seconds_per_byte < 0.1 / 2**20
+    assert "packing for the gradient sum" in done.stdout
+    assert plan.cluster.pack_seconds_per_byte == calibration.pack_seconds_per_byte
     best = plan.prediction(plan.layout)
     assert min(best.peak_memory) > calibration.memory_overhead
     assert load_calibration("deepspeed") is None
