@@ -22,7 +22,7 @@ this machine by running it:
   a ring moves: its all-gather is no faster than its all-reduce of the same tensor);
 - *gradient accumulation*: every rank at once adds a 64 MiB tensor into another (what a
   backward after a stage's first in the step does with its weight gradient, [Note: gradient
-  accumulation] in ``cost._simulate``): the slowest rank's seconds per byte are
+  accumulation] in ``cost._simulate``): the median rank's seconds per byte are
   ``accumulate_seconds_per_byte``; then packs four 16 MiB tensors into one new flat tensor and
   copies it back into them (what a data-parallel gradient sum does around its all-reduce,
   [Note: packing the gradients] in ``cost._predict``): ``pack_seconds_per_byte``;
@@ -244,8 +244,9 @@ def calibrate(
         shard_bandwidth=first["shard_bandwidth"],
         measured_at=time.time(),
         memory_overhead=float(max(r["memory"] for r in results)),
-        accumulate_seconds_per_byte=max(r["accumulate"] for r in results),
-        pack_seconds_per_byte=max(r["pack"] for r in results),
+        # The median over ranks: one rank that a busy machine held back is not the rate.
+        accumulate_seconds_per_byte=statistics.median(r["accumulate"] for r in results),
+        pack_seconds_per_byte=statistics.median(r["pack"] for r in results),
         **_mode_overheads(first["modes"]),
     )
     if store:
