@@ -35,8 +35,10 @@ before that baseline and the whole model built before the cut is freed before th
 peak is sampled: neither is what the planner predicts; target: within 15%), the predicted
 micro-batches in flight per stage against the counted ones (emulated workloads), and rank 0's
 minor page faults per timed step (``faults``: memory the step wrote to for the first time,
-which on this machine kind costs more than the copies themselves; the ranks run with
-``MALLOC_MMAP_THRESHOLD_=65536`` for the memory column, so every large tensor is fresh memory).
+which on this machine kind costs more than the copies themselves). The ranks run on glibc's own
+malloc thresholds, as a job does; ``--mmap-threshold 65536`` sets ``MALLOC_MMAP_THRESHOLD_``
+for every process the script starts (freed tensors then leave the resident set at once, for
+the memory column, and every large tensor is fresh memory each time it is allocated).
 
     python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--workloads compute,gpt]
     python benchmarks/planner.py --smoke        # a few layouts, seconds of compute: it runs
@@ -562,10 +564,12 @@ def main() -> None:
         help="one launch per layout: slower, but every measured peak memory is a fresh job's",
     )
     parser.add_argument(
-        "--default-malloc",
-        action="store_true",
-        help="run the ranks with glibc's own malloc thresholds (the steps reuse freed memory, "
-        "as a job does; the memory column then counts what glibc keeps)",
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        help="MALLOC_MMAP_THRESHOLD_ for the ranks (65536: freed tensors leave the resident set "
+        "at once, for the memory column; every large tensor is then fresh memory). Default: "
+        "glibc's own thresholds, as a job runs",
     )
     opts = _smoke.parse_args(parser, {"steps": 1, "scale": 0.05, "select": SMOKE, "repeats": 1})
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -583,7 +587,12 @@ def main() -> None:
         specs = [LAYOUTS[int(i)] for i in opts.select.split(",")]
     if opts.out is not None:
         opts.out.mkdir(parents=True, exist_ok=True)
-    env = {} if opts.default_malloc else {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    if opts.mmap_threshold is not None:
+        # glibc reads the variable once, when a process starts, and launch() forks every rank
+        # from one fork server, which the first launch starts (the calibration's): set in the
+        # ranks' environment only, as launch(env=) does, it never reaches their malloc. So it
+        # goes into this process's environment before anything is launched.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(opts.mmap_threshold)
     rows = []
     calibrated = None
     runtime_memory = 0.0
@@ -604,12 +613,11 @@ def main() -> None:
             # One launch per layout: each rank's peak is a one-layout job's (lazy inits and the
             # first engine included), as the memory target needs.
             parts = [
-                launch(_run_layouts, world, [one], opts.steps, timeout=3600, env=env)
-                for one in payload
+                launch(_run_layouts, world, [one], opts.steps, timeout=3600) for one in payload
             ]
             per_rank = [[part[r][0] for part in parts] for r in range(world)]
         else:
-            per_rank = launch(_run_layouts, world, payload, opts.steps, timeout=3600, env=env)
+            per_rank = launch(_run_layouts, world, payload, opts.steps, timeout=3600)
         for i, lay in enumerate(runs):
             pred = plan.prediction(lay)
             counted: dict[int, int] = {}

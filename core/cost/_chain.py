@@ -3,7 +3,8 @@
 [Note: the chain]
 The planner cuts a model only where :func:`pipedialect.partition` can: after a candidate
 module (see :mod:`pipedialect.cost.balance`). Between two consecutive candidates lies an *atom*,
-with its forward and backward seconds for one micro-batch of ``batch`` samples, the parameters and
+with its forward and backward seconds for one micro-batch of ``batch`` samples (and the part of
+them a micro-batch of any size costs), the parameters and
 other state it reads (keyed by name, so a parameter two atoms share is counted once per stage),
 the tensors its forward saves for the backward (keyed by storage, likewise), and, for tensor
 parallelism, the part of all that inside tensor-parallel modules. ``boundary[c]`` is the bytes a
@@ -65,6 +66,23 @@ class Atom:
     blocks: int = 0
     #: The tensor-parallel modules the atom calls (each costs the runtime per computation).
     tensor_modules: int = 0
+    #: The part of ``forward`` and of ``backward`` that a micro-batch of any size costs (work
+    #: on the parameters: [Note: seconds that do not scale with the micro-batch] in
+    #: ``cost._profile``); the rest scales with the samples.
+    forward_fixed: float = 0.0
+    backward_fixed: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.forward_fixed <= self.forward:
+            raise ConfigError(
+                f"an atom's forward_fixed must lie in [0, forward = {self.forward}], got "
+                f"{self.forward_fixed}"
+            )
+        if not 0.0 <= self.backward_fixed <= self.backward:
+            raise ConfigError(
+                f"an atom's backward_fixed must lie in [0, backward = {self.backward}], got "
+                f"{self.backward_fixed}"
+            )
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,9 @@ class StageProfile:
     #: The model's blocks in the stage, and its tensor-parallel modules.
     blocks: int = 0
     tensor_modules: int = 0
+    #: The part of ``forward`` and ``backward`` that does not scale with the micro-batch.
+    forward_fixed: float = 0.0
+    backward_fixed: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +195,8 @@ class Chain:
                     rematerialized_bytes=max(a.rematerialized for a in atoms),
                     blocks=sum(a.blocks for a in atoms),
                     tensor_modules=sum(a.tensor_modules for a in atoms),
+                    forward_fixed=sum(a.forward_fixed for a in atoms),
+                    backward_fixed=sum(a.backward_fixed for a in atoms),
                 )
             )
         return out

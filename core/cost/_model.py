@@ -195,11 +195,15 @@ def model_chains(
         forward = [f / flops_per_second for f in trace.forward_flops]
         backward = [f / flops_per_second for f in trace.backward_flops]
         timing = None
+        fixed: tuple[list[float], list[float]] | None = None
     else:
         if trace.forward_time is None or trace.backward_time is None:
             raise ConfigError("the measurement has no times; pass measure_time=True")
         forward, backward = list(trace.forward_time), list(trace.backward_time)
         timing = trace.timing
+        fixed = None
+        if trace.forward_fixed is not None and trace.backward_fixed is not None:
+            fixed = (list(trace.forward_fixed), list(trace.backward_fixed))
     batch = batch_size if batch_size is not None else _batch_of(example_inputs)
     # The model's blocks by default ([Note: blocks] in cost.balance): a cut a person would make,
     # never one inside attention between two projections.
@@ -237,6 +241,7 @@ def model_chains(
             label,
             [b for b in profile.blocks if b in trace.modules],
             timing,
+            fixed,
         )
     return chains
 
@@ -282,8 +287,10 @@ def _chain(
     label: str,
     blocks: Sequence[str] = (),
     timing: _profile.Timing | None = None,
+    fixed: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> Chain:
     modules = trace.modules
+    forward_fixed, backward_fixed = fixed or ([0.0] * len(forward), [0.0] * len(backward))
     ordered = sorted(
         (p for p in pool if not any(p.startswith(c + ".") for c in recomputed)),
         key=lambda p: modules[p].exit,
@@ -366,6 +373,8 @@ def _chain(
                 rematerialized=rematerialized,
                 blocks=block_count,
                 tensor_modules=tensor_count,
+                forward_fixed=sum(forward_fixed[g] for g in gaps),
+                backward_fixed=sum(backward_fixed[g] for g in gaps),
             )
         )
     return Chain(

@@ -5,22 +5,30 @@ For a layout (``p`` pipeline ranks with ``v`` stages each, ``d`` data-parallel r
 ``ddp`` or ``fsdp``, ``t``-way tensor parallelism, ``m`` micro-batches of ``b`` samples) and the
 stages its split points make, every stage gets:
 
-- time: the chain's seconds scaled by ``b / batch`` (costs proportional to the micro-batch);
-  the tensor-parallel part divided by ``t``, plus a ring all-reduce over the tensor axis of the
-  row-wise outputs (forward) and the column-wise input gradients (backward); recomputation runs
-  the recomputed forward again at the start of the backward; the backward splits into an input
+- time: the chain's seconds scaled by ``b / batch`` (costs proportional to the micro-batch),
+  except the part a micro-batch of any size costs (work on the parameters, measured by timing
+  the model at two micro-batch sizes: [Note: seconds that do not scale with the micro-batch]
+  in ``cost._profile``), which stays whole; the tensor-parallel part divided by ``t``, plus a
+  ring all-reduce over the tensor axis of the row-wise outputs (forward) and the column-wise
+  input gradients (backward); recomputation runs the recomputed forward again at the start of
+  the backward; the backward splits into an input
   pass and a weight pass in the chain's ``weight_fraction``; every computation also costs
   ``action_overhead`` seconds, plus ``fsdp_unit_overhead`` per FSDP unit (the stage's blocks
   plus its root) under ``fsdp`` and ``tensor_module_overhead`` per tensor-parallel module at
   ``t > 1`` (the runtime's hooks and dispatch, which do not shrink with the work:
-  [Note: calibration] measures each);
+  [Note: calibration] measures each); and the backward of every micro-batch but the first of a
+  step adds its weight gradient into the accumulated one, the stage's trainable bytes at the
+  calibrated ``accumulate_seconds_per_byte`` ([Note: gradient accumulation] in
+  ``cost._simulate``);
 - communication: a message across a boundary takes ``latency + bytes / bandwidth`` (activations
   forward, their gradients back, the same size); a ring all-reduce of ``x`` bytes over ``n``
-  ranks takes ``2 (n - 1) / n * x / bandwidth + 2 (n - 1) * latency``, an all-gather or a
-  reduce-scatter ``(n - 1) / n * x / gather bandwidth + (n - 1) * latency``: half an
-  all-reduce where the backend's collectives are rings (NCCL), but gloo's all-gather and
-  reduce-scatter take about as long as its all-reduce, so the calibration measures their
-  bandwidth apart;
+  ranks takes ``2 (n - 1) / n * x / bandwidth + 2 (n - 1) * latency`` (a data-parallel
+  gradient sum adds ``x`` times the calibrated ``pack_seconds_per_byte`` for packing the
+  gradients into a new flat buffer and copying the sum back: [Note: packing the gradients]),
+  an all-gather or a reduce-scatter ``(n - 1) / n * x / gather bandwidth + (n - 1) *
+  latency``: half an all-reduce where the backend's collectives are rings (NCCL), but gloo's
+  all-gather and reduce-scatter take about as long as its all-reduce, so the calibration
+  measures their bandwidth apart;
 - memory: parameters, gradients and ``optimizer_states`` tensors of optimizer state per
   trainable parameter (Adam: 2), at the parameters' own size; the tensor-parallel parameters
   divided by ``t``. Under ``ddp`` every replica holds them whole and all-reduces the gradients at
@@ -90,6 +98,14 @@ class Cluster:
     fsdp_unit_overhead: float = 0.0
     #: Seconds each tensor-parallel module adds to every computation at ``t > 1``.
     tensor_module_overhead: float = 0.0
+    #: Seconds per byte of adding one micro-batch's weight gradient into the step's
+    #: accumulated one ([Note: gradient accumulation] in ``cost._simulate``; [Note:
+    #: calibration] measures it).
+    accumulate_seconds_per_byte: float = 0.0
+    #: Seconds per byte of packing a rank's gradients into one new flat buffer before a
+    #: data-parallel all-reduce and copying the sum back after it ([Note: packing the
+    #: gradients]; [Note: calibration] measures it).
+    pack_seconds_per_byte: float = 0.0
     #: Cores the ranks share, all on one host (``os.sched_getaffinity`` of the planning
     #: process); None: every rank has cores of its own. With a chain measured on the CPU
     #: (``Chain.cpu_share``), ranks computing at once beyond these cores slow each other down
@@ -277,6 +293,27 @@ def ring_all_reduce(nbytes: float, ranks: int, cluster: Cluster) -> float:
     )
 
 
+def gradient_sum(nbytes: float, replicas: int, cluster: Cluster) -> float:
+    """Seconds of a data-parallel gradient sum of ``nbytes`` per rank over ``replicas``: the
+    gradients packed into one new flat buffer, its ring all-reduce and the sum copied back.
+
+    [Note: packing the gradients]
+    Neither dialect all-reduces the gradients where they lie: the torch dialect concatenates a
+    stage's gradients into one flat tensor (``_replicas.sum_grads``) and DeepSpeed flattens
+    its bucket (``allreduce_and_copy``), all-reduces that and copies the sum back into each
+    gradient. The flat tensor is new at every step, and above glibc's largest dynamic mmap
+    threshold (32 MiB) every such allocation is a fresh mapping whose pages fault on first
+    write. Two ranks summing 128 MiB each on 2 cores (load 6): packing 204 ms (32,770 faults;
+    95 ms into a buffer reused), the all-reduce 222-237 ms, the copy back 40-42 ms, so the
+    all-reduce alone was under half the sum. :func:`~pipedialect.planner.calibrate` measures
+    the packing and the copy back per byte (``pack_seconds_per_byte``, every rank at once, 64
+    MiB of gradients); smaller gradients may land in reused heap memory and cost less.
+    """
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0
+    return ring_all_reduce(nbytes, replicas, cluster) + nbytes * cluster.pack_seconds_per_byte
+
+
 def ring_gather(nbytes: float, ranks: int, cluster: Cluster) -> float:
     """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` in all (at the cluster's
     :attr:`~Cluster.gather_bandwidth`)."""
@@ -301,6 +338,13 @@ class StageInputs:
     message: float
 
 
+def _scaled(fixed: float, seconds: float, scale: float) -> float:
+    """What ``seconds`` at the chain's micro-batch become at ``scale`` times its samples, as a
+    factor, when ``fixed`` of them do not scale."""
+    share = fixed / seconds if seconds > 0 else 0.0
+    return share + (1.0 - share) * scale
+
+
 def stage_inputs(
     stage: StageProfile,
     layout: Layout,
@@ -315,9 +359,18 @@ def stage_inputs(
     forward = (stage.forward - stage.tensor_forward) + stage.tensor_forward / t
     backward = (stage.backward - stage.tensor_backward) + stage.tensor_backward / t
     recompute = stage.recompute * (forward / stage.forward) if stage.forward else 0.0
-    forward = forward * scale + ring_all_reduce(stage.tensor_forward_bytes * scale, t, cluster)
-    backward = backward * scale + ring_all_reduce(stage.tensor_backward_bytes * scale, t, cluster)
-    recompute *= scale
+    # The seconds a micro-batch of any size costs stay whole, the rest scales with the samples
+    # ([Note: seconds that do not scale with the micro-batch] in cost._profile); each share is
+    # the stage's own, so the tensor-parallel part keeps its division by t.
+    forward_scale = _scaled(stage.forward_fixed, stage.forward, scale)
+    backward_scale = _scaled(stage.backward_fixed, stage.backward, scale)
+    forward = forward * forward_scale + ring_all_reduce(
+        stage.tensor_forward_bytes * scale, t, cluster
+    )
+    backward = backward * backward_scale + ring_all_reduce(
+        stage.tensor_backward_bytes * scale, t, cluster
+    )
+    recompute *= forward_scale
     weight = backward * chain.weight_fraction
     trainable = (stage.parameter_bytes - stage.tensor_parameter_bytes) + (
         stage.tensor_parameter_bytes / t
@@ -347,6 +400,8 @@ def stage_inputs(
         action_overhead=overhead,
         all_gather=ring_gather(trainable, d, cluster) if fsdp else 0.0,
         reduce_grad=ring_gather(trainable, d, cluster) if fsdp else 0.0,
+        # Gradients accumulate whole, also under FSDP (sharded after the last backward).
+        accumulate=trainable * cluster.accumulate_seconds_per_byte,
         cpu_share=chain.cpu_share or 0.0,
     )
     memory = StageMemory(
@@ -404,9 +459,7 @@ def predict(
         trainable[r] += inp.trainable
         base[r] += inp.base
     ddp = layout.data_parallel_mode != "fsdp"
-    all_reduce = [
-        ring_all_reduce(g, layout.data_parallel, cluster) if ddp else 0.0 for g in gradient
-    ]
+    all_reduce = [gradient_sum(g, layout.data_parallel, cluster) if ddp else 0.0 for g in gradient]
     optimizer = [cluster.optimizer_seconds_per_byte * b for b in trainable]
     simulation = simulate(
         program,
@@ -454,13 +507,14 @@ def lower_bounds(
         r = placement[k]
         t = inp.times
         busy[r] += layout.micro_batches * (t.forward + t.backward + 2 * t.action_overhead)
+        busy[r] += (layout.micro_batches - 1) * t.accumulate
         gradient[r] += inp.gradient
         trainable[r] += inp.trainable
         memory[r] += inp.base + inp.memory.activation
     ddp = layout.data_parallel_mode != "fsdp"
     step = max(
         busy[r]
-        + (ring_all_reduce(gradient[r], layout.data_parallel, cluster) if ddp else 0.0)
+        + (gradient_sum(gradient[r], layout.data_parallel, cluster) if ddp else 0.0)
         + cluster.optimizer_seconds_per_byte * trainable[r]
         for r in range(p)
     )

@@ -94,6 +94,11 @@ class Trace:
     #: Measured forward and backward seconds per gap (None until timed).
     forward_time: list[float] | None = None
     backward_time: list[float] | None = None
+    #: The part of each gap's forward and backward seconds that does not shrink with the
+    #: micro-batch ([Note: seconds that do not scale with the micro-batch]); None: not
+    #: measured (every second is taken to be proportional to the samples).
+    forward_fixed: list[float] | None = None
+    backward_fixed: list[float] | None = None
     #: How the times were taken ([Note: timing a model]): None until timed.
     timing: Timing | None = None
 
@@ -117,13 +122,23 @@ class Timing:
     #: Work that waits (sleeps, I/O) adds wall seconds but no CPU seconds, so it does not
     #: count ([Note: ranks sharing cores] in ``cost._simulate``).
     cpu_share: float | None = None
+    #: Samples of the smaller micro-batch timed as well, which tells the seconds that do not
+    #: shrink with the micro-batch from those that do ([Note: seconds that do not scale with
+    #: the micro-batch]); None: not timed (a micro-batch of one sample, or inputs without a
+    #: batch dimension).
+    half_batch: int | None = None
+    #: Timed runs at ``half_batch`` samples (after their own warm-up).
+    half_runs: int = 0
 
     def describe(self) -> str:
         """One line for tables: ``timed with 4 threads: 12 runs, 3.1% spread``."""
-        return (
+        line = (
             f"timed with {self.threads} thread(s): {self.runs} runs of "
             f"{self.seconds * 1e3:.2f} ms, {self.spread:.1%} spread (interquartile / median)"
         )
+        if self.half_batch is not None:
+            line += f", and at {self.half_batch} samples"
+        return line
 
 
 def _gaps(num_events: int) -> int:
@@ -763,6 +778,21 @@ def measure_time(
     and on the CPU the share of the time the threads computed (CPU seconds over wall seconds
     times threads), which the simulator uses when ranks share cores ([Note: ranks sharing
     cores] in ``cost._simulate``).
+
+    [Note: seconds that do not scale with the micro-batch]
+    The planner times one micro-batch (the example inputs) and predicts other micro-batch
+    sizes from it; scaling every second by the samples holds for work on the activations, but
+    not for work on the parameters, which a micro-batch of any size does once: reading the
+    weights, writing the weight gradient, a clone of a parameter, a kernel's launch. On a model
+    whose blocks hold 16 MiB of trainable weights each and compute 0.5 ms per sample (the
+    ``dp`` workload of ``benchmarks/planner.py``, 8 blocks, one thread), the forward took 50 ms
+    at 8 samples and 42 ms at 4, the backward 95 and 62 ms: scaled from 8 samples the model said
+    25 and 47 ms at 4, and predicted its pipelined steps 30-70% fast. So the model is timed
+    again at half its samples (``trace.timing.half_batch``; inputs whose first dimension is the
+    micro-batch's are cut to half), and each gap's seconds at both sizes give a line: its
+    intercept (:func:`fixed_seconds`) is the gap's ``forward_fixed`` and ``backward_fixed``,
+    which :func:`pipedialect.cost.predict` keeps whole at every micro-batch size while it scales
+    the rest. A micro-batch of one sample cannot be halved: its seconds all scale, as before.
     """
     device = _device_of(example_inputs)
     kwargs = {**dict(example_inputs), **dict(fixed)}
@@ -770,16 +800,37 @@ def measure_time(
     pinned = threads if threads is not None else timing_threads()
     previous = torch.get_num_threads()
     torch.set_num_threads(pinned)
+    batch, half = _halved(example_inputs)
+    smaller: list[_Stopwatch] = []
     try:
-        _timed_run(model, kwargs, trace, trainable, device)  # warm-up
-        runs = [_timed_run(model, kwargs, trace, trainable, device) for _ in range(repeats)]
-        while len(runs) < MAX_RUNS_PER_REPEAT * repeats and _spread(runs) > STABLE_SPREAD:
-            runs.append(_timed_run(model, kwargs, trace, trainable, device))
+        runs = _timed_runs(model, kwargs, trace, trainable, device, repeats)
+        if half is not None:
+            try:
+                smaller = _timed_runs(
+                    model, {**half, **dict(fixed)}, trace, trainable, device, repeats
+                )
+            except (RuntimeError, ValueError, PartitionError):
+                # A model bound to its micro-batch size (a view to a fixed shape, control
+                # flow on the size) cannot run at half of it: its seconds all scale, as
+                # before, and ``timing.half_batch`` stays None to say so.
+                smaller = []
     finally:
         torch.set_num_threads(previous)
     gaps = range(_gaps(trace.num_events))
     trace.forward_time = [statistics.median(r.forward[g] for r in runs) for g in gaps]
     trace.backward_time = [statistics.median(r.backward[g] for r in runs) for g in gaps]
+    if smaller:
+        # [Note: seconds that do not scale with the micro-batch]
+        forward_half = [statistics.median(r.forward[g] for r in smaller) for g in gaps]
+        backward_half = [statistics.median(r.backward[g] for r in smaller) for g in gaps]
+        trace.forward_fixed = [
+            fixed_seconds(f, h, batch, batch // 2)
+            for f, h in zip(trace.forward_time, forward_half, strict=True)
+        ]
+        trace.backward_fixed = [
+            fixed_seconds(b, h, batch, batch // 2)
+            for b, h in zip(trace.backward_time, backward_half, strict=True)
+        ]
     totals = [sum(r.forward) + sum(r.backward) for r in runs]
     share = None
     if device.type == "cpu":
@@ -790,7 +841,65 @@ def measure_time(
                 c / (w * pinned) if w > 0 else 0.0 for c, w in zip(cpu, totals, strict=True)
             ),
         )
-    trace.timing = Timing(pinned, len(runs), _spread(runs), statistics.median(totals), share)
+    trace.timing = Timing(
+        pinned,
+        len(runs),
+        _spread(runs),
+        statistics.median(totals),
+        share,
+        batch // 2 if smaller else None,
+        len(smaller),
+    )
+
+
+def _timed_runs(
+    model: nn.Module,
+    kwargs: Mapping[str, Any],
+    trace: Trace,
+    trainable: Sequence[nn.Parameter],
+    device: torch.device,
+    repeats: int,
+) -> list[_Stopwatch]:
+    """One warm-up run, then at least ``repeats`` timed runs, more until their spread is
+    under :data:`STABLE_SPREAD` ([Note: timing a model])."""
+    _timed_run(model, kwargs, trace, trainable, device)  # warm-up
+    runs = [_timed_run(model, kwargs, trace, trainable, device) for _ in range(repeats)]
+    while len(runs) < MAX_RUNS_PER_REPEAT * repeats and _spread(runs) > STABLE_SPREAD:
+        runs.append(_timed_run(model, kwargs, trace, trainable, device))
+    return runs
+
+
+def _halved(example_inputs: Mapping[str, Any]) -> tuple[int, dict[str, Any] | None]:
+    """The micro-batch's samples (the first dimension of its first tensor that has one) and
+    the inputs cut to half of them ([Note: seconds that do not scale with the
+    micro-batch]): every tensor whose first dimension is that size, cut there. None when the
+    micro-batch has fewer than 2 samples or no tensor with a batch dimension."""
+    leaves = pytree.tree_leaves(dict(example_inputs))
+    sizes = [t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not sizes or sizes[0] < 2:
+        return (int(sizes[0]) if sizes else 1), None
+    batch = int(sizes[0])
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+            return value[: batch // 2]
+        return value
+
+    return batch, pytree.tree_map(cut, dict(example_inputs))
+
+
+def fixed_seconds(full: float, half: float, batch: int, half_batch: int) -> float:
+    """The seconds of a computation that do not shrink with the micro-batch, from its seconds
+    at ``batch`` and at ``half_batch`` samples: the intercept of the line through both
+    ([Note: seconds that do not scale with the micro-batch]), within ``[0, min(full,
+    half)]`` (timing noise can put the line's intercept below 0 or above what was measured).
+
+    >>> fixed_seconds(0.028, 0.024, 8, 4)  # 20 ms per micro-batch plus 1 ms per sample
+    0.02
+    """
+    per_sample = (full - half) / (batch - half_batch)
+    intercept = full - per_sample * batch
+    return min(max(0.0, round(intercept, 12)), full, half)
 
 
 def _spread(runs: Sequence[_Stopwatch]) -> float:
@@ -826,15 +935,25 @@ def agree_across_ranks(trace: Trace) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     _wait_for_every_rank(dist)
-    payload: list[Any] = [(trace.num_events, trace.forward_time, trace.backward_time, trace.timing)]
+    payload: list[Any] = [
+        (
+            trace.num_events,
+            trace.forward_time,
+            trace.backward_time,
+            trace.timing,
+            trace.forward_fixed,
+            trace.backward_fixed,
+        )
+    ]
     dist.broadcast_object_list(payload, src=0)
-    num_events, forward, backward, timing = payload[0]
+    num_events, forward, backward, timing, forward_fixed, backward_fixed = payload[0]
     if num_events != trace.num_events:
         raise PartitionError(
             f"rank 0 traced {num_events} module events, rank {dist.get_rank()} traced "
             f"{trace.num_events}: the ranks do not run the same model"
         )
     trace.forward_time, trace.backward_time, trace.timing = forward, backward, timing
+    trace.forward_fixed, trace.backward_fixed = forward_fixed, backward_fixed
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,19 @@ order, each stage's in-flight count times its activation bytes, the gathered par
 ``REDUCE_GRAD`` (a backward holds its micro-batch's activations and the gradients it makes at
 once).
 
+[Note: gradient accumulation]
+The model's backward is timed with ``torch.autograd.grad``, which returns the weight gradients
+without adding them anywhere ([Note: timing a model] in ``cost._profile``). A runtime's
+backward of every micro-batch but a stage's first in the step adds its weight gradient into
+the one the step accumulates (both dialects set the gradients to None after the optimizer step,
+so the first micro-batch's gradient becomes the accumulated one without a copy): a
+read-modify-write of the stage's trainable bytes that the timing never saw. On the planner
+benchmark's ``dp`` workload (64 MiB of weights per rank, 8 micro-batches) that is 28 additions
+of 16 MiB per step, each about 1 ms on a 2-core machine. So the pass that writes a stage's
+weight gradient (``W``, or the whole backward where it is not split) costs ``accumulate``
+seconds more, except the stage's first in each step; :func:`~pipedialect.planner.calibrate`
+measures the seconds per byte of such an addition on the machine, every rank adding at once.
+
 [Note: ranks sharing cores]
 A measured forward or backward is the time it took with the measuring process's threads to
 itself; ranks on one host that compute at once share its ``cores``, and more computing threads
@@ -102,6 +115,9 @@ class StageTimes:
     reduce_grad: float = 0.0
     #: Seconds every computation of the stage costs on top of its work (launch, bookkeeping).
     action_overhead: float = 0.0
+    #: Seconds each backward of the stage but its first in the step adds: its weight gradient
+    #: added into the gradient the step accumulates ([Note: gradient accumulation]).
+    accumulate: float = 0.0
     #: The share of the stage's computation seconds that keeps its threads busy on the CPU
     #: (the rest waits or sleeps): what slows down when ranks share cores ([Note: ranks
     #: sharing cores]); 0 (the default): nothing does.
@@ -287,6 +303,8 @@ def simulate(
         step_end: dict[int, float] = {}
         spans: list[SimulatedSpan] = []
         place = program.placement
+        # The (step, stage) pairs whose first weight gradient is written: later ones accumulate.
+        accumulating: set[tuple[int, int]] = set()
 
         def head(r: int) -> tuple[int, Any] | None:
             return streams[r][pc[r]] if pc[r] < len(streams[r]) else None
@@ -332,6 +350,15 @@ def simulate(
                 end = others[r].finish(start, dur, t.cpu_share)
             if dur or a.kind != _K.BACKWARD_WEIGHT:
                 end += t.action_overhead
+            # The pass that writes the weight gradient: W, or the whole backward (B, or I on a
+            # stage whose backward runs in one piece). [Note: gradient accumulation]
+            writes = a.kind == _K.BACKWARD or (
+                a.kind == (_K.BACKWARD_WEIGHT if t.split else _K.BACKWARD_INPUT)
+            )
+            if writes:
+                if (k, s) in accumulating:
+                    end += t.accumulate
+                accumulating.add((k, s))
             clock[r] = end
             if a.kind == _K.FORWARD:
                 done[(k, s, "F", mb)] = end

@@ -193,6 +193,10 @@ def plan_layout(
         tensor_module_overhead=(
             calibration.tensor_module_overhead if calibration is not None else 0.0
         ),
+        accumulate_seconds_per_byte=(
+            calibration.accumulate_seconds_per_byte if calibration is not None else 0.0
+        ),
+        pack_seconds_per_byte=calibration.pack_seconds_per_byte if calibration is not None else 0.0,
         cores=_host_cores(),
     )
     calibration_note = None

@@ -20,6 +20,12 @@ this machine by running it:
   and a reduce-scatter of that size, whose mean gives the bandwidth sharded data parallelism's
   gathers and gradient reductions reach (on gloo about half the all-reduce's, counted per byte
   a ring moves: its all-gather is no faster than its all-reduce of the same tensor);
+- *gradient accumulation*: every rank at once adds a 64 MiB tensor into another (what a
+  backward after a stage's first in the step does with its weight gradient, [Note: gradient
+  accumulation] in ``cost._simulate``): the median rank's seconds per byte are
+  ``accumulate_seconds_per_byte``; then packs four 16 MiB tensors into one new flat tensor and
+  copies it back into them (what a data-parallel gradient sum does around its all-reduce,
+  [Note: packing the gradients] in ``cost._predict``): ``pack_seconds_per_byte``;
 - *the runtime's memory*: the resident set each rank grows by while it builds and trains the
   near-free model (the engine's buffers, caches, the process group's), added to every rank's
   predicted peak;
@@ -43,7 +49,9 @@ The result is stored as JSON in the user's cache (``$PIPEDIALECT_CACHE``, defaul
 another file), keyed by dialect, machine (host
 name, cores, accelerator) and torch version; :func:`~pipedialect.planner.plan_layout` uses the
 stored one for what the caller does not give (``action_overhead``, ``step_overhead``,
-``latency``, ``bandwidth``, the collective bandwidths). ``pipedialect plan --calibrate`` runs it.
+``latency``, ``bandwidth``, the collective bandwidths, the accumulation's and the packing's
+seconds per byte).
+``pipedialect plan --calibrate`` runs it.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +79,9 @@ __all__ = ["Calibration", "calibrate", "calibration_path", "load_calibration"]
 _COUNTS = (1, 2, 4)
 #: Bytes of the small and the large message.
 _SMALL, _LARGE = 1 << 10, 8 << 20
+#: Bytes of the gradient added into another: larger than this machine kind's caches, as a
+#: layer's gradient is.
+_ACCUMULATE = 64 << 20
 #: Blocks of the one-stage model the parallel modes are measured on, and its micro-batch counts.
 _BLOCKS = 4
 _MODE_COUNTS = (2, 6)
@@ -114,6 +126,16 @@ class Calibration:
     #: Seconds each tensor-parallel module adds to every computation (0: not measured, or the
     #: dialect has no tensor parallelism).
     tensor_module_overhead: float = 0.0
+    #: Seconds per byte of adding one gradient into another (``acc += grad``, every rank at
+    #: once, tensors larger than the caches): what each backward after a stage's first in the
+    #: step costs beyond its timed work ([Note: gradient accumulation] in ``cost._simulate``).
+    #: 0: not measured.
+    accumulate_seconds_per_byte: float = 0.0
+    #: Seconds per byte of packing gradients into one new flat buffer and copying the sum back
+    #: (every rank at once, 64 MiB of gradients): what a data-parallel gradient sum costs
+    #: beside its all-reduce ([Note: packing the gradients] in ``cost._predict``). 0: not
+    #: measured.
+    pack_seconds_per_byte: float = 0.0
 
     def describe(self) -> str:
         """One line for tables."""
@@ -126,7 +148,9 @@ class Calibration:
             f"{self.shard_bandwidth / 1e9:.2f} GB/s, {self.memory_overhead / 2**20:.0f} MiB "
             f"per rank, FSDP {self.fsdp_unit_overhead * 1e3:.3f} ms per unit and computation, "
             f"tensor parallelism {self.tensor_module_overhead * 1e3:.3f} ms per module and "
-            "computation"
+            f"computation, gradient accumulation "
+            f"{self.accumulate_seconds_per_byte * 2**20 * 1e3:.3f} ms per MiB, packing for the "
+            f"gradient sum {self.pack_seconds_per_byte * 2**20 * 1e3:.3f} ms per MiB"
         )
 
 
@@ -220,6 +244,9 @@ def calibrate(
         shard_bandwidth=first["shard_bandwidth"],
         measured_at=time.time(),
         memory_overhead=float(max(r["memory"] for r in results)),
+        # The median over ranks: one rank that a busy machine held back is not the rate.
+        accumulate_seconds_per_byte=statistics.median(r["accumulate"] for r in results),
+        pack_seconds_per_byte=statistics.median(r["pack"] for r in results),
         **_mode_overheads(first["modes"]),
     )
     if store:
@@ -364,6 +391,9 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
     scatter = _median_seconds(lambda: dist.reduce_scatter_tensor(shard, gathered), 5)
     half = (world - 1) / world * gathered.numel() * 4
     sharded = half / max((gather + scatter) / 2 - (world - 1) * latency, 1e-9)
+    accumulated, gradient = torch.zeros(_ACCUMULATE // 4), torch.ones(_ACCUMULATE // 4)
+    accumulate = _median_seconds(lambda: accumulated.add_(gradient), 5) / _ACCUMULATE
+    pack = _median_seconds(lambda: _pack(accumulated.chunk(4)), 5) / _ACCUMULATE
 
     offer = offer_of(dialect)
     schedule = "1f1b" if "1f1b" in offer.schedules else offer.schedules[0]
@@ -407,7 +437,19 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
         "steps": measured,
         "memory": max(peak) - baseline,
         "modes": modes,
+        "accumulate": accumulate,
+        "pack": pack,
     }
+
+
+def _pack(grads: Sequence[torch.Tensor]) -> None:
+    """What a data-parallel gradient sum does around its all-reduce ([Note: packing the
+    gradients] in ``cost._predict``): the gradients into one new flat tensor, and back."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _measure_modes(

@@ -680,7 +680,11 @@ def test_measure_time_frees_every_timed_run_before_the_next() -> None:
         )
         assert profile.timing is not None
         alive = [r for r in model.outputs if r() is not None]
-        assert len(model.outputs) == 4 * (profile.timing.runs + 1)  # the warm-up too
+        # The warm-ups too, and the runs at half the micro-batch ([Note: seconds that do not
+        # scale with the micro-batch]).
+        timing = profile.timing
+        assert timing.half_batch == 512
+        assert len(model.outputs) == 4 * (timing.runs + 1 + timing.half_runs + 1)
     finally:
         if enabled:
             gc.enable()

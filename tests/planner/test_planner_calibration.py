@@ -77,6 +77,15 @@ def test_calibrate_stores_what_the_planner_then_uses(
     assert "per unit and computation" in done.stdout
     assert plan.cluster.fsdp_unit_overhead == calibration.fsdp_unit_overhead
     assert plan.cluster.tensor_module_overhead == calibration.tensor_module_overhead
+    # Adding one 64 MiB tensor into another takes time on any machine (memory-bound: between
+    # about 10 us and 100 ms per MiB), and the plan charges it per accumulated gradient.
+    assert 1e-5 / 2**20 < calibration.accumulate_seconds_per_byte < 0.1 / 2**20
+    assert "gradient accumulation" in done.stdout
+    assert plan.cluster.accumulate_seconds_per_byte == calibration.accumulate_seconds_per_byte
+    # Packing 64 MiB of gradients into a new flat tensor and copying it back, likewise.
+    assert 1e-5 / 2**20 < calibration.pack_seconds_per_byte < 0.1 / 2**20
+    assert "packing for the gradient sum" in done.stdout
+    assert plan.cluster.pack_seconds_per_byte == calibration.pack_seconds_per_byte
     best = plan.prediction(plan.layout)
     assert min(best.peak_memory) > calibration.memory_overhead
     assert load_calibration("deepspeed") is None

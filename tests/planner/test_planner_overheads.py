@@ -113,6 +113,10 @@ def test_a_stored_calibration_describes_and_carries_the_mode_costs() -> None:
         measured_at=0.0,
         fsdp_unit_overhead=0.0004,
         tensor_module_overhead=0.0025,
+        accumulate_seconds_per_byte=0.000125 / 2**20,
+        pack_seconds_per_byte=0.00075 / 2**20,
     )
     assert "FSDP 0.400 ms per unit" in cal.describe()
     assert "tensor parallelism 2.500 ms per module" in cal.describe()
+    assert "gradient accumulation 0.125 ms per MiB" in cal.describe()
+    assert "packing for the gradient sum 0.750 ms per MiB" in cal.describe()
