@@ -4,7 +4,8 @@
 - The example third-party dialect (examples/pipedialect-sendrecv, registered by its entry point)
   passes it, with plain ``pipedialect check`` and with its own CI file under plain pytest.
 - Its deliberately broken variants (tests/plugins/sendrecv_broken) each fail it with a message
-  naming the contract they break: the suite is shown to catch bugs.
+  naming the contract they break: the suite is shown to catch bugs. One ``pipedialect check``
+  runs all four, each on the tests that must catch it.
 
 The two distributions are copied and pip-installed into target directories once per session and
 put on the checks' PYTHONPATH, so entry points are found exactly as in a user's environment.
@@ -13,6 +14,7 @@ put on the checks' PYTHONPATH, so entry points are found exactly as in a user's 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -110,62 +112,78 @@ def test_example_runs_the_suite_from_its_own_test_file(
     assert "conformance of 'sendrecv': PASSED" in proc.stdout
 
 
-@pytest.mark.parametrize(
-    ("variant", "select", "expected"),
-    [
-        (
-            "notiesync",
-            "tied_training and gpt-2 and not 2x2",
-            [
-                "[ties] TestTies::test_tied_training_matches_unsplit[sendrecv-notiesync-gpt-2]",
-                "tied weights [gpt, 2 stages]: parameter wte.weight on stage 0 (rank 0) differs "
-                "from the unsplit model after step 1",
-                "tied weights [gpt, 2 stages]: parameter lm_head.weight on stage 1 (rank 1) "
-                "differs from the unsplit model after step 1",
-                "sum their gradients every step",
-            ],
-        ),
-        (
-            "nokeys",
-            "codec or matches_unsplit and mixed-2",
-            [
-                "[codec] TestCodec::test_round_trip[sendrecv-nokeys]",
-                "decode(encode(value)) differs from the value at",
-                "[training] TestTraining::test_matches_unsplit[sendrecv-nokeys-mixed-2]",
-                "boundary [mixed, 2 stages]: [Stage 1] on rank 1 received 'submod_0'",
-                "dict keys ['0', '1', '2', '3', '4', '5'] instead of ['h', 'mask', 'ids', "
-                "'scale', 'extra', 'factor']",
-            ],
-        ),
-        (
-            "reorder",
-            "matches_unsplit and skip-2",
-            [
-                "[training] TestTraining::test_matches_unsplit[sendrecv-reorder-skip-2]",
-                "boundary [skip, 2 stages]: [Stage 1] on rank 1 received 'submod_0.1' (value 1 "
-                "of 2 crossing into stage 1",
-                "the boundary's values arrive reordered",
-            ],
-        ),
-        (
-            "lossy",
-            "matches_unsplit and plain-2",
-            [
-                "[training] TestTraining::test_matches_unsplit[sendrecv-lossy-plain-2]",
-                "training equivalence [plain, 2 stages]: train_batch() of step 1 returned loss",
-                "differs from the unsplit model after step 1",
-            ],
-        ),
-    ],
+#: Each broken variant, the tests that must catch it (a ``-k`` expression) and what its part
+#: of the summary must say.
+BROKEN: tuple[tuple[str, str, list[str]], ...] = (
+    (
+        "notiesync",
+        "tied_training and gpt-2 and not 2x2",
+        [
+            "[ties] TestTies::test_tied_training_matches_unsplit[sendrecv-notiesync-gpt-2]",
+            "tied weights [gpt, 2 stages]: parameter wte.weight on stage 0 (rank 0) differs "
+            "from the unsplit model after step 1",
+            "tied weights [gpt, 2 stages]: parameter lm_head.weight on stage 1 (rank 1) "
+            "differs from the unsplit model after step 1",
+            "sum their gradients every step",
+        ],
+    ),
+    (
+        "nokeys",
+        "test_round_trip or matches_unsplit and mixed-2",
+        [
+            "[codec] TestCodec::test_round_trip[sendrecv-nokeys]",
+            "decode(encode(value)) differs from the value at",
+            "[training] TestTraining::test_matches_unsplit[sendrecv-nokeys-mixed-2]",
+            "boundary [mixed, 2 stages]: [Stage 1] on rank 1 received 'submod_0'",
+            "dict keys ['0', '1', '2', '3', '4', '5'] instead of ['h', 'mask', 'ids', "
+            "'scale', 'extra', 'factor']",
+        ],
+    ),
+    (
+        "reorder",
+        "matches_unsplit and skip-2",
+        [
+            "[training] TestTraining::test_matches_unsplit[sendrecv-reorder-skip-2]",
+            "boundary [skip, 2 stages]: [Stage 1] on rank 1 received 'submod_0.1' (value 1 "
+            "of 2 crossing into stage 1",
+            "the boundary's values arrive reordered",
+        ],
+    ),
+    (
+        "lossy",
+        "matches_unsplit and plain-2 and not 2x2",
+        [
+            "[training] TestTraining::test_matches_unsplit[sendrecv-lossy-plain-2]",
+            "training equivalence [plain, 2 stages]: train_batch() of step 1 returned loss",
+            "differs from the unsplit model after step 1",
+        ],
+    ),
 )
-def test_broken_variant_fails_naming_the_broken_contract(
-    third_party: list[Path], tmp_path: Path, variant: str, select: str, expected: list[str]
+
+
+def test_broken_variants_fail_naming_the_broken_contract(
+    third_party: list[Path], tmp_path: Path
 ) -> None:
-    name = f"sendrecv-{variant}"
-    proc = run([sys.executable, "-c", CHECK, "check", name, "-k", select], tmp_path, third_party)
+    """One ``pipedialect check`` of every broken variant, each on the tests that must catch it
+    (one interpreter for the four; each variant still has its own launches). Each variant's
+    part of the summary must say FAILED and quote what it breaks."""
+    names = [f"sendrecv-{variant}" for variant, _, _ in BROKEN]
+    select = " or ".join(f"(sendrecv-{variant} and ({k}))" for variant, k, _ in BROKEN)
+    proc = run([sys.executable, "-c", CHECK, "check", *names, "-k", select], tmp_path, third_party)
     text = summary(proc)
     assert proc.returncode == 1, text
-    assert f"conformance of {name!r}: FAILED" in text
-    flat = " ".join(text.split())
-    for fragment in expected:
-        assert " ".join(fragment.split()) in flat, fragment
+    sections = _dialect_sections(text)
+    assert sorted(sections) == sorted(names), text
+    for variant, _, expected in BROKEN:
+        name = f"sendrecv-{variant}"
+        part = sections[name]
+        assert f"conformance of {name!r}: FAILED" in part, part
+        flat = " ".join(part.split())
+        for fragment in expected:
+            assert " ".join(fragment.split()) in flat, (name, fragment)
+
+
+def _dialect_sections(text: str) -> dict[str, str]:
+    """The summary's part for each dialect, by name (each begins ``dialect 'NAME' declares``)."""
+    parts = re.split(r"^dialect '([^']+)' declares", text, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
