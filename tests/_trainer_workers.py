@@ -101,6 +101,18 @@ def train(dialect_name: str, clip: float) -> dict[str, Any]:
     }
 
 
+def _example() -> Any:
+    """examples/hf_trainer.py as a module (its folder on ``sys.path`` once)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parents[1] / "examples")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("hf_trainer")
+
+
 def run_example(*argv: str) -> dict[str, Any] | None:
     """examples/hf_trainer.py's ``main()`` in this process with ``argv``: the result line it
     prints (on the process of world rank 0), None where it prints none (the other ranks).
@@ -112,11 +124,8 @@ def run_example(*argv: str) -> dict[str, Any] | None:
     import io
     import json
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import hf_trainer as example
-
+    example = _example()
     out = io.StringIO()
     old = sys.argv
     try:
@@ -138,15 +147,11 @@ def pipeline_trainer_refusals(out: str) -> list[tuple[str, str]]:
     only fail: Trainer's default gradient_accumulation_steps=1 under 1F1B over two stages, and
     split points making three stages on two processes. Returns each error's class and message
     on this rank (every rank must raise the same one, when the trainer is built)."""
-    import sys
-    from pathlib import Path
-
     import transformers
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import hf_trainer as example
-
     from pipedialect.integrations.transformers import PipelineTrainer, PipelineTrainingArguments
+
+    example = _example()
 
     transformers.logging.set_verbosity_error()
     found = []
