@@ -30,9 +30,9 @@ Printed per workload: predicted against measured step time (targets: median rela
 10%, Spearman >= 0.8), the planner's choice against the fastest measured layout of its dialect
 and world size (target: within 5%), the predicted peak memory per rank against the measured
 growth of the resident set while it trains (benchmarks/memory.py's method: peak RSS above the
-RSS before the model is built, glibc returning freed memory at once; the data set is made
-before that baseline and the whole model built before the cut is freed before the training
-peak is sampled: neither is what the planner predicts; target: within 15%), the predicted
+RSS before the model is built; the data set is made before that baseline and the whole model
+built before the cut is freed before the training peak is sampled: neither is what the
+planner predicts; target: within 15%), the predicted
 micro-batches in flight per stage against the counted ones (emulated workloads), and rank 0's
 minor page faults per timed step (``faults``: memory the step wrote to for the first time,
 which on this machine kind costs more than the copies themselves). The ranks run on glibc's own
@@ -396,21 +396,21 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
         data = iter([_batch(workload, mbs, gen) for _ in range(m * (steps + 2))])
         gc.collect()
         baseline = _rss()
-        with _PeakRSS() as build_peak:
-            model = _model(workload, layout["scale"])
-            leaves = None if workload in REAL else LEAVES
-            plan = pipedialect.partition(model, **layout["partition"], leaf_modules=leaves)
-            module = dialect.pipe_engine(
-                plan,
-                config=config,
-                loss_fn=_loss(workload),
-                topology=layout["topology"](dialect),
-                **layout["engine"],
-            )
-            engine = dialect.runtime_engine(module, config=config)
-            del model, plan
+        model = _model(workload, layout["scale"])
+        leaves = None if workload in REAL else LEAVES
+        plan = pipedialect.partition(model, **layout["partition"], leaf_modules=leaves)
+        module = dialect.pipe_engine(
+            plan,
+            config=config,
+            loss_fn=_loss(workload),
+            topology=layout["topology"](dialect),
+            **layout["engine"],
+        )
+        engine = dialect.runtime_engine(module, config=config)
         # The whole model each rank builds before the cut is the build's, not training's: the
-        # planner predicts what training holds (a meta build never holds the whole model).
+        # planner predicts what training holds (a meta build never holds the whole model), so
+        # the peak is sampled from the first step on.
+        del model, plan
         gc.collect()
         with _PeakRSS() as peak:
             engine.train_batch(data)
@@ -436,7 +436,6 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
                 "faults": faults,
                 "in_flight": in_flight,
                 "memory": peak.peak - baseline,
-                "build_memory": build_peak.peak - baseline,
                 "pipe_rank": rank // layout["replica_size"],
             }
         )
