@@ -50,10 +50,13 @@ __all__ = ["free_port", "launch"]
 # not its parent: killed outright (SIGKILL), the launching process may linger as a zombie its
 # own parent has not reaped, which counts as gone. ``start_method="spawn"`` gives each rank a
 # fresh interpreter instead, for code that must not share the fork server's imports.
-# Of the Hugging Face packages (``_MIRRORED``), the fork server imports the modules the launching
-# process had imported when it started the server: a rank that trains a transformers model
-# imports the same ones (Trainer and a model family: about 2.5 s of CPU per rank), and a process
-# that never imported them gives its fork server nothing more to import.
+# Of the Hugging Face packages (``_MIRRORED``) and, without CUDA, of pipedialect, the fork server
+# also imports the modules the launching process had imported when it started the server: a
+# rank of a conformance case imports the suite's harness as its launcher did (pytest with it:
+# about 0.3 s of CPU per rank), one that trains a transformers model the same Trainer and model
+# family (about 2.5 s), and a process that never imported them gives its fork server nothing
+# more to import. The server is started by a process's first launch and serves every later
+# one: what a later launch needs that the first did not, its ranks import themselves.
 
 #: Modules the fork server imports once, for every rank it forks: torch, and what a rank of
 #: any built-in dialect imports while it trains (about 1-2 s of CPU per rank otherwise):
@@ -69,8 +72,8 @@ _PRELOAD = (
 )
 
 #: Packages whose modules already imported by the launching process the fork server imports too
-#: ([Note: how ranks start]).
-_MIRRORED = ("transformers", "accelerate", "safetensors")
+#: (pipedialect's as well on a machine without CUDA: [Note: how ranks start]).
+_MIRRORED: tuple[str, ...] = ("transformers", "accelerate", "safetensors")
 
 T = TypeVar("T")
 
@@ -290,10 +293,16 @@ def _context(
 
     ctx = multiprocessing.get_context("forkserver")
     preload = ["__main__", *_PRELOAD]
-    if importlib.util.find_spec("deepspeed") is not None and not torch.cuda.is_available():
-        preload += ["deepspeed", "deepspeed.pipe"]
+    mirrored = _MIRRORED
+    if not torch.cuda.is_available():
+        # DeepSpeed may initialise CUDA as it is imported, and so may any module that imports
+        # it (the DeepSpeed dialect, a launched function's module): only on a machine
+        # without CUDA does the server import them.
+        if importlib.util.find_spec("deepspeed") is not None:
+            preload += ["deepspeed", "deepspeed.pipe"]
+        mirrored += ("pipedialect",)
     # Sorted: a package before its modules.
-    preload += sorted(name for name in list(sys.modules) if name.split(".")[0] in _MIRRORED)
+    preload += sorted(name for name in list(sys.modules) if name.split(".")[0] in mirrored)
     ctx.set_forkserver_preload(preload)
     return ctx
 

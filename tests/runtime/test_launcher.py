@@ -17,6 +17,7 @@ import pytest
 # finds them in this process (test_each_launch_gives_its_ranks_...).
 import transformers.trainer  # noqa: F401
 
+import pipedialect.models  # noqa: F401
 from pipedialect import LaunchError
 from pipedialect.runtime.launch import launch
 
@@ -46,8 +47,9 @@ def test_each_launch_gives_its_ranks_this_processs_environment_path_and_director
         assert r["cwd"] == str(tmp_path)
         assert str(tmp_path / "extra") in r["path"]
         assert r["threads"] == 1  # OMP_NUM_THREADS=1, though torch was imported before
-        # What this process imported of transformers, a forked rank has without importing it.
-        assert r["transformers"] == (start_method != "spawn"), r
+        # What this process imported of transformers and pipedialect, a forked rank has
+        # without importing it.
+        assert r["transformers"] == r["pipedialect"] == (start_method != "spawn"), r
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
