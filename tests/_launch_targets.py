@@ -14,18 +14,20 @@ def report_env() -> dict[str, str]:
 
 def report_start() -> dict[str, object]:
     """What a rank inherited from the launching process: a variable, sys.path, the directory,
-    and whether transformers and a module of pipedialect that a rank does not import were
-    imported before the rank started."""
+    and whether transformers, a module of pipedialect that a rank does not import and
+    torch.export's tracer were imported before the rank started."""
     import sys
 
     preloaded = "transformers.trainer" in sys.modules
     mirrored = "pipedialect.models" in sys.modules
+    tracer = "torch.export._trace" in sys.modules
 
     import torch
 
     return {
         "transformers": preloaded,
         "pipedialect": mirrored,
+        "torch.export": tracer,
         "LATE": os.environ.get("LATE", ""),
         "path": list(sys.path),
         "cwd": str(Path.cwd()),

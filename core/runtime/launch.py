@@ -55,8 +55,10 @@ __all__ = ["free_port", "launch"]
 # rank of a conformance case imports the suite's harness as its launcher did (pytest with it:
 # about 0.3 s of CPU per rank), one that trains a transformers model the same Trainer and model
 # family (about 2.5 s), and a process that never imported them gives its fork server nothing
-# more to import. The server is started by a process's first launch and serves every later
-# one: what a later launch needs that the first did not, its ranks import themselves.
+# more to import. torch.export's tracer (0.3 s), which the first capture of a model with
+# example inputs imports, is mirrored the same way. The server is started by a process's first
+# launch and serves every later one: what a later launch needs that the first did not, its
+# ranks import themselves.
 
 #: Modules the fork server imports once, for every rank it forks: torch, and what a rank of
 #: any built-in dialect imports while it trains (about 1-2 s of CPU per rank otherwise):
@@ -303,6 +305,8 @@ def _context(
         mirrored += ("pipedialect",)
     # Sorted: a package before its modules.
     preload += sorted(name for name in list(sys.modules) if name.split(".")[0] in mirrored)
+    if "torch.export._trace" in sys.modules:
+        preload.append("torch.export._trace")
     ctx.set_forkserver_preload(preload)
     return ctx
 

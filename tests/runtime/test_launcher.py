@@ -15,6 +15,7 @@ import pytest
 
 # Imported before any launch of this module, so that the fork server started by the first one
 # finds them in this process (test_each_launch_gives_its_ranks_...).
+import torch.export._trace  # noqa: F401
 import transformers.trainer  # noqa: F401
 
 import pipedialect.models  # noqa: F401
@@ -47,9 +48,10 @@ def test_each_launch_gives_its_ranks_this_processs_environment_path_and_director
         assert r["cwd"] == str(tmp_path)
         assert str(tmp_path / "extra") in r["path"]
         assert r["threads"] == 1  # OMP_NUM_THREADS=1, though torch was imported before
-        # What this process imported of transformers and pipedialect, a forked rank has
-        # without importing it.
-        assert r["transformers"] == r["pipedialect"] == (start_method != "spawn"), r
+        # What this process imported of transformers, pipedialect and torch.export, a forked
+        # rank has without importing it.
+        forked = start_method != "spawn"
+        assert r["transformers"] == r["pipedialect"] == r["torch.export"] == forked, r
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
