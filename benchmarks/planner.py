@@ -38,7 +38,10 @@ minor page faults per timed step (``faults``: memory the step wrote to for the f
 which on this machine kind costs more than the copies themselves). The ranks run on glibc's own
 malloc thresholds, as a job does; ``--mmap-threshold 65536`` sets ``MALLOC_MMAP_THRESHOLD_``
 for every process the script starts (freed tensors then leave the resident set at once, for
-the memory column, and every large tensor is fresh memory each time it is allocated).
+the memory column, and every large tensor is fresh memory each time it is allocated: how
+benchmarks/memory.py measures). ``--heap`` prints, per rank, what the resident set's growth is
+made of: glibc's bytes in use at their peak (``mallinfo2``), the bytes it freed but kept, and
+the mapped files (the libraries' code a rank's first steps page in).
 
     python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--workloads compute,gpt]
     python benchmarks/planner.py --smoke        # a few layouts, seconds of compute: it runs

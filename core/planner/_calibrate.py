@@ -31,7 +31,7 @@ this machine by running it:
   first steps page in: 31-41 MiB of mapped files in a rank of ``benchmarks/planner.py``'s
   emulated workloads), added to every rank's predicted peak. It is measured first, in the
   fresh rank, before the measurements below run: measured after them it left out the code
-  and the heap they had already brought in (31-35 MiB per rank against 60-80 since);
+  and the heap they had already brought in (31-35 MiB per rank against 58-64 since, on 2 ranks);
 - *what each parallel mode adds per computation*: a one-stage model of ``_BLOCKS`` near-free
   blocks (each a column-wise and a row-wise linear layer) trains on every rank as plain data
   parallelism, as sharded data parallelism (one FSDP unit per block plus the root, when the
