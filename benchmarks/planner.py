@@ -30,9 +30,11 @@ Printed per workload: predicted against measured step time (targets: median rela
 10%, Spearman >= 0.8), the planner's choice against the fastest measured layout of its dialect
 and world size (target: within 5%), the predicted peak memory per rank against the measured
 growth of the resident set while it trains (benchmarks/memory.py's method: peak RSS above the
-RSS before the model is built; the data set is made before that baseline and the whole model
-built before the cut is freed before the training peak is sampled: neither is what the
-planner predicts; target: within 15%), the predicted
+RSS before the model is built; the data set and the model's weights are made before that
+baseline, and each rank builds the model on the meta device and fills only its own stages from
+those weights (``pipedialect.plan.weights.from_state_dict``): a model built for real stays
+whole in every rank as long as its engine, which is not what the planner predicts; target:
+within 15%), the predicted
 micro-batches in flight per stage against the counted ones (emulated workloads), and rank 0's
 minor page faults per timed step (``faults``: memory the step wrote to for the first time,
 which on this machine kind costs more than the copies themselves). The ranks run on glibc's own
@@ -80,6 +82,7 @@ from torch import nn
 import pipedialect
 from pipedialect.cost import Layout, predict
 from pipedialect.models import MHGPT_TENSOR_PLAN, MultiHeadGPT, TinyGPT, cross_entropy_loss
+from pipedialect.plan import from_state_dict
 from pipedialect.planner import LayoutPlan, calibrate, plan_layout, write_chrome_trace
 from pipedialect.runtime.launch import launch
 
@@ -447,11 +450,21 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
         # planner predicts.
         gen = torch.Generator().manual_seed(1 + (rank // layout["tensor"]) % layout["data"])
         data = iter([_batch(workload, mbs, gen) for _ in range(m * (steps + 2))])
+        # The weights too are made before the baseline, and the ranks build the model on the
+        # meta device and fill only their own stages from them (pipedialect.plan.weights), as
+        # a job whose model is bigger than one rank does: built for real, the whole model stays
+        # alive in every rank as long as its engine (the plan keeps every stage's modules), and
+        # the measured growth would hold every stage's parameters, which training does not
+        # need and the planner does not predict.
+        reference = _model(workload, layout["scale"])
+        weights, buffers = reference.state_dict(), dict(reference.named_buffers())
+        del reference
         gc.collect()
         baseline = _rss()
         used_before, kept_before = _heap() if layout["heap"] else (0, 0)
         file_before = _file_backed()
-        model = _model(workload, layout["scale"])
+        with torch.device("meta"):
+            model = _model(workload, layout["scale"])
         leaves = None if workload in REAL else LEAVES
         plan = pipedialect.partition(model, **layout["partition"], leaf_modules=leaves)
         module = dialect.pipe_engine(
@@ -459,12 +472,10 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
             config=config,
             loss_fn=_loss(workload),
             topology=layout["topology"](dialect),
+            init_weights=from_state_dict(weights, plan=plan, buffers=buffers),
             **layout["engine"],
         )
         engine = dialect.runtime_engine(module, config=config)
-        # The whole model each rank builds before the cut is the build's, not training's: the
-        # planner predicts what training holds (a meta build never holds the whole model), so
-        # the peak is sampled from the first step on.
         del model, plan
         gc.collect()
         with _PeakRSS(layout["heap"]) as peak:
@@ -497,6 +508,7 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
                     peak.peak_used - used_before,
                     peak.kept_at_peak - kept_before,
                     peak.file_at_peak - file_before,
+                    (_heap()[0] if layout["heap"] else 0) - used_before,
                 ),
                 "pipe_rank": rank // layout["replica_size"],
             }
@@ -699,12 +711,13 @@ def main() -> None:
             if opts.heap:
                 before = _memory_before(plan, lay)
                 for r in per_rank:
-                    used, kept, files = r[i]["heap"]
+                    used, kept, files, between = r[i]["heap"]
                     rank = r[i]["pipe_rank"]
                     print(
                         f"heap {workload} {dialect} {lay.describe()} pipeline rank {rank}: "
                         f"resident set +{r[i]['memory'] / 2**20:.0f} MiB, glibc in use "
-                        f"+{used / 2**20:.0f} MiB at its peak, +{kept / 2**20:.0f} MiB freed "
+                        f"+{used / 2**20:.0f} MiB at its peak (+{between / 2**20:.0f} after the "
+                        f"last step), +{kept / 2**20:.0f} MiB freed "
                         f"but kept and +{files / 2**20:.0f} MiB of mapped files (libraries' "
                         "code) at the resident set's peak; predicted "
                         f"{pred.peak_memory[rank] / 2**20:.0f} MiB "
