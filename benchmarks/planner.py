@@ -30,15 +30,20 @@ Printed per workload: predicted against measured step time (targets: median rela
 10%, Spearman >= 0.8), the planner's choice against the fastest measured layout of its dialect
 and world size (target: within 5%), the predicted peak memory per rank against the measured
 growth of the resident set while it trains (benchmarks/memory.py's method: peak RSS above the
-RSS before the model is built; the data set is made before that baseline and the whole model
-built before the cut is freed before the training peak is sampled: neither is what the
-planner predicts; target: within 15%), the predicted
+RSS before the model is built; the data set and the model's weights are made before that
+baseline, and each rank builds the model on the meta device and fills only its own stages from
+those weights (``pipedialect.plan.weights.from_state_dict``): a model built for real stays
+whole in every rank as long as its engine, which is not what the planner predicts; target:
+within 15%), the predicted
 micro-batches in flight per stage against the counted ones (emulated workloads), and rank 0's
 minor page faults per timed step (``faults``: memory the step wrote to for the first time,
 which on this machine kind costs more than the copies themselves). The ranks run on glibc's own
 malloc thresholds, as a job does; ``--mmap-threshold 65536`` sets ``MALLOC_MMAP_THRESHOLD_``
 for every process the script starts (freed tensors then leave the resident set at once, for
-the memory column, and every large tensor is fresh memory each time it is allocated).
+the memory column, and every large tensor is fresh memory each time it is allocated: how
+benchmarks/memory.py measures). ``--heap`` prints, per rank, what the resident set's growth is
+made of: glibc's bytes in use at their peak (``mallinfo2``), the bytes it freed but kept, and
+the mapped files (the libraries' code a rank's first steps page in).
 
     python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--workloads compute,gpt]
     python benchmarks/planner.py --smoke        # a few layouts, seconds of compute: it runs
@@ -56,6 +61,7 @@ minutes on 2 idle cores.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import resource
@@ -76,6 +82,7 @@ from torch import nn
 import pipedialect
 from pipedialect.cost import Layout, predict
 from pipedialect.models import MHGPT_TENSOR_PLAN, MultiHeadGPT, TinyGPT, cross_entropy_loss
+from pipedialect.plan import from_state_dict
 from pipedialect.planner import LayoutPlan, calibrate, plan_layout, write_chrome_trace
 from pipedialect.runtime.launch import launch
 
@@ -330,17 +337,66 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-class _PeakRSS:
-    """Samples the resident set every millisecond while running (the peak above a baseline)."""
+def _file_backed() -> int:
+    """The resident pages that map files (the libraries' code and data) and shared memory."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[2]) * resource.getpagesize()
 
-    def __init__(self) -> None:
+
+class _Mallinfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (every arena summed)."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _heap() -> tuple[int, int]:
+    """glibc's bytes in use (heap chunks and mmapped ones) and bytes freed but kept in its
+    arenas; (0, 0) where the C library has no ``mallinfo2``."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        return 0, 0
+    libc.mallinfo2.restype = _Mallinfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd, info.fordblks
+
+
+class _PeakRSS:
+    """Samples the resident set every millisecond while running (the peak above a baseline);
+    with ``heap``, glibc's bytes in use too (their peak, and the bytes freed but kept at the
+    resident set's peak)."""
+
+    def __init__(self, heap: bool = False) -> None:
         self.peak = 0
+        self.heap = heap
+        self.peak_used = 0
+        self.kept_at_peak = 0
+        self.file_at_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
+            rss = _rss()
+            used, kept = _heap() if self.heap else (0, 0)
+            self.peak_used = max(self.peak_used, used)
+            if rss > self.peak:
+                self.peak, self.kept_at_peak = rss, kept
+                if self.heap:
+                    self.file_at_peak = _file_backed()
             time.sleep(0.001)
 
     def __enter__(self) -> _PeakRSS:
@@ -394,9 +450,21 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
         # planner predicts.
         gen = torch.Generator().manual_seed(1 + (rank // layout["tensor"]) % layout["data"])
         data = iter([_batch(workload, mbs, gen) for _ in range(m * (steps + 2))])
+        # The weights too are made before the baseline, and the ranks build the model on the
+        # meta device and fill only their own stages from them (pipedialect.plan.weights), as
+        # a job whose model is bigger than one rank does: built for real, the whole model stays
+        # alive in every rank as long as its engine (the plan keeps every stage's modules), and
+        # the measured growth would hold every stage's parameters, which training does not
+        # need and the planner does not predict.
+        reference = _model(workload, layout["scale"])
+        weights, buffers = reference.state_dict(), dict(reference.named_buffers())
+        del reference
         gc.collect()
         baseline = _rss()
-        model = _model(workload, layout["scale"])
+        used_before, kept_before = _heap() if layout["heap"] else (0, 0)
+        file_before = _file_backed()
+        with torch.device("meta"):
+            model = _model(workload, layout["scale"])
         leaves = None if workload in REAL else LEAVES
         plan = pipedialect.partition(model, **layout["partition"], leaf_modules=leaves)
         module = dialect.pipe_engine(
@@ -404,15 +472,13 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
             config=config,
             loss_fn=_loss(workload),
             topology=layout["topology"](dialect),
+            init_weights=from_state_dict(weights, plan=plan, buffers=buffers),
             **layout["engine"],
         )
         engine = dialect.runtime_engine(module, config=config)
-        # The whole model each rank builds before the cut is the build's, not training's: the
-        # planner predicts what training holds (a meta build never holds the whole model), so
-        # the peak is sampled from the first step on.
         del model, plan
         gc.collect()
-        with _PeakRSS() as peak:
+        with _PeakRSS(layout["heap"]) as peak:
             engine.train_batch(data)
             dist.barrier()
             durations = []
@@ -436,6 +502,14 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
                 "faults": faults,
                 "in_flight": in_flight,
                 "memory": peak.peak - baseline,
+                # glibc's bytes in use at their peak and freed-but-kept at the RSS peak, above
+                # the baseline (--heap).
+                "heap": (
+                    peak.peak_used - used_before,
+                    peak.kept_at_peak - kept_before,
+                    peak.file_at_peak - file_before,
+                    (_heap()[0] if layout["heap"] else 0) - used_before,
+                ),
                 "pipe_rank": rank // layout["replica_size"],
             }
         )
@@ -570,6 +644,13 @@ def main() -> None:
         "at once, for the memory column; every large tensor is then fresh memory). Default: "
         "glibc's own thresholds, as a job runs",
     )
+    parser.add_argument(
+        "--heap",
+        action="store_true",
+        help="print per rank glibc's bytes in use at their peak and those freed but kept at the "
+        "resident set's peak (mallinfo2), beside the prediction with and without the boundary "
+        "buffers and packed gradients",
+    )
     opts = _smoke.parse_args(parser, {"steps": 1, "scale": 0.05, "select": SMOKE, "repeats": 1})
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime: {load}")
@@ -607,7 +688,10 @@ def main() -> None:
         runs = [_find(plan, s) for s in group]
         if chosen not in runs:
             runs.append(chosen)
-        payload = [_payload(plan, lay, workload, dialect, opts.scale) for lay in runs]
+        payload = [
+            {**_payload(plan, lay, workload, dialect, opts.scale), "heap": opts.heap}
+            for lay in runs
+        ]
         if opts.isolate:
             # One launch per layout: each rank's peak is a one-layout job's (lazy inits and the
             # first engine included), as the memory target needs.
@@ -624,6 +708,22 @@ def main() -> None:
             for r in per_rank:
                 counted.update(r[i]["in_flight"])
                 memory[r[i]["pipe_rank"]] = max(memory.get(r[i]["pipe_rank"], 0), r[i]["memory"])
+            if opts.heap:
+                before = _memory_before(plan, lay)
+                for r in per_rank:
+                    used, kept, files, between = r[i]["heap"]
+                    rank = r[i]["pipe_rank"]
+                    print(
+                        f"heap {workload} {dialect} {lay.describe()} pipeline rank {rank}: "
+                        f"resident set +{r[i]['memory'] / 2**20:.0f} MiB, glibc in use "
+                        f"+{used / 2**20:.0f} MiB at its peak (+{between / 2**20:.0f} after the "
+                        f"last step), +{kept / 2**20:.0f} MiB freed "
+                        f"but kept and +{files / 2**20:.0f} MiB of mapped files (libraries' "
+                        "code) at the resident set's peak; predicted "
+                        f"{pred.peak_memory[rank] / 2**20:.0f} MiB "
+                        f"({before[rank] / 2**20:.0f} without the boundary buffers and packed "
+                        "gradients)"
+                    )
             rows.append(
                 {
                     "before": _before(plan, lay),
@@ -663,6 +763,20 @@ def _before(plan: LayoutPlan, lay: Layout) -> float:
         split_first_stage=plan.offer.split_first_stage,
         queue_messages=False,
     ).step_time
+
+
+def _memory_before(plan: LayoutPlan, lay: Layout) -> tuple[float, ...]:
+    """The peak memory per rank ``lay`` is predicted without what its boundaries and packed
+    gradients hold (the memory model before it had them), for ``--heap``."""
+    program = plan.programs[(lay.schedule, lay.pipeline, lay.micro_batches, lay.stages_per_rank)]
+    return predict(
+        plan.chains[lay.recompute or ""],
+        lay,
+        plan.cluster,
+        program,
+        split_first_stage=plan.offer.split_first_stage,
+        runtime_buffers=False,
+    ).peak_memory
 
 
 def _verdict(ok: bool) -> str:

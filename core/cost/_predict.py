@@ -42,12 +42,48 @@ stages its split points make, every stage gets:
   a stage under ``fsdp`` holds ``2 T`` beyond its shards: with Adam and ``d = 2`` as much as
   under ``ddp``; sharding saves memory between steps and, during them, only from ``d > 2`` on.
   Activations: the bytes the stage's forward saves, scaled by ``b / batch`` (the tensor-parallel
-  part divided by ``t``), times the micro-batches in flight that the simulation counts.
+  part divided by ``t``), times the micro-batches in flight that the simulation counts. The
+  boundaries: the stage's output kept for its backward per micro-batch in flight, the
+  runtime's receive buffers for the whole step, the input gradient while a backward makes it
+  ([Note: boundary buffers]). A data-parallel gradient sum under ``ddp`` holds the rank's
+  gradients once more, packed into one flat tensor, while its ``ALL_REDUCE`` runs ([Note:
+  packing the gradients]). The calibrated ``memory_overhead`` is added to every rank.
 
 What is left out: overlap of communication with computation beyond what the program's order
 allows, contention between a rank's messages and its collectives (its own messages queue on
-its link: [Note: simulation]), and memory that is neither state nor saved
-activations (allocator fragmentation, workspace, the received boundary buffers).
+its link: [Note: simulation]), and memory that is neither state, saved activations nor a
+boundary: the temporaries of one computation (a forward's intermediate results before the
+next operation frees them, the loss and its gradient on the last stage, a weight gradient
+before it is added into the accumulated one), and what the allocator keeps after a free
+(glibc's heap: freed chunks stay in the resident set until the top of the heap is trimmed,
+which depends on the order of the frees; measured as ``memory.py`` does, with
+``MALLOC_MMAP_THRESHOLD_=65536``, large tensors are mappings of their own and leave the
+resident set when freed).
+
+[Note: boundary buffers]
+Besides what a stage's forward saves, the runtime holds the tensors that cross its boundaries,
+each ``B`` bytes per micro-batch (the chain's boundary bytes scaled by ``b / batch``):
+
+- the output of every micro-batch in flight, until its backward (torch's ``PipelineStage``
+  keeps it in ``fwd_cache``, DeepSpeed in its output buffers): an operation rarely saves its
+  own output, so the forward's saved bytes do not hold it;
+- the received activations and gradients. torch's ``PipelineStage`` allocates a receive buffer
+  for every micro-batch of the step, for the activations (every stage whose previous stage is
+  on another rank) and for their gradients (every stage whose next one is), when the first
+  step starts; they stay until the stage is dropped: ``m`` of each, whatever is in flight.
+  DeepSpeed's engine receives into one buffer of each and copies each received activation out
+  of it, into a buffer kept per micro-batch in flight: one buffer each, plus the input per
+  micro-batch in flight. A stage whose next stage runs on the same rank (the V-shaped
+  schedules) hands its output over without a buffer;
+- the gradient of a stage's input, which a backward (``B`` or ``I``) makes while the
+  received output gradient still exists: ``B`` during the backward ([Note: simulation]).
+
+The received input is counted apart from the forward's saved bytes: where the stage's first
+operation saves its input, that input is counted twice, ``B`` per micro-batch in flight too
+many. Measured (``benchmarks/planner.py`` on the communication workload, 8 MiB per micro-batch
+across the boundary, p=2 m=4, ``MALLOC_MMAP_THRESHOLD_=65536``), glibc's bytes in use at the
+peak grew by 158/157 MiB on the torch dialect's two ranks and 159/149 on DeepSpeed's against
+76/44 predicted without these terms: the receive buffers alone are 32 MiB per torch rank.
 """
 
 from __future__ import annotations
@@ -307,7 +343,9 @@ def gradient_sum(nbytes: float, replicas: int, cluster: Cluster) -> float:
     95 ms into a buffer reused), the all-reduce 222-237 ms, the copy back 40-42 ms, so the
     all-reduce alone was under half the sum. :func:`~pipedialect.planner.calibrate` measures
     the packing and the copy back per byte (``pack_seconds_per_byte``, every rank at once, 64
-    MiB of gradients); smaller gradients may land in reused heap memory and cost less.
+    MiB of gradients); smaller gradients may land in reused heap memory and cost less. The
+    flat tensor also holds the rank's gradient bytes once more while the all-reduce runs: the
+    simulator adds them to the rank's memory during its ``ALL_REDUCE``.
     """
     if replicas <= 1 or nbytes <= 0:
         return 0.0
@@ -414,6 +452,42 @@ def stage_inputs(
     return StageInputs(times, memory, base, trainable / shard, trainable, message)
 
 
+@dataclass(frozen=True)
+class BoundaryMemory:
+    """Bytes one stage's boundaries hold ([Note: boundary buffers])."""
+
+    #: Per micro-batch in flight: the output kept for the backward, and under a reused
+    #: receive buffer the input copied out of it.
+    per_micro_batch: float
+    #: For the whole step: the receive buffers.
+    kept: float
+    #: While a backward runs: the input gradient it makes.
+    backward: float
+
+
+def boundary_memory(
+    profiles: Sequence[StageProfile], layout: Layout, chain: Chain, program: Program
+) -> list[BoundaryMemory]:
+    """What each stage's boundaries hold under ``program``'s runtime ([Note: boundary
+    buffers])."""
+    scale = layout.micro_batch_size / chain.batch
+    sent = [s.boundary_bytes * scale for s in profiles]
+    place = program.placement
+    n, m = len(profiles), layout.micro_batches
+    out = []
+    for k in range(n):
+        received = sent[k - 1] if k > 0 else 0.0
+        # Buffers only where the neighbour is on another rank.
+        remote_in = received if k > 0 and place[k - 1] != place[k] else 0.0
+        remote_out = sent[k] if k < n - 1 and place[k + 1] != place[k] else 0.0
+        if program.receive_buffer_per_micro_batch:
+            kept, copied = m * (remote_in + remote_out), 0.0
+        else:
+            kept, copied = remote_in + remote_out, remote_in
+        out.append(BoundaryMemory(per_micro_batch=sent[k] + copied, kept=kept, backward=received))
+    return out
+
+
 def predict(
     chain: Chain,
     layout: Layout,
@@ -423,6 +497,7 @@ def predict(
     split_first_stage: bool = True,
     without_communication: bool = False,
     queue_messages: bool = True,
+    runtime_buffers: bool = True,
 ) -> Prediction:
     """Predict one layout: its stages' costs ([Note: cost model]) replayed by the simulator.
 
@@ -437,6 +512,9 @@ def predict(
         without_communication: predict as if every message and collective were free (what the
             planner compares against to tell communication from bubble).
         queue_messages: as :func:`~pipedialect.planner.simulate` takes it.
+        runtime_buffers: False to leave out what the boundaries and the packed gradients hold
+            ([Note: boundary buffers], [Note: packing the gradients]): the memory model before
+            it had them, for comparisons.
     """
     if program.num_stages != layout.num_stages or program.micro_batches != layout.micro_batches:
         raise ConfigError(f"the program does not fit the layout {layout.describe()}")
@@ -453,13 +531,27 @@ def predict(
     gradient = [0.0] * p
     trainable = [0.0] * p
     base = [0.0] * p
-    for k, inp in enumerate(inputs):
+    memory = []
+    held = boundary_memory(profiles, layout, chain, program)
+    if not runtime_buffers:
+        held = [BoundaryMemory(0.0, 0.0, 0.0)] * len(held)
+    for k, (inp, buffers) in enumerate(zip(inputs, held, strict=True)):
         r = program.placement[k]
         gradient[r] += inp.gradient
         trainable[r] += inp.trainable
-        base[r] += inp.base
+        base[r] += inp.base + buffers.kept
+        memory.append(
+            replace(
+                inp.memory,
+                activation=inp.memory.activation + buffers.per_micro_batch,
+                transient=inp.memory.transient + buffers.backward,
+            )
+        )
     ddp = layout.data_parallel_mode != "fsdp"
     all_reduce = [gradient_sum(g, layout.data_parallel, cluster) if ddp else 0.0 for g in gradient]
+    # The gradient sum packs the rank's gradients into one new flat tensor ([Note: packing the
+    # gradients]): held beside them while the all-reduce runs.
+    packed = [g if ddp and layout.data_parallel > 1 and runtime_buffers else 0.0 for g in gradient]
     optimizer = [cluster.optimizer_seconds_per_byte * b for b in trainable]
     simulation = simulate(
         program,
@@ -467,8 +559,9 @@ def predict(
         boundaries=[i.message for i in inputs[:-1]],
         all_reduce=all_reduce,
         optimizer=optimizer,
-        memory=[i.memory for i in inputs],
+        memory=memory,
         base_memory=base,
+        all_reduce_memory=packed,
         queue_messages=queue_messages,
         cores=cluster.cores if chain.cpu_share else None,
         threads=chain.threads,

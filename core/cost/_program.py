@@ -97,6 +97,10 @@ class Program:
     ranks: tuple[tuple[Action, ...], ...]
     #: Whether a send waits for its receive (True) or only the receiver waits (False).
     blocking_p2p: bool = False
+    #: Whether a stage keeps a receive buffer for every micro-batch of the step (torch's
+    #: ``PipelineStage``) or one it reuses, copying each received activation out of it
+    #: (DeepSpeed's engine): [Note: boundary buffers] in ``cost._predict``.
+    receive_buffer_per_micro_batch: bool = True
 
     def __post_init__(self) -> None:
         if len(self.placement) != self.num_stages:

@@ -248,7 +248,15 @@ def deepspeed_program(num_stages: int, micro_batches: int) -> Program:
             previous = mb
         actions += [Action(ActionKind.ALL_REDUCE, -1), Action(ActionKind.OPTIMIZER, -1)]
         ranks.append(tuple(actions))
-    program = Program("deepspeed_1f1b", p, m, tuple(range(p)), tuple(ranks), blocking_p2p=True)
+    program = Program(
+        "deepspeed_1f1b",
+        p,
+        m,
+        tuple(range(p)),
+        tuple(ranks),
+        blocking_p2p=True,
+        receive_buffer_per_micro_batch=False,
+    )
     check_complete(program)
     return program
 

@@ -36,7 +36,8 @@ are exact whatever the costs; memory is the rank's base bytes plus, during every
 order, each stage's in-flight count times its activation bytes, the gathered parameters between
 ``ALL_GATHER`` and ``RESHARD``, and unsharded gradients from a stage's first backward to its
 ``REDUCE_GRAD`` (a backward holds its micro-batch's activations and the gradients it makes at
-once).
+once), plus what one action holds only while it runs: a backward's ``transient`` bytes, an
+``ALL_REDUCE``'s packed gradients.
 
 [Note: gradient accumulation]
 The model's backward is timed with ``torch.autograd.grad``, which returns the weight gradients
@@ -143,7 +144,8 @@ class StageMemory:
     gathered: float = 0.0
     #: From its first backward to its ``REDUCE_GRAD``: gradients before they are sharded.
     gradient: float = 0.0
-    #: While one of its backward passes runs: what a recomputation re-materialises.
+    #: While one of its backward passes runs (``B``, or the input pass ``I``): what a
+    #: recomputation re-materialises and the input gradient it makes.
     transient: float = 0.0
 
 
@@ -229,6 +231,7 @@ def simulate(
     optimizer: Sequence[float] | float = 0.0,
     memory: Sequence[StageMemory] | None = None,
     base_memory: Sequence[float] | float = 0.0,
+    all_reduce_memory: Sequence[float] | float = 0.0,
     steps: int = 1,
     barrier: bool = True,
     queue_messages: bool = True,
@@ -248,6 +251,9 @@ def simulate(
         memory: one :class:`StageMemory` per stage, for :attr:`Simulation.peak_memory`.
         base_memory: bytes each rank always holds (its parameters and optimizer state), or one
             value for all.
+        all_reduce_memory: bytes each rank holds beyond its base while its ``ALL_REDUCE``
+            runs (the packed gradients, [Note: packing the gradients] in ``cost._predict``), or
+            one value for all.
         steps: consecutive steps to run; above 1 the step time is the steady period.
         barrier: whether every step ends with a barrier over all ranks.
         queue_messages: whether a rank's asynchronous messages leave one after another on its
@@ -514,7 +520,9 @@ def simulate(
     for s in spans:
         if s.step == 0 and s.kind in _COMPUTE_SPANS:
             busy[s.rank] += s.end - s.start
-    in_flight, rank_in_flight, peak = _occupancy(program, stages, memory, base_memory)
+    in_flight, rank_in_flight, peak = _occupancy(
+        program, stages, memory, base_memory, _per(all_reduce_memory, p, "all_reduce_memory")
+    )
     return Simulation(
         program=program,
         step_time=step_time,
@@ -618,6 +626,7 @@ def _occupancy(
     stages: Sequence[StageTimes],
     memory: Sequence[StageMemory] | None,
     base_memory: Sequence[float] | float,
+    all_reduce_memory: Sequence[float],
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...] | None]:
     """Peak in-flight counts per stage and per rank, and peak bytes per rank, from each rank's
     order ([Note: simulation])."""
@@ -652,6 +661,8 @@ def _occupancy(
                     )
                 elif a.kind == _K.ALL_GATHER:
                     gathered[s] = True
+                elif a.kind == _K.ALL_REDUCE:
+                    during = all_reduce_memory[r]
                 for k in program.stages_of(r):
                     peak_stage[k] = max(peak_stage[k], count[k])
                 peak_rank[r] = max(peak_rank[r], sum(count))

@@ -27,8 +27,11 @@ this machine by running it:
   copies it back into them (what a data-parallel gradient sum does around its all-reduce,
   [Note: packing the gradients] in ``cost._predict``): ``pack_seconds_per_byte``;
 - *the runtime's memory*: the resident set each rank grows by while it builds and trains the
-  near-free model (the engine's buffers, caches, the process group's), added to every rank's
-  predicted peak;
+  near-free model (the engine's buffers, caches, the process group's, and the library code the
+  first steps page in: 31-41 MiB of mapped files in a rank of ``benchmarks/planner.py``'s
+  emulated workloads), added to every rank's predicted peak. It is measured first, in the
+  fresh rank, before the measurements below run: measured after them it left out the code
+  and the heap they had already brought in (31-35 MiB per rank against 58-64 since, on 2 ranks);
 - *what each parallel mode adds per computation*: a one-stage model of ``_BLOCKS`` near-free
   blocks (each a column-wise and a row-wise linear layer) trains on every rank as plain data
   parallelism, as sharded data parallelism (one FSDP unit per block plus the root, when the
@@ -364,6 +367,39 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
     dialect.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     nxt, prv = (rank + 1) % world, (rank - 1) % world
+    offer = offer_of(dialect)
+    schedule = "1f1b" if "1f1b" in offer.schedules else offer.schedules[0]
+    measured: dict[int, float] = {}
+    import gc
+
+    # First, from a fresh rank: the runtime's memory is what a job's rank grows by, the code
+    # its first step pages in included, not what is left after the measurements below ran.
+    gc.collect()
+    baseline = _rss()
+    peak = [baseline]
+    for per_rank in _COUNTS:
+        m = per_rank * world
+        layout = Layout(
+            dialect=dialect.name,
+            schedule=schedule,
+            pipeline=world,
+            stages_per_rank=1,
+            data_parallel=1,
+            data_parallel_mode="ddp",
+            tensor_parallel=1,
+            micro_batches=m,
+            micro_batch_size=2,
+            recompute=None,
+            split_points=tuple(f"blocks.{k}" for k in range(world - 1)),
+            engine_options=(("schedule", schedule),) if offer.schedule_option else (),
+        )
+        engine = _engine(dialect, layout, _Free(world))
+        batches = iter([(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(m * (steps + 1))])
+        engine.train_batch(batches)
+        peak.append(_rss())
+        measured[m] = _median_seconds(functools.partial(engine.train_batch, batches), steps)
+        peak.append(_rss())
+        del engine
 
     def exchange(nbytes: int) -> Any:
         out = torch.zeros(nbytes // 4)
@@ -395,37 +431,6 @@ def _rank(dialect_name: str, steps: int) -> dict[str, Any]:
     accumulate = _median_seconds(lambda: accumulated.add_(gradient), 5) / _ACCUMULATE
     pack = _median_seconds(lambda: _pack(accumulated.chunk(4)), 5) / _ACCUMULATE
 
-    offer = offer_of(dialect)
-    schedule = "1f1b" if "1f1b" in offer.schedules else offer.schedules[0]
-    measured: dict[int, float] = {}
-    import gc
-
-    gc.collect()
-    baseline = _rss()
-    peak = [baseline]
-    for per_rank in _COUNTS:
-        m = per_rank * world
-        layout = Layout(
-            dialect=dialect.name,
-            schedule=schedule,
-            pipeline=world,
-            stages_per_rank=1,
-            data_parallel=1,
-            data_parallel_mode="ddp",
-            tensor_parallel=1,
-            micro_batches=m,
-            micro_batch_size=2,
-            recompute=None,
-            split_points=tuple(f"blocks.{k}" for k in range(world - 1)),
-            engine_options=(("schedule", schedule),) if offer.schedule_option else (),
-        )
-        engine = _engine(dialect, layout, _Free(world))
-        batches = iter([(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(m * (steps + 1))])
-        engine.train_batch(batches)
-        peak.append(_rss())
-        measured[m] = _median_seconds(functools.partial(engine.train_batch, batches), steps)
-        peak.append(_rss())
-        del engine
     modes = _measure_modes(dialect, offer, schedule, rank, world, steps)
     return {
         "latency": latency,

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipedialect.cost import Cluster, Layout, model_chains, predict
+from pipedialect.cost import Atom, Chain, Cluster, Layout, model_chains, predict
+from pipedialect.cost._predict import boundary_memory
 from pipedialect.planner import build_program
 
 DIM, HIDDEN, BATCH = 16, 64, 4
@@ -27,8 +28,13 @@ def test_a_recomputed_stage_holds_one_blocks_activations_again_in_its_backward()
     read by both the ReLU's and the second product's backward): 1280 bytes. Recomputed, a
     stage keeps each block's input per micro-batch in flight, and while a backward runs one
     block's 1280 bytes again; the predicted peak of 1F1B's first stage (two micro-batches in
-    flight) is its state plus 2 x 2 x 256 plus 1280 bytes, by hand."""
+    flight) is its state plus 2 x 2 x 256 plus 1280 bytes, by hand. Beside them the boundary
+    (BATCH x DIM floats, 256 bytes): the stage's output per micro-batch in flight (2 x 256) and
+    torch's receive buffers for the output's gradient, one per micro-batch of the step
+    (4 x 256)."""
     per_block = BATCH * (DIM + HIDDEN) * 4
+    boundary = BATCH * DIM * 4
+    buffers = 4 * boundary + 2 * boundary
     chains = model_chains(
         _model(),
         {"input": torch.randn(BATCH, DIM)},
@@ -61,9 +67,9 @@ def test_a_recomputed_stage_holds_one_blocks_activations_again_in_its_backward()
         peak = predict(chain, layout, cluster, program).peak_memory[0]
         state = 2 * params  # weights and gradients
         if label is None:
-            assert peak == pytest.approx(state + 2 * 2 * per_block)
+            assert peak == pytest.approx(state + 2 * 2 * per_block + buffers)
         else:
-            assert peak == pytest.approx(state + 2 * 2 * BATCH * DIM * 4 + per_block)
+            assert peak == pytest.approx(state + 2 * 2 * BATCH * DIM * 4 + per_block + buffers)
 
 
 def test_a_sharded_stage_holds_its_shards_beside_the_whole_parameters_and_gradients() -> None:
@@ -74,8 +80,11 @@ def test_a_sharded_stage_holds_its_shards_beside_the_whole_parameters_and_gradie
     gradients on top of the shards, whatever the number of replicas. So at the reduce-scatter of
     rank 0 (1F1B, p=2, d replicas, no optimizer state) the peak is, by hand: the parameter and
     gradient shards (2 x T / d), the gathered parameters (T), the whole gradients (T), and the
-    activations of the micro-batch in flight then (one: the last backward)."""
+    activations of the micro-batch in flight then (one: the last backward), and the boundary's
+    buffers ([Note: boundary buffers]): the stage's output per micro-batch in flight and one
+    receive buffer per micro-batch for its gradient."""
     per_block = BATCH * (DIM + HIDDEN) * 4
+    boundary = BATCH * DIM * 4
     chain = model_chains(_model(), {"input": torch.randn(BATCH, DIM)}, flops_per_second=1e9)[""]
     program = build_program("1f1b", 2, 4, 1)
     params = sum(p.numel() * 4 for p in _model()[:2].parameters())
@@ -100,5 +109,74 @@ def test_a_sharded_stage_holds_its_shards_beside_the_whole_parameters_and_gradie
         peak = predict(chain, layout, cluster, program).peak_memory[0]
         # The largest of: two micro-batches in flight before any gradient exists, or the
         # whole gradients from the first backward on (then at most two in flight).
-        expected = 2 * params / d + params + params + 2 * 2 * per_block
+        expected = 2 * params / d + params + params + 2 * (2 * per_block + boundary)
+        expected += 4 * boundary
         assert peak == pytest.approx(expected), d
+
+
+def _boundary_chain(stages: int) -> Chain:
+    """``stages`` atoms of 10 trainable bytes, each saving 100 bytes per micro-batch, 50 bytes
+    across every cut, at one sample per micro-batch."""
+    atoms = tuple(
+        Atom(forward=1.0, backward=2.0, parameters={f"w{k}": 10}, saved={k: 100})
+        for k in range(stages)
+    )
+    return Chain(atoms, tuple(f"a{k}" for k in range(stages - 1)), (50,) * (stages - 1))
+
+
+def _pipeline(schedule: str, v: int = 1) -> Layout:
+    return Layout(
+        dialect="deepspeed" if schedule == "deepspeed_1f1b" else "torch",
+        schedule=schedule,
+        pipeline=2,
+        stages_per_rank=v,
+        data_parallel=1,
+        data_parallel_mode="ddp",
+        tensor_parallel=1,
+        micro_batches=4,
+        micro_batch_size=1,
+        recompute=None,
+        split_points=tuple(f"a{k}" for k in range(2 * v - 1)),
+        cuts=tuple(range(2 * v - 1)),
+    )
+
+
+def test_the_boundaries_hold_the_runtimes_buffers_by_hand() -> None:
+    """Two stages of 20 bytes of state (weights and gradients) and 100 saved per micro-batch,
+    50 bytes across the cut, 4 micro-batches ([Note: boundary buffers]).
+
+    torch's 1F1B (its ``PipelineStage`` allocates a receive buffer per micro-batch): rank 0
+    keeps two micro-batches in flight, each with its output (50), and 4 receive buffers for the
+    output's gradient: 20 + 2 x (100 + 50) + 4 x 50 = 520. Rank 1: one in flight, 4 receive
+    buffers for the activations, and the input gradient (50) while its backward runs: 20 + 100
+    + 4 x 50 + 50 = 370.
+
+    DeepSpeed's 1F1B (one receive buffer each way, the activation copied out of it): rank 0:
+    20 + 2 x (100 + 50) + 50 = 370; rank 1: 20 + (100 + 50) + 50 + 50 = 270. Without the
+    boundaries both would read 220 and 120."""
+    chain = _boundary_chain(2)
+    cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=1e9, optimizer_states=0)
+    torch_peak = predict(
+        chain, _pipeline("1f1b"), cluster, build_program("1f1b", 2, 4, 1)
+    ).peak_memory
+    assert torch_peak == pytest.approx((520.0, 370.0))
+    deepspeed_peak = predict(
+        chain, _pipeline("deepspeed_1f1b"), cluster, build_program("deepspeed_1f1b", 2, 4, 1)
+    ).peak_memory
+    assert deepspeed_peak == pytest.approx((370.0, 270.0))
+
+
+def test_a_neighbour_on_the_same_rank_needs_no_receive_buffer() -> None:
+    """ZBV on 2 ranks places stages 0 and 3 on rank 0, 1 and 2 on rank 1: stage 1 hands its
+    output to stage 2 in the same process. Receive buffers (4 micro-batches of 50 bytes) only
+    where the neighbour is remote: stage 0 for its output's gradient, stage 1 for its input,
+    stage 2 for its output's gradient, stage 3 for its input; every stage but the last keeps
+    its output per micro-batch in flight, every stage but the first makes an input gradient."""
+    program = build_program("zbv_zero_bubble", 2, 4, 2)
+    assert program.placement == (0, 1, 1, 0)
+    chain = _boundary_chain(4)
+    layout = _pipeline("zbv_zero_bubble", v=2)
+    got = boundary_memory(chain.stages(layout.cuts), layout, chain, program)
+    assert [b.kept for b in got] == [200.0, 200.0, 200.0, 200.0]
+    assert [b.per_micro_batch for b in got] == [50.0, 50.0, 50.0, 0.0]
+    assert [b.backward for b in got] == [0.0, 50.0, 50.0, 50.0]

@@ -275,12 +275,17 @@ def test_state_per_rank_under_ddp_and_fsdp() -> None:
     (100 + 100) * (1 + 1 + 2) + 20 = 820 bytes and 16 of activations per micro-batch. Over two
     replicas, FSDP keeps 800 / 2 + 20 = 420 always, and the whole 200 of gathered parameters
     and the whole 200 of unsharded gradients beside the shards while the stage computes: 836 at
-    the peak, with one micro-batch."""
+    the peak, with one micro-batch. DDP's gradient sum packs the 200 bytes of gradients into a
+    flat tensor of their own while it all-reduces them: 820 + 200 at its peak, above the 836
+    of the backward."""
     chain = _two_atoms()
     cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=100.0)
     program = build_program("gpipe", 1, 1, 1)
     ddp = predict(chain, one_stage_layout(data_parallel=2), cluster, program)
-    assert ddp.peak_memory == (820.0 + 16.0,)
+    assert ddp.peak_memory == (820.0 + 200.0,)
+    # One replica sums nothing: no packed copy.
+    alone = predict(chain, one_stage_layout(), cluster, program)
+    assert alone.peak_memory == (820.0 + 16.0,)
     fsdp = predict(
         chain, one_stage_layout(data_parallel=2, data_parallel_mode="fsdp"), cluster, program
     )
