@@ -1,17 +1,26 @@
-"""Run Python programs as ``python PROGRAM`` runs them, each in a process of its own forked from
-this one, which imported torch once (about 2 CPU-seconds a fresh interpreter spends again).
+"""Run Python programs as ``python PROGRAM`` or ``torchrun --nproc_per_node N PROGRAM`` runs
+them, each process forked from this one, which imported torch once (about 2 CPU-seconds a
+fresh interpreter spends again).
 
 Started as a script (``python tests/_fork_runner.py``). Each line on stdin is a JSON request
-``{"program": ..., "cwd": ..., "stdout": ..., "stderr": ...}``; for each, a child is forked that
-changes to ``cwd``, sends its stdout and stderr to those files, reads stdin from ``/dev/null``,
-sets ``sys.argv`` and ``sys.path[0]`` as ``python PROGRAM`` does, and runs the program as
-``__main__`` in a namespace of its own. The child ends as an interpreter ends: an uncaught
-exception prints its traceback and exits 1, ``sys.exit`` exits with its code, and the
-interpreter's finalization (``atexit`` hooks included) runs. This process answers one JSON line
-per request, ``{"returncode": N}`` (negative: the signal that ended the child), and is never
-changed by what a program does: each child starts from the state right after ``import torch``,
-never from another program's. Only torch is imported here, so each program imports pipedialect
-(and everything else) itself, as in a fresh interpreter.
+``{"program": ..., "cwd": ..., "stdout": ..., "stderr": ...}``, with ``"nproc": N`` and
+``"master_port": P`` for a torchrun program. For each, a child is forked per process that
+changes to ``cwd``, sends its stdout and stderr to those files (``<file>.<rank>`` per rank of a
+torchrun program), reads stdin from ``/dev/null``, sets ``sys.argv`` and ``sys.path[0]`` as
+``python PROGRAM`` does, and runs the program as ``__main__`` in a namespace of its own. A
+torchrun program's ranks get the variables torchrun gives its workers (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``,
+``ROLE_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``), rank 0 holding
+the rendezvous store (torchrun's own agent is not there); as under torchrun, the first rank
+that fails ends the others. A child ends as an interpreter ends: an uncaught exception prints
+its traceback and exits 1, ``sys.exit`` exits with its code, and the interpreter's
+finalization (``atexit`` hooks included) runs. This process answers one JSON line per request,
+``{"returncode": N}`` (negative: the signal that ended the child; for a torchrun program the
+first failing rank's, else 0), and is never changed by what a program does: each child starts
+from the state right after ``import torch``, never from another program's. Only torch is
+imported here, so each program imports pipedialect (and everything else) itself, as in a
+fresh interpreter. ``tests/project/test_quickstart.py`` runs the quickstart under torchrun
+itself.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -42,20 +52,73 @@ def _become(request: dict[str, str]) -> None:
     sys.path[0] = str(Path(program).resolve().parent)
 
 
+def _rank_request(request: dict[str, str], rank: int, nproc: int) -> dict[str, str]:
+    """Rank ``rank``'s part of a torchrun request: its own output files and variables."""
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "ROLE_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(request["master_port"]),
+            "TORCHELASTIC_RUN_ID": "none",
+        }
+    )
+    return {
+        **request,
+        "stdout": f"{request['stdout']}.{rank}",
+        "stderr": f"{request['stderr']}.{rank}",
+    }
+
+
+def _start(request: dict[str, str]) -> int:
+    """Fork the child that runs ``request``'s program; its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _become(request)
+        # Raised out of main(): the interpreter prints an uncaught exception and ends as
+        # ``python PROGRAM`` would.
+        runpy.run_path(request["program"], run_name="__main__")
+        sys.exit(0)
+    return pid
+
+
+def _run(request: dict[str, str]) -> int:
+    """Run one request's program, in one process or ``nproc`` ranks; its return code."""
+    nproc = int(request.get("nproc", 0))
+    if not nproc:
+        _, status = os.waitpid(_start(request), 0)
+        return os.waitstatus_to_exitcode(status)
+    saved = dict(os.environ)
+    try:
+        running = []
+        for rank in range(nproc):
+            running.append(_start(_rank_request(request, rank, nproc)))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    returncode = 0
+    while running:
+        pid, status = os.wait()
+        running.remove(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code and not returncode:  # the first failure ends the others, as under torchrun
+            returncode = code
+            for other in running:
+                os.kill(other, signal.SIGTERM)
+    return returncode
+
+
 def main() -> None:
     for line in sys.stdin:
-        request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _become(request)
-            # Raised out of main(): the interpreter prints an uncaught exception and ends as
-            # ``python PROGRAM`` would.
-            runpy.run_path(request["program"], run_name="__main__")
-            sys.exit(0)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+        returncode = _run(json.loads(line))
+        print(json.dumps({"returncode": returncode}), flush=True)
 
 
 if __name__ == "__main__":

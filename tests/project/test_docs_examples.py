@@ -5,11 +5,13 @@ not). Python programs run as ``python example.py`` or under ``torchrun``, consol
 by command; a failure names the page and line. A new page is covered as soon as it exists: its
 blocks need markers, or the first test here fails naming them.
 
-A ``plain`` program runs in a process of its own forked from one that imported torch
-(``tests/_fork_runner.py``), in an empty directory: everything else it imports and does starts
+A program runs in processes forked from one that imported torch (``tests/_fork_runner.py``),
+in an empty directory: one for a ``plain`` program, one per rank with the variables torchrun
+gives its workers for a ``torchrun N`` one. Everything else a program imports and does starts
 as in a fresh interpreter, and nothing of one program reaches another, while the torch import a
-fresh interpreter makes (2 CPU-seconds, on 2 cores shared by the whole distributed tier) is made
-once.
+fresh interpreter makes (2 CPU-seconds, on 2 cores shared by the whole distributed tier; a
+torchrun program paid it once more for torchrun itself) is made once.
+``tests/project/test_quickstart.py`` runs the quickstart under torchrun itself.
 """
 
 from __future__ import annotations
@@ -77,12 +79,19 @@ class ForkRunner:
             )
         return self.proc
 
-    def run(self, program: Path, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, program: Path, cwd: Path, timeout: float, nproc: int = 0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``program`` as ``python`` does, or as ``torchrun --nproc_per_node nproc``."""
         proc = self._started()
         assert proc.stdin is not None and proc.stdout is not None
         out, err = cwd.parent / f"{cwd.name}.stdout", cwd.parent / f"{cwd.name}.stderr"
-        request = {"program": str(program), "cwd": str(cwd), "stdout": str(out)}
+        request: dict[str, object] = {"program": str(program), "cwd": str(cwd), "stdout": str(out)}
         request["stderr"] = str(err)
+        argv = [sys.executable, str(program)]
+        if nproc:
+            request.update(nproc=nproc, master_port=free_port())
+            argv = ["torchrun", "--nproc_per_node", str(nproc), str(program)]
         proc.stdin.write(json.dumps(request).encode() + b"\n")
         answer = b""
         while not answer.endswith(b"\n"):
@@ -93,9 +102,12 @@ class ForkRunner:
                 raise AssertionError(f"{program} did not end within {timeout:.0f}s")
             answer += chunk
         returncode = int(json.loads(answer)["returncode"])
-        return subprocess.CompletedProcess(
-            [sys.executable, str(program)], returncode, out.read_text(), err.read_text()
-        )
+        if not nproc:
+            return subprocess.CompletedProcess(argv, returncode, out.read_text(), err.read_text())
+        ranks = [(r, Path(f"{out}.{r}"), Path(f"{err}.{r}")) for r in range(nproc)]
+        stdout = "".join(f"[rank {r}]\n{o.read_text()}" for r, o, _ in ranks if o.exists())
+        stderr = "".join(f"[rank {r}]\n{e.read_text()}" for r, _, e in ranks if e.exists())
+        return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -160,22 +172,10 @@ def test_example_runs_as_written(
     directory.mkdir()
     program = directory / "example.py"
     program.write_text(example.code)
-    if example.mode == "plain":
-        proc = fork_runner.run(program, directory, TIMEOUT)
-    else:
-        argv = [
-            str(BIN / "torchrun"),
-            "--nproc_per_node",
-            str(example.nproc),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            str(program),
-        ]
-        proc = subprocess.run(
-            argv, cwd=directory, env=_env(), capture_output=True, text=True, timeout=TIMEOUT
-        )
+    # A torchrun program's ranks are forked too, with the variables torchrun gives them
+    # (tests/_fork_runner.py); test_quickstart.py runs the quickstart under torchrun itself.
+    nproc = example.nproc if example.mode == "torchrun" else 0
+    proc = fork_runner.run(program, directory, TIMEOUT, nproc=nproc)
     assert proc.returncode == 0, _report(proc, example.id)
     assert "terminate called" not in proc.stderr, _report(proc, example.id)
 
