@@ -44,9 +44,28 @@ def _sources() -> set[str]:
     return {e for e in expected if "__pycache__" not in e} | {"pipedialect/py.typed"}
 
 
+#: Left out of what the tests' commands see: a plugin restriction and a PYTHONPATH would reach
+#: past the install under test.
+_UNSET = ("PIPEDIALECT_PLUGINS", "PYTHONPATH")
+#: Where the commands write bytecode, once the environment exists (``venv``): it installs torch
+#: without bytecode, and with ``PYTHONDONTWRITEBYTECODE`` set every interpreter there would
+#: compile torch's modules again (2.4 s of CPU each). A tree of its own, so that nothing is
+#: written beside an installed or editable module (pip runs without it: what it installs it
+#: records, and compiles where it installs).
+_PYCACHE: list[Path] = []
+
+
+def _env(argv: list[str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    if _PYCACHE and argv[1:3] != ["-m", "pip"]:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(_PYCACHE[0])
+    return env
+
+
 def _run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` with no plugin restriction and no PYTHONPATH; raise with its output."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PIPEDIALECT_PLUGINS", "PYTHONPATH")}
+    """Run ``argv`` in :func:`_env`; raise with its output."""
+    env = _env(argv)
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, check=False)
     if proc.returncode != 0:
         raise AssertionError(f"{argv} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
@@ -82,9 +101,10 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("venv")
     _run([sys.executable, "-m", "venv", str(path)])
     # torch first, pinned, as the README does: pip must never choose a torch build itself.
-    # --no-compile: the few modules the tests import are compiled when imported.
+    # --no-compile: the modules the tests import are compiled when first imported (_PYCACHE).
     pip = [str(path / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile"]
     _run([*pip, "torch==2.13.0"])
+    _PYCACHE[:] = [path / "pycache"]
     return path
 
 
@@ -187,7 +207,7 @@ def test_pytest_in_an_unrelated_project_does_not_load_the_plugin(
     assert "--dialect" not in options and "pipedialect" not in options
     markers = _run([*pytest_argv, "--markers"], cwd=tmp_path).stdout
     assert "pipedialect" not in markers, markers
-    env = {k: v for k, v in os.environ.items() if k not in ("PIPEDIALECT_PLUGINS", "PYTHONPATH")}
+    env = _env(pytest_argv)
     refused = subprocess.run(
         [*pytest_argv, "--dialect", "local"], cwd=tmp_path, capture_output=True, text=True, env=env
     )
