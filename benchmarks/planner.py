@@ -670,9 +670,9 @@ def main() -> None:
     parser.add_argument(
         "--heap",
         action="store_true",
-        help="print per rank glibc's bytes in use at their peak and those freed but kept at the "
-        "resident set's peak (mallinfo2), beside the prediction with and without the boundary "
-        "buffers and packed gradients",
+        help="print per rank of the memory launches glibc's bytes in use at their peak and those "
+        "freed but kept at the resident set's peak (mallinfo2), beside the prediction with and "
+        "without the runtime's buffers and temporaries (predict(runtime_buffers=False))",
     )
     opts = _smoke.parse_args(parser, {"steps": 1, "scale": 0.05, "select": SMOKE, "repeats": 1})
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -759,8 +759,8 @@ def main() -> None:
                         f"but kept and +{files / 2**20:.0f} MiB of mapped files (libraries' "
                         "code) at the resident set's peak; predicted "
                         f"{pred.peak_memory[rank] / 2**20:.0f} MiB "
-                        f"({before[rank] / 2**20:.0f} without the boundary buffers and packed "
-                        "gradients)"
+                        f"({before[rank] / 2**20:.0f} without the runtime's buffers and "
+                        "temporaries)"
                     )
             rows.append(
                 {
@@ -804,8 +804,9 @@ def _before(plan: LayoutPlan, lay: Layout) -> float:
 
 
 def _memory_before(plan: LayoutPlan, lay: Layout) -> tuple[float, ...]:
-    """The peak memory per rank ``lay`` is predicted without what its boundaries and packed
-    gradients hold (the memory model before it had them), for ``--heap``."""
+    """The peak memory per rank ``lay`` is predicted without what the runtime's buffers and
+    temporaries hold (boundaries, the model's input and output, a weight gradient before it is
+    accumulated, packed gradients: ``predict(runtime_buffers=False)``), for ``--heap``."""
     program = plan.programs[(lay.schedule, lay.pipeline, lay.micro_batches, lay.stages_per_rank)]
     return predict(
         plan.chains[lay.recompute or ""],

@@ -541,9 +541,10 @@ def predict(
         without_communication: predict as if every message and collective were free (what the
             planner compares against to tell communication from bubble).
         queue_messages: as :func:`~pipedialect.planner.simulate` takes it.
-        runtime_buffers: False to leave out what the boundaries and the packed gradients hold
-            ([Note: boundary buffers], [Note: packing the gradients]): the memory model before
-            it had them, for comparisons.
+        runtime_buffers: False to leave out what the boundaries, the model's input and output,
+            a weight gradient before it is accumulated and the packed gradients hold ([Note:
+            boundary buffers], [Note: packing the gradients]): the memory model before it had
+            them, for comparisons.
     """
     if program.num_stages != layout.num_stages or program.micro_batches != layout.micro_batches:
         raise ConfigError(f"the program does not fit the layout {layout.describe()}")
