@@ -58,7 +58,7 @@ What is left out: overlap of communication with computation beyond what the prog
 allows, contention between a rank's messages and its collectives (its own messages queue on
 its link: [Note: simulation]), and memory that is neither state, saved activations nor a
 boundary: the other temporaries of one computation (a forward's intermediate results before
-the next operation frees them, DeepSpeed's copy of a stage's input for its forward), and what
+the next operation frees them), and what
 the allocator keeps after a free
 (glibc's heap: freed chunks stay in the resident set until the top of the heap is trimmed,
 which depends on the order of the frees; measured as ``memory.py`` does, with
@@ -87,7 +87,11 @@ each ``B`` bytes per micro-batch (the chain's boundary bytes scaled by ``b / bat
   it), and its gradient, which the loss's backward makes, during the backward; and under
   DeepSpeed the model's input (``Chain.input_bytes``) on the first stage, which its engine
   copies out of the loaded micro-batch into the input buffer of the micro-batch in flight
-  (torch's first stage computes on the data's own tensor).
+  (torch's first stage computes on the data's own tensor);
+- under DeepSpeed, while a forward runs, the copy of its input buffer it computes on (the
+  engine clones the buffer: the received activation, or the model's input on the first
+  stage); where the stage's first operation saves its input, that copy is the saved input,
+  counted twice while the forward runs.
 
 The received input is counted apart from the forward's saved bytes: where the stage's first
 operation saves its input, that input is counted twice, ``B`` per micro-batch in flight too
@@ -482,6 +486,8 @@ class BoundaryMemory:
     kept: float
     #: While a backward runs: the input gradient it makes.
     backward: float
+    #: While a forward runs: the copy of the input it computes on (DeepSpeed's engine).
+    forward: float = 0.0
 
 
 def boundary_memory(
@@ -503,15 +509,20 @@ def boundary_memory(
         remote_in = received if k > 0 and place[k - 1] != place[k] else 0.0
         remote_out = sent[k] if k < n - 1 and place[k + 1] != place[k] else 0.0
         if program.receive_buffer_per_micro_batch:
-            kept, copied = m * (remote_in + remote_out), 0.0
+            kept, copied, forward = m * (remote_in + remote_out), 0.0, 0.0
         else:
             kept, copied = remote_in + remote_out, remote_in
             if k == 0:
                 copied += loaded
+            # Each forward computes on a copy of its input buffer, however the input came.
+            forward = received if k > 0 else loaded
         last = output if k == n - 1 else 0.0
         out.append(
             BoundaryMemory(
-                per_micro_batch=sent[k] + copied + last, kept=kept, backward=received + last
+                per_micro_batch=sent[k] + copied + last,
+                kept=kept,
+                backward=received + last,
+                forward=forward,
             )
         )
     return out
@@ -578,6 +589,7 @@ def predict(
                 inp.memory,
                 activation=inp.memory.activation + buffers.per_micro_batch,
                 transient=inp.memory.transient + buffers.backward,
+                forward_copy=buffers.forward,
                 weight_gradient=profiles[k].largest_parameter_bytes if accumulates else 0.0,
             )
         )
