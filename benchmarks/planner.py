@@ -833,11 +833,14 @@ def _summary(group: Sequence[dict[str, Any]]) -> str:
         for p, m in zip(r["memory_predicted"], r["memory_measured"], strict=False)
         if m > 0
     ]
-    mem = max(mem_errors) if mem_errors else float("nan")
+    memory = "peak memory not measured"
+    if mem_errors:
+        mem = max(mem_errors)
+        memory = f"largest peak-memory error per rank {mem:.1%} (<= 15%: {_verdict(mem <= 0.15)})"
     line = (
         f"{len(group)} layouts; median step error {median:.1%} (<= 10%: "
         f"{_verdict(median <= 0.10)}); Spearman {rho:.3f} (>= 0.8: {_verdict(rho >= 0.8)}); "
-        f"largest peak-memory error per rank {mem:.1%} (<= 15%: {_verdict(mem <= 0.15)})"
+        f"{memory}"
     )
     before = [r["before"] for r in group]
     if before != [r["predicted"] for r in group]:
