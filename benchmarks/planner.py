@@ -25,7 +25,7 @@ For each dialect (torch, deepspeed) and world size (2, 4) the runtime is first c
 temporary file), then the planner measures the model (``measure_time=True``) and predicts every
 layout with nothing else given (no bandwidth, latency or overheads: the calibration's), and each
 layout in ``LAYOUTS`` trains for real over gloo on this machine, one warm-up step and
-``--steps`` timed steps, with the planner's split points, sampling the rank's resident set.
+``--steps`` timed steps, with the planner's split points.
 Printed per workload: predicted against measured step time (targets: median relative error <=
 10%, Spearman >= 0.8), the planner's choice against the fastest measured layout of its dialect
 and world size (target: within 5%), the predicted peak memory per rank against the measured
@@ -37,21 +37,26 @@ whole in every rank as long as its engine, which is not what the planner predict
 within 15%), the predicted
 micro-batches in flight per stage against the counted ones (emulated workloads), and rank 0's
 minor page faults per timed step (``faults``: memory the step wrote to for the first time,
-which on this machine kind costs more than the copies themselves). The ranks run on glibc's own
-malloc thresholds, as a job does; ``--mmap-threshold 65536`` sets ``MALLOC_MMAP_THRESHOLD_``
-for every process the script starts (freed tensors then leave the resident set at once, for
-the memory column, and every large tensor is fresh memory each time it is allocated: how
-benchmarks/memory.py measures). ``--heap`` prints, per rank, what the resident set's growth is
-made of: glibc's bytes in use at their peak (``mallinfo2``), the bytes it freed but kept, and
-the mapped files (the libraries' code a rank's first steps page in).
+which on this machine kind costs more than the copies themselves). The timed launches run on
+glibc's own malloc thresholds, as a job does; the memory column comes from launches of its own,
+one warm-up step and one sampled step each, whose ranks set glibc's mmap threshold to
+``--mmap-threshold`` (65536 by default, what ``MALLOC_MMAP_THRESHOLD_=65536`` sets at a
+process's start: freed tensors leave the resident set at once and every large tensor is fresh
+memory, how benchmarks/memory.py measures) and give back what glibc kept before their baseline.
+On glibc's own thresholds the resident set also holds memory freed but kept, which depends on
+the order of frees and is not what the planner predicts. ``--heap`` prints, per rank of the
+memory launches, what the resident set's growth is made of: glibc's bytes in use at their peak
+(``mallinfo2``), the bytes it freed but kept, and the mapped files (the libraries' code a
+rank's first steps page in).
 
     python benchmarks/planner.py [--steps 3] [--only torch|deepspeed] [--workloads compute,gpt]
     python benchmarks/planner.py --smoke        # a few layouts, seconds of compute: it runs
     python benchmarks/planner.py --sharded --isolate   # the FSDP, TP and 3D layouts only
 
-``--isolate`` launches every layout in fresh ranks (slower): without it a launch runs several
-layouts and only its first pays the runtime's one-time memory, so the memory comparison holds
-for ``--isolate`` runs.
+``--isolate`` launches every layout in fresh ranks, twice (timed, then measured for memory;
+slower): without it one launch times a workload's layouts and one more measures their memory,
+where only the first layout pays the runtime's one-time memory, so the memory comparison holds
+for ``--isolate`` runs. ``--smoke`` measures the memory of its first workload only.
 
 ``--out`` keeps the predicted Chrome traces of every layout. Run it when the machine is quiet
 (the table starts with ``uptime``'s load average): the full run with ``--isolate`` took 9
@@ -409,6 +414,19 @@ class _PeakRSS:
         self.peak = max(self.peak, _rss())
 
 
+def _set_mmap_threshold(threshold: int) -> None:
+    """In this process, glibc's ``M_MMAP_THRESHOLD`` (what ``MALLOC_MMAP_THRESHOLD_`` sets when a
+    process starts; it also turns off glibc's dynamic threshold), and the freed memory glibc kept
+    so far given back: from here on a freed large tensor leaves the resident set at once and
+    every large tensor is fresh memory, as benchmarks/memory.py measures. A rank forked from the
+    launcher's fork server cannot take the variable from its environment (glibc read it when the
+    server started), hence ``mallopt``."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt") or libc.mallopt(-3, threshold) != 1:
+        raise SystemExit(f"cannot set glibc's mmap threshold to {threshold} (not glibc?)")
+    libc.malloc_trim(0)
+
+
 def _in_flight(
     events: Sequence[tuple[float, int, str]], stages: dict[int, list[int]]
 ) -> dict[int, int]:
@@ -435,6 +453,9 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    threshold = layouts[0]["mmap_threshold"]
+    if threshold is not None:
+        _set_mmap_threshold(threshold)
     dialect = pipedialect.get_dialect(layouts[0]["dialect"])
     dialect.init_distributed()
     rank = dist.get_rank()
@@ -460,6 +481,8 @@ def _run_layouts(layouts: list[dict[str, Any]], steps: int) -> list[dict[str, An
         weights, buffers = reference.state_dict(), dict(reference.named_buffers())
         del reference
         gc.collect()
+        if threshold is not None:
+            ctypes.CDLL(None).malloc_trim(0)
         baseline = _rss()
         used_before, kept_before = _heap() if layout["heap"] else (0, 0)
         file_before = _file_backed()
@@ -639,17 +662,17 @@ def main() -> None:
     parser.add_argument(
         "--mmap-threshold",
         type=int,
-        default=None,
-        help="MALLOC_MMAP_THRESHOLD_ for the ranks (65536: freed tensors leave the resident set "
-        "at once, for the memory column; every large tensor is then fresh memory). Default: "
-        "glibc's own thresholds, as a job runs",
+        default=65536,
+        help="glibc's mmap threshold in the memory launches (65536: freed tensors leave the "
+        "resident set at once and every large tensor is fresh memory, how memory.py measures); "
+        "the timed launches keep glibc's own thresholds, as a job runs",
     )
     parser.add_argument(
         "--heap",
         action="store_true",
-        help="print per rank glibc's bytes in use at their peak and those freed but kept at the "
-        "resident set's peak (mallinfo2), beside the prediction with and without the boundary "
-        "buffers and packed gradients",
+        help="print per rank of the memory launches glibc's bytes in use at their peak and those "
+        "freed but kept at the resident set's peak (mallinfo2), beside the prediction with and "
+        "without the runtime's buffers and temporaries (predict(runtime_buffers=False))",
     )
     opts = _smoke.parse_args(parser, {"steps": 1, "scale": 0.05, "select": SMOKE, "repeats": 1})
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -667,12 +690,6 @@ def main() -> None:
         specs = [LAYOUTS[int(i)] for i in opts.select.split(",")]
     if opts.out is not None:
         opts.out.mkdir(parents=True, exist_ok=True)
-    if opts.mmap_threshold is not None:
-        # glibc reads the variable once, when a process starts, and launch() forks every rank
-        # from one fork server, which the first launch starts (the calibration's): set in the
-        # ranks' environment only, as launch(env=) does, it never reaches their malloc. So it
-        # goes into this process's environment before anything is launched.
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(opts.mmap_threshold)
     rows = []
     calibrated = None
     runtime_memory = 0.0
@@ -689,28 +706,49 @@ def main() -> None:
         if chosen not in runs:
             runs.append(chosen)
         payload = [
-            {**_payload(plan, lay, workload, dialect, opts.scale), "heap": opts.heap}
+            {
+                **_payload(plan, lay, workload, dialect, opts.scale),
+                "heap": False,
+                "mmap_threshold": None,
+            }
             for lay in runs
         ]
+        # The memory column comes from launches of its own, under --mmap-threshold (one warm-up
+        # step and one sampled one: the peak is the same every step), so that the timed
+        # launches run on glibc's own thresholds, as a job does. A smoke run measures the
+        # first group's memory only (the path runs; its numbers mean nothing anyway).
+        memory_payload = (
+            [{**one, "heap": opts.heap, "mmap_threshold": opts.mmap_threshold} for one in payload]
+            if not opts.smoke or not rows
+            else []
+        )
+        in_memory: list[list[dict[str, Any]]] = [[] for _ in range(world)]
         if opts.isolate:
-            # One launch per layout: each rank's peak is a one-layout job's (lazy inits and the
-            # first engine included), as the memory target needs.
+            # One launch per layout, timed and measured apart: each rank's peak is a one-layout
+            # job's (lazy inits and the first engine included), as the memory target needs.
             parts = [
                 launch(_run_layouts, world, [one], opts.steps, timeout=3600) for one in payload
             ]
             per_rank = [[part[r][0] for part in parts] for r in range(world)]
+            parts = [launch(_run_layouts, world, [one], 1, timeout=3600) for one in memory_payload]
+            in_memory = [[part[r][0] for part in parts] for r in range(world)]
         else:
             per_rank = launch(_run_layouts, world, payload, opts.steps, timeout=3600)
+            if memory_payload:
+                in_memory = launch(_run_layouts, world, memory_payload, 1, timeout=3600)
         for i, lay in enumerate(runs):
             pred = plan.prediction(lay)
             counted: dict[int, int] = {}
             memory: dict[int, int] = {}
             for r in per_rank:
                 counted.update(r[i]["in_flight"])
-                memory[r[i]["pipe_rank"]] = max(memory.get(r[i]["pipe_rank"], 0), r[i]["memory"])
-            if opts.heap:
+            for r in in_memory:
+                if r:
+                    rank = r[i]["pipe_rank"]
+                    memory[rank] = max(memory.get(rank, 0), r[i]["memory"])
+            if opts.heap and memory:
                 before = _memory_before(plan, lay)
-                for r in per_rank:
+                for r in in_memory:
                     used, kept, files, between = r[i]["heap"]
                     rank = r[i]["pipe_rank"]
                     print(
@@ -721,8 +759,8 @@ def main() -> None:
                         f"but kept and +{files / 2**20:.0f} MiB of mapped files (libraries' "
                         "code) at the resident set's peak; predicted "
                         f"{pred.peak_memory[rank] / 2**20:.0f} MiB "
-                        f"({before[rank] / 2**20:.0f} without the boundary buffers and packed "
-                        "gradients)"
+                        f"({before[rank] / 2**20:.0f} without the runtime's buffers and "
+                        "temporaries)"
                     )
             rows.append(
                 {
@@ -766,8 +804,9 @@ def _before(plan: LayoutPlan, lay: Layout) -> float:
 
 
 def _memory_before(plan: LayoutPlan, lay: Layout) -> tuple[float, ...]:
-    """The peak memory per rank ``lay`` is predicted without what its boundaries and packed
-    gradients hold (the memory model before it had them), for ``--heap``."""
+    """The peak memory per rank ``lay`` is predicted without what the runtime's buffers and
+    temporaries hold (boundaries, the model's input and output, a weight gradient before it is
+    accumulated, packed gradients: ``predict(runtime_buffers=False)``), for ``--heap``."""
     program = plan.programs[(lay.schedule, lay.pipeline, lay.micro_batches, lay.stages_per_rank)]
     return predict(
         plan.chains[lay.recompute or ""],
@@ -794,11 +833,14 @@ def _summary(group: Sequence[dict[str, Any]]) -> str:
         for p, m in zip(r["memory_predicted"], r["memory_measured"], strict=False)
         if m > 0
     ]
-    mem = max(mem_errors) if mem_errors else float("nan")
+    memory = "peak memory not measured"
+    if mem_errors:
+        mem = max(mem_errors)
+        memory = f"largest peak-memory error per rank {mem:.1%} (<= 15%: {_verdict(mem <= 0.15)})"
     line = (
         f"{len(group)} layouts; median step error {median:.1%} (<= 10%: "
         f"{_verdict(median <= 0.10)}); Spearman {rho:.3f} (>= 0.8: {_verdict(rho >= 0.8)}); "
-        f"largest peak-memory error per rank {mem:.1%} (<= 15%: {_verdict(mem <= 0.15)})"
+        f"{memory}"
     )
     before = [r["before"] for r in group]
     if before != [r["predicted"] for r in group]:
@@ -824,9 +866,10 @@ def _report(rows: list[dict[str, Any]]) -> None:
     print("-" * len(header))
     for r in rows:
         err = r["predicted"] / r["measured"] - 1
+        measured = r["memory_measured"] or (None,) * len(r["memory_predicted"])
         mem = " ".join(
-            f"{p / mib:.0f}/{m / mib:.0f}"
-            for p, m in zip(r["memory_predicted"], r["memory_measured"], strict=False)
+            f"{p / mib:.0f}/{'-' if m is None else f'{m / mib:.0f}'}"
+            for p, m in zip(r["memory_predicted"], measured, strict=False)
         )
         flights = ""
         if r["counted"]:

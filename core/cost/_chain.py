@@ -105,6 +105,9 @@ class StageProfile:
     tensor_backward_bytes: int
     #: The most bytes a recomputation re-materialises at once during the stage's backward.
     rematerialized_bytes: int = 0
+    #: The largest trainable parameter's bytes (tensor-parallel ones whole): its gradient is
+    #: the largest one a backward makes before adding it into the accumulated one.
+    largest_parameter_bytes: int = 0
     #: The model's blocks in the stage, and its tensor-parallel modules.
     blocks: int = 0
     tensor_modules: int = 0
@@ -141,6 +144,9 @@ class Chain:
     cpu_share: float | None = None
     #: The intra-op threads each rank computes with (those the measurement was pinned to).
     threads: int = 1
+    #: Bytes of the model's inputs and of its outputs at ``batch`` samples (0: not known).
+    input_bytes: int = 0
+    output_bytes: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.atoms)
@@ -193,6 +199,7 @@ class Chain:
                     tensor_forward_bytes=sum(a.tensor_forward_bytes for a in atoms),
                     tensor_backward_bytes=sum(a.tensor_backward_bytes for a in atoms),
                     rematerialized_bytes=max(a.rematerialized for a in atoms),
+                    largest_parameter_bytes=max(params.values(), default=0),
                     blocks=sum(a.blocks for a in atoms),
                     tensor_modules=sum(a.tensor_modules for a in atoms),
                     forward_fixed=sum(a.forward_fixed for a in atoms),

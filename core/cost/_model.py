@@ -388,4 +388,6 @@ def _chain(
         label=label,
         cpu_share=timing.cpu_share if timing is not None else None,
         threads=timing.threads if timing is not None else 1,
+        input_bytes=trace.input_bytes,
+        output_bytes=trace.output_bytes,
     )

@@ -44,17 +44,22 @@ stages its split points make, every stage gets:
   Activations: the bytes the stage's forward saves, scaled by ``b / batch`` (the tensor-parallel
   part divided by ``t``), times the micro-batches in flight that the simulation counts. The
   boundaries: the stage's output kept for its backward per micro-batch in flight, the
-  runtime's receive buffers for the whole step, the input gradient while a backward makes it
-  ([Note: boundary buffers]). A data-parallel gradient sum under ``ddp`` holds the rank's
-  gradients once more, packed into one flat tensor, while its ``ALL_REDUCE`` runs ([Note:
-  packing the gradients]). The calibrated ``memory_overhead`` is added to every rank.
+  runtime's receive buffers for the whole step, the input gradient while a backward makes it,
+  the model's own output on the last stage and, under DeepSpeed, its input on the first
+  ([Note: boundary buffers]). A backward of every micro-batch but the first makes each weight
+  gradient before adding it into the accumulated one: the stage's largest parameter once more
+  while it makes its weight gradients (``B``, or ``W`` of a split backward). A data-parallel
+  gradient sum under ``ddp`` holds the rank's gradients once more, packed into one flat
+  tensor, while its ``ALL_REDUCE`` runs, and so does DeepSpeed's engine without replicas
+  ([Note: packing the gradients]). The calibrated ``memory_overhead`` is added to every
+  rank.
 
 What is left out: overlap of communication with computation beyond what the program's order
 allows, contention between a rank's messages and its collectives (its own messages queue on
 its link: [Note: simulation]), and memory that is neither state, saved activations nor a
-boundary: the temporaries of one computation (a forward's intermediate results before the
-next operation frees them, the loss and its gradient on the last stage, a weight gradient
-before it is added into the accumulated one), and what the allocator keeps after a free
+boundary: the other temporaries of one computation (a forward's intermediate results before
+the next operation frees them), and what
+the allocator keeps after a free
 (glibc's heap: freed chunks stay in the resident set until the top of the heap is trimmed,
 which depends on the order of the frees; measured as ``memory.py`` does, with
 ``MALLOC_MMAP_THRESHOLD_=65536``, large tensors are mappings of their own and leave the
@@ -76,7 +81,17 @@ each ``B`` bytes per micro-batch (the chain's boundary bytes scaled by ``b / bat
   micro-batch in flight. A stage whose next stage runs on the same rank (the V-shaped
   schedules) hands its output over without a buffer;
 - the gradient of a stage's input, which a backward (``B`` or ``I``) makes while the
-  received output gradient still exists: ``B`` during the backward ([Note: simulation]).
+  received output gradient still exists: ``B`` during the backward ([Note: simulation]);
+- the model's own output (``Chain.output_bytes``, scaled like ``B``) on the last stage: kept
+  per micro-batch in flight until its backward (the runtimes' output caches; the loss reads
+  it), and its gradient, which the loss's backward makes, during the backward; and under
+  DeepSpeed the model's input (``Chain.input_bytes``) on the first stage, which its engine
+  copies out of the loaded micro-batch into the input buffer of the micro-batch in flight
+  (torch's first stage computes on the data's own tensor);
+- under DeepSpeed, while a forward runs, the copy of its input buffer it computes on (the
+  engine clones the buffer: the received activation, or the model's input on the first
+  stage); where the stage's first operation saves its input, that copy is the saved input,
+  counted twice while the forward runs.
 
 The received input is counted apart from the forward's saved bytes: where the stage's first
 operation saves its input, that input is counted twice, ``B`` per micro-batch in flight too
@@ -84,6 +99,8 @@ many. Measured (``benchmarks/planner.py`` on the communication workload, 8 MiB p
 across the boundary, p=2 m=4, ``MALLOC_MMAP_THRESHOLD_=65536``), glibc's bytes in use at the
 peak grew by 158/157 MiB on the torch dialect's two ranks and 159/149 on DeepSpeed's against
 76/44 predicted without these terms: the receive buffers alone are 32 MiB per torch rank.
+With the model's input and output on DeepSpeed (the same layout, 1 MiB per sample in and
+out), the first rank's prediction went from 175 to 191 MiB against 194 measured.
 """
 
 from __future__ import annotations
@@ -345,7 +362,13 @@ def gradient_sum(nbytes: float, replicas: int, cluster: Cluster) -> float:
     the packing and the copy back per byte (``pack_seconds_per_byte``, every rank at once, 64
     MiB of gradients); smaller gradients may land in reused heap memory and cost less. The
     flat tensor also holds the rank's gradient bytes once more while the all-reduce runs: the
-    simulator adds them to the rank's memory during its ``ALL_REDUCE``.
+    simulator adds them to the rank's memory during its ``ALL_REDUCE``. DeepSpeed's pipeline
+    engine packs them so even without replicas (it all-reduces over its data group of one at
+    every step: ``Program.packs_gradients_alone``): measured on the data-parallel workload (16
+    MiB per block, p=2 m=4, no replicas, ``MALLOC_MMAP_THRESHOLD_=65536``), glibc's bytes in use
+    peaked at +193 MiB per rank, three times the stage's 64 MiB of weights (weights,
+    gradients, packed gradients), and +65 MiB after the step. Only the memory is counted there:
+    the time of that sum is left out, as before.
     """
     if replicas <= 1 or nbytes <= 0:
         return 0.0
@@ -463,6 +486,8 @@ class BoundaryMemory:
     kept: float
     #: While a backward runs: the input gradient it makes.
     backward: float
+    #: While a forward runs: the copy of the input it computes on (DeepSpeed's engine).
+    forward: float = 0.0
 
 
 def boundary_memory(
@@ -474,6 +499,9 @@ def boundary_memory(
     sent = [s.boundary_bytes * scale for s in profiles]
     place = program.placement
     n, m = len(profiles), layout.micro_batches
+    # The model's own output leaves the last stage and its input enters the first.
+    output = chain.output_bytes * scale
+    loaded = chain.input_bytes * scale
     out = []
     for k in range(n):
         received = sent[k - 1] if k > 0 else 0.0
@@ -481,10 +509,22 @@ def boundary_memory(
         remote_in = received if k > 0 and place[k - 1] != place[k] else 0.0
         remote_out = sent[k] if k < n - 1 and place[k + 1] != place[k] else 0.0
         if program.receive_buffer_per_micro_batch:
-            kept, copied = m * (remote_in + remote_out), 0.0
+            kept, copied, forward = m * (remote_in + remote_out), 0.0, 0.0
         else:
             kept, copied = remote_in + remote_out, remote_in
-        out.append(BoundaryMemory(per_micro_batch=sent[k] + copied, kept=kept, backward=received))
+            if k == 0:
+                copied += loaded
+            # Each forward computes on a copy of its input buffer, however the input came.
+            forward = received if k > 0 else loaded
+        last = output if k == n - 1 else 0.0
+        out.append(
+            BoundaryMemory(
+                per_micro_batch=sent[k] + copied + last,
+                kept=kept,
+                backward=received + last,
+                forward=forward,
+            )
+        )
     return out
 
 
@@ -512,9 +552,10 @@ def predict(
         without_communication: predict as if every message and collective were free (what the
             planner compares against to tell communication from bubble).
         queue_messages: as :func:`~pipedialect.planner.simulate` takes it.
-        runtime_buffers: False to leave out what the boundaries and the packed gradients hold
-            ([Note: boundary buffers], [Note: packing the gradients]): the memory model before
-            it had them, for comparisons.
+        runtime_buffers: False to leave out what the boundaries, the model's input and output,
+            a weight gradient before it is accumulated and the packed gradients hold ([Note:
+            boundary buffers], [Note: packing the gradients]): the memory model before it had
+            them, for comparisons.
     """
     if program.num_stages != layout.num_stages or program.micro_batches != layout.micro_batches:
         raise ConfigError(f"the program does not fit the layout {layout.describe()}")
@@ -532,6 +573,9 @@ def predict(
     trainable = [0.0] * p
     base = [0.0] * p
     memory = []
+    # A backward of every micro-batch but the first adds each weight gradient into the
+    # accumulated one after making it: the largest parameter's gradient exists twice.
+    accumulates = layout.micro_batches > 1 and runtime_buffers
     held = boundary_memory(profiles, layout, chain, program)
     if not runtime_buffers:
         held = [BoundaryMemory(0.0, 0.0, 0.0)] * len(held)
@@ -545,13 +589,16 @@ def predict(
                 inp.memory,
                 activation=inp.memory.activation + buffers.per_micro_batch,
                 transient=inp.memory.transient + buffers.backward,
+                forward_copy=buffers.forward,
+                weight_gradient=profiles[k].largest_parameter_bytes if accumulates else 0.0,
             )
         )
     ddp = layout.data_parallel_mode != "fsdp"
     all_reduce = [gradient_sum(g, layout.data_parallel, cluster) if ddp else 0.0 for g in gradient]
     # The gradient sum packs the rank's gradients into one new flat tensor ([Note: packing the
     # gradients]): held beside them while the all-reduce runs.
-    packed = [g if ddp and layout.data_parallel > 1 and runtime_buffers else 0.0 for g in gradient]
+    packs = layout.data_parallel > 1 or program.packs_gradients_alone
+    packed = [g if ddp and packs and runtime_buffers else 0.0 for g in gradient]
     optimizer = [cluster.optimizer_seconds_per_byte * b for b in trainable]
     simulation = simulate(
         program,

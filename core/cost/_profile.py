@@ -91,6 +91,9 @@ class Trace:
     saved: list[dict[int, int]] | None = None
     #: crossing[x]: bytes of the tensors a cut right after event x carries (None for fx).
     crossing: list[int] | None = None
+    #: Bytes of the example inputs and of the forward's outputs (0 for an fx trace).
+    input_bytes: int = 0
+    output_bytes: int = 0
     #: Measured forward and backward seconds per gap (None until timed).
     forward_time: list[float] | None = None
     backward_time: list[float] | None = None
@@ -285,6 +288,10 @@ def _float_outputs(output: Any) -> list[torch.Tensor]:
     ]
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.numel() * t.element_size())
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
@@ -429,6 +436,10 @@ def trace_fake(
     for t in pytree.tree_leaves(kwargs):
         if isinstance(t, torch.Tensor):
             recorder.produced(t, 0)
+    input_bytes = sum(
+        _nbytes(t) for t in pytree.tree_leaves(dict(example_inputs)) if isinstance(t, torch.Tensor)
+    )
+    output_bytes = 0
     try:
         with mode, recorder, events.installed(), _numeric_momentum(model):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -439,6 +450,7 @@ def trace_fake(
             for t in pytree.tree_leaves(output):
                 if isinstance(t, torch.Tensor):
                     recorder.used(t, end + 1)
+                    output_bytes += _nbytes(t)
             tagger.tag(end, output)
             tagger.current = end
             outs = _float_outputs(output)
@@ -482,6 +494,8 @@ def trace_fake(
         backward_flops=[recorder.backward_flops.get(g, 0.0) for g in range(gaps)],
         saved=[saved.get(g, {}) for g in range(gaps)],
         crossing=crossing,
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
     )
 
 

@@ -101,6 +101,10 @@ class Program:
     #: ``PipelineStage``) or one it reuses, copying each received activation out of it
     #: (DeepSpeed's engine): [Note: boundary buffers] in ``cost._predict``.
     receive_buffer_per_micro_batch: bool = True
+    #: Whether the runtime packs the rank's gradients into one flat tensor at the end of every
+    #: step even without data-parallel replicas (DeepSpeed's engine all-reduces over its data
+    #: group of one): [Note: packing the gradients] in ``cost._predict``.
+    packs_gradients_alone: bool = False
 
     def __post_init__(self) -> None:
         if len(self.placement) != self.num_stages:

@@ -256,6 +256,7 @@ def deepspeed_program(num_stages: int, micro_batches: int) -> Program:
         tuple(ranks),
         blocking_p2p=True,
         receive_buffer_per_micro_batch=False,
+        packs_gradients_alone=True,
     )
     check_complete(program)
     return program

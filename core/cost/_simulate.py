@@ -36,7 +36,10 @@ are exact whatever the costs; memory is the rank's base bytes plus, during every
 order, each stage's in-flight count times its activation bytes, the gathered parameters between
 ``ALL_GATHER`` and ``RESHARD``, and unsharded gradients from a stage's first backward to its
 ``REDUCE_GRAD`` (a backward holds its micro-batch's activations and the gradients it makes at
-once), plus what one action holds only while it runs: a backward's ``transient`` bytes, an
+once), plus what one action holds only while it runs: a forward's ``forward_copy`` bytes, a
+backward's ``transient`` bytes, the
+``weight_gradient`` bytes of the action that makes a stage's weight gradients (``B``, or ``W``
+of a split backward; ``I`` where the dialect runs the backward in one piece), an
 ``ALL_REDUCE``'s packed gradients.
 
 [Note: gradient accumulation]
@@ -147,6 +150,12 @@ class StageMemory:
     #: While one of its backward passes runs (``B``, or the input pass ``I``): what a
     #: recomputation re-materialises and the input gradient it makes.
     transient: float = 0.0
+    #: While one of its forwards runs: what the runtime copies for it (DeepSpeed's engine
+    #: computes on a copy of the input buffer).
+    forward_copy: float = 0.0
+    #: While it makes its weight gradients (``B``, or the weight pass ``W`` of a split
+    #: backward): a parameter's gradient before it is added into the accumulated one.
+    weight_gradient: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -650,10 +659,17 @@ def _occupancy(
                 during = 0.0
                 if a.kind == _K.FORWARD:
                     count[s] += 1
+                    if memory is not None:
+                        during = memory[s].forward_copy
                 elif a.kind in (_K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT):
                     grads[s] = True
                     if a.kind != _K.BACKWARD_WEIGHT and memory is not None:
                         during = memory[s].transient
+                    makes_weight_gradient = a.kind == _K.BACKWARD or (
+                        a.kind == (_K.BACKWARD_WEIGHT if stages[s].split else _K.BACKWARD_INPUT)
+                    )
+                    if makes_weight_gradient and memory is not None:
+                        during += memory[s].weight_gradient
                     releases = (
                         a.kind == _K.BACKWARD
                         or (a.kind == _K.BACKWARD_INPUT and not stages[s].split)

@@ -31,10 +31,12 @@ def test_a_recomputed_stage_holds_one_blocks_activations_again_in_its_backward()
     flight) is its state plus 2 x 2 x 256 plus 1280 bytes, by hand. Beside them the boundary
     (BATCH x DIM floats, 256 bytes): the stage's output per micro-batch in flight (2 x 256) and
     torch's receive buffers for the output's gradient, one per micro-batch of the step
-    (4 x 256)."""
+    (4 x 256); and while the second micro-batch's backward runs (two in flight then too), the
+    gradient of the largest weight (HIDDEN x DIM floats, 4096 bytes) made before it is added
+    into the accumulated one."""
     per_block = BATCH * (DIM + HIDDEN) * 4
     boundary = BATCH * DIM * 4
-    buffers = 4 * boundary + 2 * boundary
+    buffers = 4 * boundary + 2 * boundary + HIDDEN * DIM * 4
     chains = model_chains(
         _model(),
         {"input": torch.randn(BATCH, DIM)},
@@ -42,6 +44,9 @@ def test_a_recomputed_stage_holds_one_blocks_activations_again_in_its_backward()
         flops_per_second=1e9,
     )
     plain, recomputed = chains[""], chains["*"]
+    # The model's input and output, BATCH x DIM floats each; the largest parameter per stage.
+    assert (plain.input_bytes, plain.output_bytes) == (boundary, boundary)
+    assert [s.largest_parameter_bytes for s in plain.stages((1,))] == [HIDDEN * DIM * 4] * 2
     assert [s.rematerialized_bytes for s in plain.stages((1,))] == [0, 0]
     assert [s.rematerialized_bytes for s in recomputed.stages((1,))] == [per_block, per_block]
     assert [s.activation_bytes for s in recomputed.stages((1,))] == [2 * BATCH * DIM * 4] * 2
@@ -82,7 +87,8 @@ def test_a_sharded_stage_holds_its_shards_beside_the_whole_parameters_and_gradie
     gradient shards (2 x T / d), the gathered parameters (T), the whole gradients (T), and the
     activations of the micro-batch in flight then (one: the last backward), and the boundary's
     buffers ([Note: boundary buffers]): the stage's output per micro-batch in flight and one
-    receive buffer per micro-batch for its gradient."""
+    receive buffer per micro-batch for its gradient; and while a backward runs with two in
+    flight, the largest weight's gradient (HIDDEN x DIM floats) before it is accumulated."""
     per_block = BATCH * (DIM + HIDDEN) * 4
     boundary = BATCH * DIM * 4
     chain = model_chains(_model(), {"input": torch.randn(BATCH, DIM)}, flops_per_second=1e9)[""]
@@ -110,21 +116,39 @@ def test_a_sharded_stage_holds_its_shards_beside_the_whole_parameters_and_gradie
         # The largest of: two micro-batches in flight before any gradient exists, or the
         # whole gradients from the first backward on (then at most two in flight).
         expected = 2 * params / d + params + params + 2 * (2 * per_block + boundary)
-        expected += 4 * boundary
+        expected += 4 * boundary + HIDDEN * DIM * 4
         assert peak == pytest.approx(expected), d
 
 
-def _boundary_chain(stages: int) -> Chain:
-    """``stages`` atoms of 10 trainable bytes, each saving 100 bytes per micro-batch, 50 bytes
-    across every cut, at one sample per micro-batch."""
+def _boundary_chain(
+    stages: int,
+    parameter: int = 10,
+    input_bytes: int = 0,
+    output_bytes: int = 0,
+    pieces: int = 1,
+) -> Chain:
+    """``stages`` atoms of ``parameter`` trainable bytes (in ``pieces`` equal parameters),
+    each saving 100 bytes per micro-batch, 50 bytes across every cut, at one sample per
+    micro-batch."""
     atoms = tuple(
-        Atom(forward=1.0, backward=2.0, parameters={f"w{k}": 10}, saved={k: 100})
+        Atom(
+            forward=1.0,
+            backward=2.0,
+            parameters={f"w{k}.{i}": parameter // pieces for i in range(pieces)},
+            saved={k: 100},
+        )
         for k in range(stages)
     )
-    return Chain(atoms, tuple(f"a{k}" for k in range(stages - 1)), (50,) * (stages - 1))
+    return Chain(
+        atoms,
+        tuple(f"a{k}" for k in range(stages - 1)),
+        (50,) * (stages - 1),
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+    )
 
 
-def _pipeline(schedule: str, v: int = 1) -> Layout:
+def _pipeline(schedule: str, v: int = 1, m: int = 4) -> Layout:
     return Layout(
         dialect="deepspeed" if schedule == "deepspeed_1f1b" else "torch",
         schedule=schedule,
@@ -133,7 +157,7 @@ def _pipeline(schedule: str, v: int = 1) -> Layout:
         data_parallel=1,
         data_parallel_mode="ddp",
         tensor_parallel=1,
-        micro_batches=4,
+        micro_batches=m,
         micro_batch_size=1,
         recompute=None,
         split_points=tuple(f"a{k}" for k in range(2 * v - 1)),
@@ -147,23 +171,81 @@ def test_the_boundaries_hold_the_runtimes_buffers_by_hand() -> None:
 
     torch's 1F1B (its ``PipelineStage`` allocates a receive buffer per micro-batch): rank 0
     keeps two micro-batches in flight, each with its output (50), and 4 receive buffers for the
-    output's gradient: 20 + 2 x (100 + 50) + 4 x 50 = 520. Rank 1: one in flight, 4 receive
-    buffers for the activations, and the input gradient (50) while its backward runs: 20 + 100
-    + 4 x 50 + 50 = 370.
+    output's gradient, and the weight's gradient (10) made in a backward before it is added
+    into the accumulated one: 20 + 2 x (100 + 50) + 4 x 50 + 10 = 530. Rank 1: one in flight, 4
+    receive buffers for the activations, and the input gradient (50) and the weight's (10) while
+    its backward runs: 20 + 100 + 4 x 50 + 50 + 10 = 380.
 
     DeepSpeed's 1F1B (one receive buffer each way, the activation copied out of it): rank 0:
-    20 + 2 x (100 + 50) + 50 = 370; rank 1: 20 + (100 + 50) + 50 + 50 = 270. Without the
-    boundaries both would read 220 and 120."""
+    20 + 2 x (100 + 50) + 50 + 10 = 380; rank 1: 20 + (100 + 50) + 50 + 50 + 10 = 280 in its
+    backward (its forward, on a copy of the received activation: 20 + 150 + 50 + 50 = 270).
+    Without the boundaries both would read 220 and 120."""
     chain = _boundary_chain(2)
     cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=1e9, optimizer_states=0)
     torch_peak = predict(
         chain, _pipeline("1f1b"), cluster, build_program("1f1b", 2, 4, 1)
     ).peak_memory
-    assert torch_peak == pytest.approx((520.0, 370.0))
+    assert torch_peak == pytest.approx((530.0, 380.0))
     deepspeed_peak = predict(
         chain, _pipeline("deepspeed_1f1b"), cluster, build_program("deepspeed_1f1b", 2, 4, 1)
     ).peak_memory
-    assert deepspeed_peak == pytest.approx((370.0, 270.0))
+    assert deepspeed_peak == pytest.approx((380.0, 280.0))
+    without = predict(
+        chain,
+        _pipeline("deepspeed_1f1b"),
+        cluster,
+        build_program("deepspeed_1f1b", 2, 4, 1),
+        runtime_buffers=False,
+    ).peak_memory
+    assert without == pytest.approx((220.0, 120.0))
+
+
+def test_the_models_own_input_and_output_by_hand() -> None:
+    """The boundaries of the chain above, and the model's input (30 bytes per micro-batch) and
+    output (40). The last stage keeps the output per micro-batch in flight until its backward
+    (torch's output cache, DeepSpeed's output buffers; the loss reads it), and its backward
+    makes the loss's gradient, output-sized: torch's rank 1 holds 20 + (100 + 40) + 4 x 50 +
+    (50 + 40 + 10) = 460 (380 without the output). The first stage's input is the data's own
+    tensor under torch (rank 0: 530, as before), while DeepSpeed copies each loaded input into
+    its input buffer for the micro-batch in flight, and each forward computes on a copy of its
+    input buffer: rank 0 peaks in its second forward, 20 + 2 x (100 + 50 + 30) + 50 + 30 = 460
+    (its backwards: 440), rank 1 in its backward, 20 + (100 + 50 + 40) + 50 + (50 + 40 + 10) =
+    360 (its forward: 20 + 190 + 50 + 50 = 310)."""
+    chain = _boundary_chain(2, input_bytes=30, output_bytes=40)
+    cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=1e9, optimizer_states=0)
+    torch_peak = predict(
+        chain, _pipeline("1f1b"), cluster, build_program("1f1b", 2, 4, 1)
+    ).peak_memory
+    assert torch_peak == pytest.approx((530.0, 460.0))
+    deepspeed_peak = predict(
+        chain, _pipeline("deepspeed_1f1b"), cluster, build_program("deepspeed_1f1b", 2, 4, 1)
+    ).peak_memory
+    assert deepspeed_peak == pytest.approx((460.0, 360.0))
+
+
+def test_deepspeed_packs_the_gradients_without_replicas() -> None:
+    """Stages of 1000 trainable bytes in two parameters of 500, no data replicas. DeepSpeed's
+    engine still flattens the rank's gradients into one new tensor to all-reduce them over its
+    data group of one: with one micro-batch (no gradient accumulated, so none exists twice in
+    a backward) the last rank peaks at its ALL_REDUCE with 2000 (weights and gradients) + 50
+    (its receive buffer) + 1000 (the packed gradients) = 3050, above its backward (2000 + 50 +
+    (100 + 50) + 50 = 2250). torch's runtime sums nothing without replicas: with two
+    micro-batches its last rank peaks in the second backward, 2000 + 2 x 50 (a receive buffer
+    per micro-batch) + 100 + 50 + 500 (one parameter's gradient before it is accumulated) =
+    2750, where packing would have made 2000 + 100 + 1000 = 3100."""
+    chain = _boundary_chain(2, parameter=1000, pieces=2)
+    cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=1e9, optimizer_states=0)
+    deepspeed_peak = predict(
+        chain,
+        _pipeline("deepspeed_1f1b", m=1),
+        cluster,
+        build_program("deepspeed_1f1b", 2, 1, 1),
+    ).peak_memory
+    assert deepspeed_peak[1] == pytest.approx(3050.0)
+    torch_peak = predict(
+        chain, _pipeline("1f1b", m=2), cluster, build_program("1f1b", 2, 2, 1)
+    ).peak_memory
+    assert torch_peak[1] == pytest.approx(2750.0)
 
 
 def test_a_neighbour_on_the_same_rank_needs_no_receive_buffer() -> None:

@@ -141,3 +141,37 @@ def test_several_steps_with_a_barrier_repeat_the_makespan() -> None:
     one = simulate(program, [StageTimes(1.0, 0.5, 0.5)] * 3, boundaries=0.1)
     three = simulate(program, [StageTimes(1.0, 0.5, 0.5)] * 3, boundaries=0.1, steps=3)
     assert math.isclose(one.step_time, three.step_time)
+
+
+def test_each_computation_holds_its_own_temporaries() -> None:
+    """One stage, one micro-batch, 10 bytes of activations while it is in flight, and what
+    one action holds while it runs: a forward's copy of its input (1), a backward's transient
+    bytes (100, in the input pass), the weight gradient before it is accumulated (1000, in the
+    pass that makes the weight gradients). Split (F, I, W): F 10 + 1, I 10 + 100, W 10 +
+    1000: peak 1010. Whole (the dialect runs the backward at I, W empty, the micro-batch freed
+    at I): I holds 10 + 100 + 1000 = 1110. With a forward copy of 5000 the forward is the
+    peak: 5010."""
+    program = Program(
+        "hand",
+        1,
+        1,
+        (0,),
+        (
+            (
+                Action(K.FORWARD, 0, 0),
+                Action(K.BACKWARD_INPUT, 0, 0),
+                Action(K.BACKWARD_WEIGHT, 0, 0),
+            ),
+        ),
+    )
+    memory = StageMemory(activation=10.0, transient=100.0, weight_gradient=1000.0, forward_copy=1)
+
+    def peak(split: bool, stage: StageMemory) -> float:
+        times = StageTimes(1.0, 1.0, 1.0, split=split)
+        result = simulate(program, [times], memory=[stage]).peak_memory
+        assert result is not None
+        return result[0]
+
+    assert peak(True, memory) == 1010.0
+    assert peak(False, memory) == 1110.0
+    assert peak(True, StageMemory(activation=10.0, forward_copy=5000.0)) == 5010.0
