@@ -56,6 +56,10 @@ typecheck:
 # Files are not split between workers (--dist loadfile): module fixtures run once.
 QUICK := -m "not distributed and not packaging"
 # Both runs always run; unit fails if either failed.
+# The suite starts hundreds of interpreters (ranks, `pipedialect check`, examples): with
+# PYTHONDONTWRITEBYTECODE set, each compiled pipedialect's modules and pytest's rewritten test
+# modules again. The test runs write their bytecode (into tests/ and build/, both ignored).
+unit quick: export PYTHONDONTWRITEBYTECODE :=
 unit:
 	$(BIN)/pytest -n 2 --dist loadfile $(QUICK); one=$$?; \
 	$(BIN)/pytest -n 3 --dist loadfile -m "(distributed or packaging) and not compat"; two=$$?; \
