@@ -284,7 +284,9 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
             loss = self.loss
             if not isinstance(loss, torch.Tensor):
                 loss = torch.cat([part.detach().reshape(-1) for part in loss])
-            self.__dict__.setdefault("_pipedialect_losses", []).append(loss.detach())
+            # A copy: on CPUs a loss may share the storage of a buffer its reduction wrote
+            # (``F.mse_loss``: the whole input's size), which the list would keep to the step.
+            self.__dict__.setdefault("_pipedialect_losses", []).append(loss.detach().clone())
 
     def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
         if self.check_finite:
