@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -120,6 +122,14 @@ def test_a_sharded_stage_holds_its_shards_beside_the_whole_parameters_and_gradie
         assert peak == pytest.approx(expected), d
 
 
+def _peak(chain: Chain, schedule: str, **kwargs: Any) -> tuple[float, ...]:
+    """Peak bytes per rank of ``chain`` on two ranks, four micro-batches, nothing but memory
+    counted (no optimizer state, a link that is never the limit)."""
+    cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=1e9, optimizer_states=0)
+    program = build_program(schedule, 2, 4, 1)
+    return predict(chain, _pipeline(schedule), cluster, program, **kwargs).peak_memory
+
+
 def _boundary_chain(
     stages: int,
     parameter: int = 10,
@@ -181,22 +191,9 @@ def test_the_boundaries_hold_the_runtimes_buffers_by_hand() -> None:
     backward (its forward, on a copy of the received activation: 20 + 150 + 50 + 50 = 270).
     Without the boundaries both would read 220 and 120."""
     chain = _boundary_chain(2)
-    cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=1e9, optimizer_states=0)
-    torch_peak = predict(
-        chain, _pipeline("1f1b"), cluster, build_program("1f1b", 2, 4, 1)
-    ).peak_memory
-    assert torch_peak == pytest.approx((530.0, 380.0))
-    deepspeed_peak = predict(
-        chain, _pipeline("deepspeed_1f1b"), cluster, build_program("deepspeed_1f1b", 2, 4, 1)
-    ).peak_memory
-    assert deepspeed_peak == pytest.approx((380.0, 280.0))
-    without = predict(
-        chain,
-        _pipeline("deepspeed_1f1b"),
-        cluster,
-        build_program("deepspeed_1f1b", 2, 4, 1),
-        runtime_buffers=False,
-    ).peak_memory
+    assert _peak(chain, "1f1b") == pytest.approx((530.0, 380.0))
+    assert _peak(chain, "deepspeed_1f1b") == pytest.approx((380.0, 280.0))
+    without = _peak(chain, "deepspeed_1f1b", runtime_buffers=False)
     assert without == pytest.approx((220.0, 120.0))
 
 
@@ -212,15 +209,8 @@ def test_the_models_own_input_and_output_by_hand() -> None:
     (its backwards: 440), rank 1 in its backward, 20 + (100 + 50 + 40) + 50 + (50 + 40 + 10) =
     360 (its forward: 20 + 190 + 50 + 50 = 310)."""
     chain = _boundary_chain(2, input_bytes=30, output_bytes=40)
-    cluster = Cluster(world_size=2, memory_per_rank=1e9, bandwidth=1e9, optimizer_states=0)
-    torch_peak = predict(
-        chain, _pipeline("1f1b"), cluster, build_program("1f1b", 2, 4, 1)
-    ).peak_memory
-    assert torch_peak == pytest.approx((530.0, 460.0))
-    deepspeed_peak = predict(
-        chain, _pipeline("deepspeed_1f1b"), cluster, build_program("deepspeed_1f1b", 2, 4, 1)
-    ).peak_memory
-    assert deepspeed_peak == pytest.approx((460.0, 360.0))
+    assert _peak(chain, "1f1b") == pytest.approx((530.0, 460.0))
+    assert _peak(chain, "deepspeed_1f1b") == pytest.approx((460.0, 360.0))
 
 
 def test_deepspeed_packs_the_gradients_without_replicas() -> None:
