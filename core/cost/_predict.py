@@ -576,9 +576,11 @@ def predict(
     # A backward of every micro-batch but the first adds each weight gradient into the
     # accumulated one after making it: the largest parameter's gradient exists twice.
     accumulates = layout.micro_batches > 1 and runtime_buffers
-    held = boundary_memory(profiles, layout, chain, program)
-    if not runtime_buffers:
-        held = [BoundaryMemory(0.0, 0.0, 0.0)] * len(held)
+    held = (
+        boundary_memory(profiles, layout, chain, program)
+        if runtime_buffers
+        else [BoundaryMemory(0.0, 0.0, 0.0)] * len(inputs)
+    )
     for k, (inp, buffers) in enumerate(zip(inputs, held, strict=True)):
         r = program.placement[k]
         gradient[r] += inp.gradient
