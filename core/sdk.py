@@ -44,7 +44,8 @@ Ranks that agree
     :func:`~pipedialect.runtime.agreement.agree_on_error`,
     :func:`~pipedialect.runtime.plan_agreement.check_frozen_ties`,
     :func:`~pipedialect.runtime.micro_batches.check_inputs`,
-    :func:`~pipedialect.runtime.micro_batches.pull_micro_batches`; non-finite losses and gradients
+    :func:`~pipedialect.runtime.micro_batches.pull_micro_batches`,
+    :func:`~pipedialect.runtime.micro_batches.kept_loss`; non-finite losses and gradients
     (:func:`~pipedialect.runtime.nonfinite.first_nonfinite_loss`,
     :func:`~pipedialect.runtime.nonfinite.first_nonfinite_grad`,
     :func:`~pipedialect.runtime.nonfinite.nonfinite_loss_error`,
@@ -141,6 +142,7 @@ from .runtime import (
     gathered,
     is_sharded,
     joined_world_size,
+    kept_loss,
     local_part,
     nonfinite_grad_error,
     nonfinite_loss_error,
@@ -200,6 +202,7 @@ __all__ = [
     "is_sharded",
     "join_with_deadline",
     "joined_world_size",
+    "kept_loss",
     "leaf_paths",
     "local_part",
     "nonfinite_grad_error",

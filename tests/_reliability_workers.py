@@ -136,11 +136,13 @@ def run(dialect_name: str, ckpt_dir: str) -> dict[str, Any]:
     out["nan_loss"] = _attempt(lambda: engine.train_batch(iter(with_nan(step_batches(1), 1))))
     losses = [float(engine.train_batch(iter(step_batches(1))))]
     out["nan_retry"] = {"losses": losses, "params": run.params(plan, engine)}
+    # What the step kept of its losses, for the finiteness check: bytes of storage per loss
+    # (mse_loss's scalar shares a buffer of its input's size on CPUs).
     if dialect_name == "deepspeed":
-        # What the finiteness check kept of the step's losses: bytes of storage per loss
-        # (mse_loss's scalar shares a buffer of its input's size on CPUs).
         kept = engine.__dict__.get("_pipedialect_losses", [])
-        out["kept_loss_bytes"] = [t.untyped_storage().nbytes() for t in kept]
+    else:
+        kept = list(engine.module.context.losses.values())
+    out["kept_loss_bytes"] = [t.untyped_storage().nbytes() for t in kept]
 
     # Item 8: an infinite gradient of stage 0's stem.weight with every loss finite.
     plan, engine = run.build(["blocks.1"], check_finite=True)

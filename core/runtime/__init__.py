@@ -11,7 +11,7 @@ from __future__ import annotations
 from .agreement import ARRIVAL_SECONDS, agree_on_error, agreed
 from .codec import SchemaCodec
 from .launch import free_port
-from .micro_batches import check_inputs, pull_micro_batches
+from .micro_batches import check_inputs, kept_loss, pull_micro_batches
 from .module_state import UpdatedBuffers, preserved_state, recompute_with_state
 from .nonfinite import (
     first_nonfinite_grad,
@@ -79,6 +79,7 @@ __all__ = [
     "is_sharded",
     "join_process_group",
     "joined_world_size",
+    "kept_loss",
     "local_part",
     "local_slice",
     "nonfinite_grad_error",

@@ -3,7 +3,7 @@
 :func:`pull_micro_batches` reads every micro-batch of a step first, so a data iterator that runs
 out stops the step before it changed anything (every rank learns of it through ``agreement``
 [Note: rank agreement]); :func:`check_inputs` refuses a micro-batch with more inputs than the
-model takes.
+model takes; :func:`kept_loss` is what a step keeps of a micro-batch's loss.
 """
 
 from __future__ import annotations
@@ -11,9 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
 from ..errors import DataError, DataExhaustedError
 
-__all__ = ["check_inputs", "pull_micro_batches"]
+__all__ = ["check_inputs", "kept_loss", "pull_micro_batches"]
+
+
+def kept_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss as a step keeps it (for its mean and the finiteness check): detached,
+    in storage of its own. On CPUs a loss may share the storage its reduction wrote (the scalar
+    of ``F.mse_loss`` keeps a buffer of its input's size), which a list of the step's losses
+    would otherwise hold until the step ends, once per micro-batch."""
+    return loss.detach().clone()
 
 
 def pull_micro_batches(

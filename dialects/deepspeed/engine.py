@@ -76,6 +76,7 @@ from pipedialect.sdk import (
     first_nonfinite_grad,
     first_nonfinite_loss,
     input_spec,
+    kept_loss,
     nonfinite_grad_error,
     nonfinite_loss_error,
     pull_micro_batches,
@@ -282,11 +283,11 @@ class PipeDialectEngine(PipelineEngine):  # type: ignore[misc]
         PipelineEngine._exec_forward_pass(self, buffer_id)
         if self.check_finite and self.module.training and self.is_last_stage():
             loss = self.loss
-            if not isinstance(loss, torch.Tensor):
+            if isinstance(loss, torch.Tensor):
+                loss = kept_loss(loss)
+            else:  # a new tensor already
                 loss = torch.cat([part.detach().reshape(-1) for part in loss])
-            # A copy: on CPUs a loss may share the storage of a buffer its reduction wrote
-            # (``F.mse_loss``: the whole input's size), which the list would keep to the step.
-            self.__dict__.setdefault("_pipedialect_losses", []).append(loss.detach().clone())
+            self.__dict__.setdefault("_pipedialect_losses", []).append(loss)
 
     def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
         if self.check_finite:

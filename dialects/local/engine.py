@@ -33,6 +33,7 @@ from pipedialect.sdk import (
     checkpoint_files,
     clip_gradients,
     first_nonfinite_loss,
+    kept_loss,
     nonfinite_loss_error,
     parse_config,
     read_checkpoint_file,
@@ -138,7 +139,7 @@ class LocalEngine(EngineBase):
                     )
                 torch.autograd.backward(loss / gas)
                 self.accumulate_grads()  # bf16: into the high-precision buffers
-                losses.append(loss.detach().reshape(()))
+                losses.append(kept_loss(loss).reshape(()))
             self.reduce_grads()  # bf16: one replica, rounded to the communication dtype
             if self.check_finite:
                 error = self.check_finite_grads(enumerate(self.module.stages), step)
@@ -169,7 +170,7 @@ class LocalEngine(EngineBase):
         with torch.no_grad():
             for inputs, labels in batches:
                 loss, outputs = self._loss(inputs, labels)
-                losses.append(loss.detach().reshape(()))
+                losses.append(kept_loss(loss).reshape(()))
         mean = _mean(losses)
         return (mean, outputs) if return_logits else mean
 

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from pipedialect import ConfigError
-from pipedialect.sdk import pass_through
+from pipedialect.sdk import kept_loss, pass_through
 
 __all__: list[str] = []
 
@@ -276,7 +276,7 @@ class LossAdapter:
                 f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
-        ctx.losses[i] = loss.detach().reshape(())
+        ctx.losses[i] = kept_loss(loss).reshape(())
         ctx.last_output = out
         # Always a fresh tensor: zero-bubble schedules detach the loss in place.
         return loss.reshape(()) / ctx.scale
