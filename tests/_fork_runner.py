@@ -31,13 +31,16 @@ import runpy
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch  # noqa: F401  (the import every program makes, made once)
 
 
-def _become(request: dict[str, str]) -> None:
-    """In the child: the process ``python PROGRAM`` would be, started in ``cwd``."""
+def _become(request: dict[str, Any]) -> None:
+    """In the child: the process ``python PROGRAM`` would be, started in ``cwd`` with the
+    request's ``env`` added to this process's environment."""
     program = request["program"]
+    os.environ.update(request.get("env", {}))
     os.chdir(request["cwd"])
     for fd, path, flags in (
         (0, os.devnull, os.O_RDONLY),
@@ -52,30 +55,29 @@ def _become(request: dict[str, str]) -> None:
     sys.path[0] = str(Path(program).resolve().parent)
 
 
-def _rank_request(request: dict[str, str], rank: int, nproc: int) -> dict[str, str]:
+def _rank_request(request: dict[str, Any], rank: int, nproc: int) -> dict[str, Any]:
     """Rank ``rank``'s part of a torchrun request: its own output files and variables."""
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "GROUP_RANK": "0",
-            "ROLE_RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "ROLE_WORLD_SIZE": str(nproc),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(request["master_port"]),
-            "TORCHELASTIC_RUN_ID": "none",
-        }
-    )
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "ROLE_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(request["master_port"]),
+        "TORCHELASTIC_RUN_ID": "none",
+    }
     return {
         **request,
+        "env": env,
         "stdout": f"{request['stdout']}.{rank}",
         "stderr": f"{request['stderr']}.{rank}",
     }
 
 
-def _start(request: dict[str, str]) -> int:
+def _start(request: dict[str, Any]) -> int:
     """Fork the child that runs ``request``'s program; its pid."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -89,20 +91,13 @@ def _start(request: dict[str, str]) -> int:
     return pid
 
 
-def _run(request: dict[str, str]) -> int:
+def _run(request: dict[str, Any]) -> int:
     """Run one request's program, in one process or ``nproc`` ranks; its return code."""
     nproc = int(request.get("nproc", 0))
     if not nproc:
         _, status = os.waitpid(_start(request), 0)
         return os.waitstatus_to_exitcode(status)
-    saved = dict(os.environ)
-    try:
-        running = []
-        for rank in range(nproc):
-            running.append(_start(_rank_request(request, rank, nproc)))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    running = [_start(_rank_request(request, rank, nproc)) for rank in range(nproc)]
     returncode = 0
     while running:
         pid, status = os.wait()
